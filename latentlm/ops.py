@@ -1,0 +1,194 @@
+"""Operations shared by the CLI and the service: load a model, turn inputs into token ids, run an
+operation in length-sorted batches, and shape the JSON each input gets back.
+
+Field names are the public contract (see README): score -> logprob, num_tokens, perplexity
+[, tokens, token_logprobs]; decode -> states, logprob (Viterbi) / state_probs (MBR); posterior ->
+marginals [{states, probs}] sorted by probability; sample -> tokens, ids, states; embed -> embeddings, dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.base import Family
+from models.errors import InputError, LimitExceeded, UnsupportedOperation
+from models.registry import get_family
+from models.store import Artifact, load_artifact, model_path
+from models.vocab import Vocabulary
+
+OPERATIONS = ("score", "posterior", "decode", "sample", "embed")
+
+
+@dataclass
+class LoadedModel:
+    """A verified artifact plus its family instance on a device."""
+
+    name: str
+    artifact: Artifact
+    impl: Family
+    device: torch.device
+
+    @property
+    def vocab(self) -> Vocabulary:
+        return self.artifact.vocab
+
+    @property
+    def family(self) -> str:
+        return self.artifact.family
+
+    @property
+    def content_hash(self) -> str:
+        return self.artifact.content_hash
+
+    def describe(self) -> dict[str, Any]:
+        """The `GET /v1/models` entry."""
+        m = self.artifact.manifest
+        return {
+            "id": self.name, "object": "model", "family": self.family, "vocab_size": len(self.vocab),
+            **self.impl.describe(),
+            "operations": sorted(self.impl.operations),
+            "decode_methods": sorted(self.impl.decode_methods),
+            "preprocessing": m.get("preprocessing", {}),
+            "content_hash": self.content_hash,
+            "created": m.get("provenance", {}).get("created"),
+            "provenance": m.get("provenance", {}),
+        }
+
+
+def resolve_device(spec: str | None) -> torch.device:
+    """'auto' -> cuda when available else cpu; 'cuda' without a GPU is an error."""
+    spec = (spec or "auto").lower()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if spec.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("device: 'cuda' requested but no CUDA device is available", param="device")
+    if spec not in ("cpu",) and not spec.startswith("cuda"):
+        raise InputError(f"device: expected auto, cpu or cuda, got {spec!r}", param="device")
+    return torch.device(spec)
+
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
+               dtype: str = "float32") -> LoadedModel:
+    """Verify and load `<store>/<name>` onto `device`."""
+    if dtype not in DTYPES:
+        raise InputError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
+    art = load_artifact(model_path(store, name))
+    fam = get_family(art.family)
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    impl = fam.from_tensors(art.tensors, art.config, device=dev, dtype=DTYPES[dtype])
+    return LoadedModel(name=name, artifact=art, impl=impl, device=dev)
+
+
+def encode_inputs(vocab: Vocabulary, inputs: list[Any], *, as_ids: bool | None = None,
+                  where: str = "input") -> list[list[int]]:
+    """Strings (tokenised per the manifest, `<eos>` appended if trained with it) or lists of token ids
+    (taken as is, each id checked against [0, V)) -> token-id lists. Errors name the item and position."""
+    seqs = []
+    for i, item in enumerate(inputs):
+        loc = f"{where}[{i}]"
+        if isinstance(item, str) and not as_ids:
+            seqs.append(vocab.encode(item, where=loc))
+        elif isinstance(item, str):
+            try:
+                ids = [int(tok) for tok in item.split()]
+            except ValueError:
+                bad = next(t for t in item.split() if not t.lstrip("-").isdigit())
+                raise InputError(f"{loc}: {bad!r} is not an integer token id", param=where) from None
+            seqs.append(vocab.check_ids(ids, where=loc))
+        elif isinstance(item, list):
+            seqs.append(vocab.check_ids(item, where=loc))
+        else:
+            raise InputError(f"{loc}: expected a string or a list of token ids", param=where)
+    return seqs
+
+
+def check_supported(model: LoadedModel, op: str, method: str | None = None) -> None:
+    impl = model.impl
+    if op not in impl.operations:
+        raise UnsupportedOperation(
+            f"model {model.name!r} (family {model.family}) does not support {op!r}; it supports "
+            f"{', '.join(sorted(impl.operations)) or 'nothing'}", param="model")
+    if op == "decode" and method is not None and method not in impl.decode_methods:
+        raise UnsupportedOperation(
+            f"family {model.family} has no decode method {method!r}; use one of "
+            f"{', '.join(sorted(impl.decode_methods))}", param="method")
+
+
+def length_batches(seqs: list[list[int]], max_batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length whose padded size stays <= max_batch_tokens."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = len(seqs[i])  # sorted ascending: the newest is the longest
+        if cur and (len(cur) + 1) * longest > max_batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens: int = 16384,
+        **opts: Any) -> list[dict]:
+    """Run `op` over token-id sequences in length-sorted batches; returns one dict per input in input
+    order, each with `index` and the operation's fields (and `tokens` where they help)."""
+    check_supported(model, op, opts.get("method"))
+    fn = getattr(model.impl, f"op_{op}")
+    results: list[dict | None] = [None] * len(seqs)
+    for idx in length_batches(seqs, max_batch_tokens):
+        for i, res in zip(idx, fn([seqs[i] for i in idx], **opts), strict=True):
+            results[i] = res
+    out = []
+    for i, res in enumerate(results):
+        assert res is not None
+        if op == "score" and "token_logprobs" in res:
+            res = {**res, "tokens": model.vocab.decode(seqs[i])}
+        out.append({"index": i, **res})
+    return out
+
+
+def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0, prefix: str | list[int] | None = None,
+           temperature: float = 1.0, stop_at_eos: bool = True) -> list[dict]:
+    """n samples (continuations of `prefix` when given, which is tokenised without `<eos>`)."""
+    check_supported(model, "sample")
+    if n < 1 or max_tokens < 1:
+        raise InputError("n and max_tokens must be >= 1", param="n" if n < 1 else "max_tokens")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise InputError(f"temperature must be a positive finite number, got {temperature!r}", param="temperature")
+    prefix_ids = None
+    if prefix is not None and prefix != "" and prefix != []:
+        if isinstance(prefix, str):
+            prefix_ids = model.vocab.encode(prefix, add_eos=False, where="prefix")
+        else:
+            prefix_ids = model.vocab.check_ids(list(prefix), where="prefix")
+    stop_id = model.vocab.eos_id if stop_at_eos else None
+    res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids,
+                               temperature=temperature, stop_id=stop_id)
+    return [{"index": i, "tokens": model.vocab.decode(r["ids"]), **r} for i, r in enumerate(res)]
+
+
+def parse_top_k(value: Any) -> int | None:
+    """'all' / None -> None (every state); positive int -> int."""
+    if value is None or value == "all":
+        return None
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"top_k: expected a positive integer or 'all', got {value!r}", param="top_k") from None
+    if k < 1:
+        raise InputError(f"top_k: must be >= 1, got {k}", param="top_k")
+    return k
+
+
+__all__ = ["LoadedModel", "load_model", "encode_inputs", "run", "sample", "resolve_device", "parse_top_k",
+           "LimitExceeded", "OPERATIONS"]

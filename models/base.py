@@ -1,0 +1,246 @@
+"""What every family offers, and the shared implementation for the HMM-like families.
+
+A `ChainFamily` subclass supplies only its view of a batch for the chain engine (`chain`, `log_chain`)
+and how reduced states map back to its state ids (`state_ids`); score, posterior, Viterbi, MBR and
+sampling come from here and from `models.chain`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from models import chain
+from models.chain import CategoricalTable, Trans
+from models.errors import InputError
+
+
+@dataclass
+class Batch:
+    """Right-padded token ids (B, T) int64 and their lengths (B,) on one device."""
+
+    ids: Tensor
+    lengths: Tensor
+
+    @classmethod
+    def from_lists(cls, seqs: list[list[int]], device: torch.device | str = "cpu") -> Batch:
+        if not seqs:
+            raise InputError("input: no sequences", param="input")
+        for i, s in enumerate(seqs):
+            if len(s) == 0:
+                raise InputError(f"input[{i}]: empty sequence", param="input")
+        T = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        lengths = torch.as_tensor([len(s) for s in seqs], dtype=torch.long)
+        return cls(ids.to(device), lengths.to(device))
+
+    @property
+    def mask(self) -> Tensor:
+        return chain.valid_mask(self.lengths, self.ids.shape[1])
+
+
+@dataclass
+class Samples:
+    """Sampled continuations: ids and states (n, L) right-padded with -1, lengths (n,)."""
+
+    ids: Tensor
+    states: Tensor
+    lengths: Tensor
+
+
+class Family:
+    """Interface of a model family (HMMs, PCFGs, LDS). Families register in `models.registry`."""
+
+    family: ClassVar[str]
+    operations: ClassVar[frozenset[str]] = frozenset()
+    decode_methods: ClassVar[frozenset[str]] = frozenset()
+
+    @staticmethod
+    def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], config: dict[str, Any], *, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> Family:
+        raise NotImplementedError
+
+    @property
+    def num_states(self) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """Family-specific fields for `GET /v1/models`."""
+        return {"num_states": self.num_states}
+
+    # JSON-level operations used by `latentlm.ops` (CLI and service). Each takes validated token-id
+    # sequences and returns one dict per input (or per sample) with the documented fields; a family
+    # that lacks an operation leaves it out of `operations` and `latentlm.ops` answers "unsupported".
+    #   op_score(seqs, *, token_logprobs)            -> logprob, num_tokens, perplexity[, token_logprobs]
+    #   op_posterior(seqs, *, top_k)                 -> marginals
+    #   op_decode(seqs, *, method)                   -> states/tags/tree..., logprob
+    #   op_sample(*, n, max_tokens, seed, prefix, temperature, stop_id) -> ids, states/tree
+    #   op_embed(seqs, *, causal)                    -> embeddings, dim
+
+
+# -- JSON-level operations (what the CLI prints and the service returns, minus `index`/`tokens`) -------
+class ChainOps:
+    """Mixin giving ChainFamily the `op_*` methods used by `latentlm.ops` (CLI and service)."""
+
+    def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[dict]:
+        logp, cond = self.score(Batch.from_lists(seqs, self.device))
+        logp, cond = logp.double().cpu(), cond.double().cpu()
+        out = []
+        for i, s in enumerate(seqs):
+            lp = float(logp[i])
+            item = {"logprob": lp, "num_tokens": len(s), "perplexity": math.exp(-lp / len(s)) if lp > -1e300 else float("inf")}
+            if token_logprobs:
+                item["token_logprobs"] = [float(v) for v in cond[i, : len(s)]]
+            out.append(item)
+        return out
+
+    def op_posterior(self, seqs: list[list[int]], *, top_k: int | None = None) -> list[dict]:
+        ids, probs = self.posterior(Batch.from_lists(seqs, self.device))
+        K = probs.shape[-1]
+        k = K if top_k is None else min(top_k, K)
+        p, j = probs.topk(k, dim=-1)  # sorted by probability
+        states = ids.gather(-1, j)
+        p, states = p.double().cpu(), states.cpu()
+        return [{"marginals": [{"states": states[i, t].tolist(), "probs": p[i, t].tolist()}
+                               for t in range(len(s))]} for i, s in enumerate(seqs)]
+
+    def op_decode(self, seqs: list[list[int]], *, method: str = "viterbi") -> list[dict]:
+        batch = Batch.from_lists(seqs, self.device)
+        if method == "viterbi":
+            path, logp = self.viterbi(batch)
+            path, logp = path.cpu(), logp.double().cpu()
+            return [{"states": path[i, : len(s)].tolist(), "logprob": float(logp[i])} for i, s in enumerate(seqs)]
+        states, p = self.mbr(batch)
+        states, p = states.cpu(), p.double().cpu()
+        return [{"states": states[i, : len(s)].tolist(), "state_probs": p[i, : len(s)].tolist(),
+                 "expected_correct": float(p[i, : len(s)].sum())} for i, s in enumerate(seqs)]
+
+    def op_sample(self, *, n: int, max_tokens: int, seed: int, prefix: list[int] | None = None,
+                  temperature: float = 1.0, stop_id: int | None = None) -> list[dict]:
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        s = self.sample(n, max_tokens, g, prefix=prefix, temperature=temperature, stop_id=stop_id)
+        ids, states, lengths = s.ids.cpu(), s.states.cpu(), s.lengths.cpu()
+        return [{"ids": ids[i, : lengths[i]].tolist(), "states": states[i, : lengths[i]].tolist()}
+                for i in range(n)]
+
+
+class ChainFamily(ChainOps, Family):
+    """Shared operations of HMM-like families over the chain engine."""
+
+    operations = frozenset({"score", "posterior", "decode", "sample"})
+    decode_methods = frozenset({"viterbi", "mbr"})
+    device: torch.device
+    dtype: torch.dtype
+
+    # -- what a family supplies ---------------------------------------------------------------------
+    def chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
+        """(init (B, K), emit (B, T, K), trans) in the family's reduced state space for scoring."""
+        raise NotImplementedError
+
+    def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
+        """Log-space (log_init, log_emit, log_trans) over the *model states* for Viterbi."""
+        raise NotImplementedError
+
+    def state_ids(self, batch: Batch) -> Tensor:
+        """(B, T, K) global state id of each reduced state (dense: arange(Z))."""
+        raise NotImplementedError
+
+    def sampling_tables(self, temperature: float) -> tuple[CategoricalTable, CategoricalTable, Tensor | None]:
+        """(transition table over states, emission table per state, slot->token map (Z, W) or None)."""
+        raise NotImplementedError
+
+    def predictive(self, prefix: list[int]) -> Tensor:
+        """p(z_{T+1} | prefix) over model states (Z,)."""
+        batch = Batch.from_lists([prefix], self.device)
+        init, emit, trans = self.chain(batch)
+        _, alphas = chain.forward(init, emit, trans, batch.lengths, keep_alphas=True)
+        last = alphas[0, -1]
+        ids = self.state_ids(batch)[0, -1]
+        full = torch.zeros(self.num_states, dtype=self.dtype, device=self.device)
+        full[ids] = last
+        return full @ self.trans
+
+    def start_probs(self) -> Tensor:
+        return self.start
+
+    # -- operations ---------------------------------------------------------------------------------
+    def to(self, batch: Batch) -> Batch:
+        return Batch(batch.ids.to(self.device), batch.lengths.to(self.device))
+
+    def score(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """log p(x) (B,) and per-token log p(x_t | x_<t) (B, T) (0 at padding). O(T K^2) per sequence."""
+        batch = self.to(batch)
+        init, emit, trans = self.chain(batch)
+        log_cond, _ = chain.forward(init, emit, trans, batch.lengths)
+        return log_cond.sum(1), log_cond
+
+    def posterior(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """State marginals p(z_t | x) as (state ids (B, T, K), probs (B, T, K)); probs 0 at padding."""
+        batch = self.to(batch)
+        init, emit, trans = self.chain(batch)
+        gamma, _ = chain.posterior(init, emit, trans, batch.lengths)
+        return self.state_ids(batch), gamma
+
+    def viterbi(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Best state path (B, T) (-1 at padding) and its joint log p(x, z) (B,)."""
+        batch = self.to(batch)
+        log_init, log_emit, log_trans = self.log_chain(batch)
+        return chain.viterbi(log_init, log_emit, log_trans, batch.lengths)
+
+    def mbr(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Per-position argmax of the marginals (B, T) (-1 at padding) and the chosen marginal (B, T)."""
+        ids, probs = self.posterior(batch)
+        p, k = probs.max(-1)
+        states = ids.gather(-1, k.unsqueeze(-1)).squeeze(-1)
+        states = torch.where(batch.mask.to(states.device), states, torch.full_like(states, -1))
+        return states, p
+
+    def sample(self, n: int, max_tokens: int, generator: torch.Generator, *, prefix: list[int] | None = None,
+               temperature: float = 1.0, stop_id: int | None = None) -> Samples:
+        """Draw n continuations of `prefix` (or unconditional samples) of up to `max_tokens` tokens;
+        a sample ends after `stop_id` when given. O(n max_tokens log(Z V))."""
+        trans_table, emit_table, slot_token = self.sampling_tables(temperature)
+        first = self.predictive(prefix) if prefix else self.start_probs()
+        first_table = CategoricalTable(first[None].to(torch.float64), temperature)
+        z = first_table.draw(torch.zeros(n, dtype=torch.long, device=self.device), generator)
+        return _run_sampler(n, max_tokens, generator, z, stop_id,
+                            emit=lambda z: _slot_to_token(emit_table.draw(z, generator), z, slot_token),
+                            nxt=lambda z: trans_table.draw(z, generator))
+
+
+def _slot_to_token(slot: Tensor, z: Tensor, slot_token: Tensor | None) -> Tensor:
+    return slot if slot_token is None else slot_token[z, slot]
+
+
+def _run_sampler(n: int, max_tokens: int, generator: torch.Generator, z: Tensor, stop_id: int | None,
+                 emit, nxt, state_of=lambda z: z) -> Samples:
+    """Generic ancestral sampling loop: token_t = emit(z_t), z_{t+1} = nxt(z_t)."""
+    device = z.device
+    ids = torch.full((n, max_tokens), -1, dtype=torch.long, device=device)
+    states = torch.full((n, max_tokens), -1, dtype=torch.long, device=device)
+    lengths = torch.full((n,), max_tokens, dtype=torch.long, device=device)
+    done = torch.zeros(n, dtype=torch.bool, device=device)
+    for t in range(max_tokens):
+        x = emit(z)
+        ids[:, t] = torch.where(done, -1, x)
+        states[:, t] = torch.where(done, -1, state_of(z))
+        if stop_id is not None:
+            newly = (~done) & (x == stop_id)
+            lengths = torch.where(newly, t + 1, lengths)
+            done |= newly
+            if bool(done.all()):
+                break
+        if t + 1 < max_tokens:
+            z = nxt(z)
+    return Samples(ids, states, lengths)
+

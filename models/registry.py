@@ -1,0 +1,26 @@
+"""Family name -> implementation. Add a family by importing its class here."""
+
+from __future__ import annotations
+
+from models.base import Family
+from models.errors import ArtifactError
+
+
+def _families() -> dict[str, type[Family]]:
+    from models.blocked_hmm import BlockedHMM
+    from models.hmm import DenseHMM
+    from models.rank_hmm import RankHMM
+
+    fams: list[type[Family]] = [DenseHMM, BlockedHMM, RankHMM]
+    return {f.family: f for f in fams}
+
+
+def get_family(name: str) -> type[Family]:
+    fams = _families()
+    if name not in fams:
+        raise ArtifactError(f"unknown model family {name!r} (known: {', '.join(sorted(fams))})", param="family")
+    return fams[name]
+
+
+def family_names() -> list[str]:
+    return sorted(_families())

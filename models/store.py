@@ -1,0 +1,260 @@
+"""The model store: `<store>/<name>/{manifest.json, vocab.txt, weights.safetensors}`, verified on load.
+
+This is the only contract between training (which writes artifacts) and the service (which reads them).
+No pickle anywhere: tensors are safetensors, metadata is JSON, the vocabulary is plain text.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.errors import ArtifactError, ModelNotFound
+from models.vocab import Preprocessing, Vocabulary
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+VOCAB = "vocab.txt"
+WEIGHTS = "weights.safetensors"
+NORMALISATION_TOL = 1e-4
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def default_store() -> Path:
+    """`$LATENTLM_STORE` or `./artifacts`."""
+    return Path(os.environ.get("LATENTLM_STORE", "artifacts"))
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name or ""):
+        raise ArtifactError(
+            f"invalid model name {name!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit",
+            param="name",
+        )
+    return name
+
+
+@dataclass
+class Artifact:
+    """A verified model directory: manifest, vocabulary and CPU tensors."""
+
+    path: Path
+    manifest: dict[str, Any]
+    vocab: Vocabulary
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def name(self) -> str:
+        return self.manifest["name"]
+
+    @property
+    def family(self) -> str:
+        return self.manifest["family"]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest.get("config", {})
+
+    @property
+    def content_hash(self) -> str:
+        """SHA-256 over the hashes of every file: changes whenever any byte of the model changes."""
+        files = self.manifest["files"]
+        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def save_artifact(
+    store: Path | str,
+    name: str,
+    family: str,
+    tensors: dict[str, torch.Tensor],
+    vocab: Vocabulary,
+    *,
+    config: dict[str, Any] | None = None,
+    provenance: dict[str, Any] | None = None,
+    extra_files: dict[str, bytes] | None = None,
+    overwrite: bool = True,
+) -> Path:
+    """Validate (via the family's checks) and write an artifact atomically; returns its directory.
+
+    `extra_files` (e.g. `curve.png`, `clusters.txt`) are written beside the weights and hashed too."""
+    from models.registry import get_family
+
+    check_name(name)
+    store = Path(store)
+    fam = get_family(family)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    config = dict(config or {})
+    fam.validate_tensors(tensors, config, len(vocab), where=WEIGHTS)
+    store.mkdir(parents=True, exist_ok=True)
+    final = store / name
+    if final.exists() and not overwrite:
+        raise ArtifactError(f"{final}: a model of that name already exists", param="name")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=store))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS))
+        (tmp / VOCAB).write_text(vocab.to_text(), encoding="utf-8")
+        for fname, data in (extra_files or {}).items():
+            if "/" in fname or fname in (MANIFEST, VOCAB, WEIGHTS):
+                raise ArtifactError(f"extra file name {fname!r} is not allowed", param="extra_files")
+            (tmp / fname).write_bytes(data)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        manifest = {
+            "name": name,
+            "family": family,
+            "format_version": FORMAT_VERSION,
+            "vocab_size": len(vocab),
+            "shapes": {k: list(v.shape) for k, v in tensors.items()},
+            "dtypes": {k: str(v.dtype).removeprefix("torch.") for k, v in tensors.items()},
+            "config": config,
+            "preprocessing": vocab.preprocessing.to_dict(),
+            "provenance": {"created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+                           **(provenance or {})},
+            "files": files,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        if final.exists():
+            old = store / f".{name}.old.{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise ArtifactError(f"{mpath}: missing manifest", param="manifest")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{mpath}: not valid JSON ({e})", param="manifest") from None
+    for key in ("name", "family", "format_version", "vocab_size", "shapes", "files", "preprocessing"):
+        if key not in manifest:
+            raise ArtifactError(f"{mpath}: missing field {key!r}", param="manifest")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{mpath}: format_version {manifest['format_version']!r} is not supported "
+            f"(this build reads {FORMAT_VERSION})",
+            param="manifest",
+        )
+    return manifest
+
+
+def load_artifact(path: Path | str) -> Artifact:
+    """Read and verify a model directory: file hashes, tensor shapes against the manifest, finiteness
+    and the family's own checks (normalisation of every distribution within 1e-4)."""
+    from models.registry import get_family
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelNotFound(f"{path}: no such model directory", param="model")
+    manifest = read_manifest(path)
+    for fname, digest in manifest["files"].items():
+        fpath = path / fname
+        if not fpath.is_file():
+            raise ArtifactError(f"{fpath}: file listed in the manifest is missing", param=fname)
+        actual = sha256_file(fpath)
+        if actual != digest:
+            raise ArtifactError(
+                f"{fpath}: SHA-256 mismatch (manifest {digest[:12]}…, file {actual[:12]}…)", param=fname
+            )
+    for required in (WEIGHTS, VOCAB):
+        if required not in manifest["files"]:
+            raise ArtifactError(f"{path / MANIFEST}: no hash recorded for {required}", param=required)
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except Exception as e:  # safetensors raises several types on a corrupt header
+        raise ArtifactError(f"{path / WEIGHTS}: cannot read tensors ({e})", param=WEIGHTS) from None
+    expected = manifest["shapes"]
+    if set(expected) != set(tensors):
+        raise ArtifactError(
+            f"{path / WEIGHTS}: tensors {sorted(tensors)} do not match the manifest's {sorted(expected)}",
+            param=WEIGHTS,
+        )
+    for k, t in tensors.items():
+        if list(t.shape) != list(expected[k]):
+            raise ArtifactError(
+                f"{path / WEIGHTS}: tensor {k!r} has shape {list(t.shape)}, manifest says {expected[k]}",
+                param=k,
+            )
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ArtifactError(f"{path / WEIGHTS}: tensor {k!r} has NaN or infinite entries", param=k)
+    vocab = Vocabulary.read(path / VOCAB, Preprocessing.from_dict(manifest["preprocessing"]))
+    if len(vocab) != manifest["vocab_size"]:
+        raise ArtifactError(
+            f"{path / VOCAB}: {len(vocab)} tokens, manifest says vocab_size {manifest['vocab_size']}",
+            param=VOCAB,
+        )
+    fam = get_family(manifest["family"])
+    fam.validate_tensors(tensors, manifest.get("config", {}), len(vocab), where=str(path / WEIGHTS))
+    return Artifact(path=path, manifest=manifest, vocab=vocab, tensors=tensors)
+
+
+def list_models(store: Path | str) -> list[str]:
+    """Names of the model directories in the store (those with a manifest), sorted."""
+    store = Path(store)
+    if not store.is_dir():
+        return []
+    return sorted(p.name for p in store.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file())
+
+
+def model_path(store: Path | str, name: str) -> Path:
+    check_name(name)
+    path = Path(store) / name
+    if not (path / MANIFEST).is_file():
+        raise ModelNotFound(f"model {name!r} not found in store {store}", param="model")
+    return path
+
+
+# -- checks shared by the families ------------------------------------------------------------------
+def check_shape(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    if key not in tensors:
+        raise ArtifactError(f"{where}: missing tensor {key!r}", param=key)
+    t = tensors[key]
+    if tuple(t.shape) != tuple(shape):
+        raise ArtifactError(f"{where}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}", param=key)
+    return t
+
+
+def check_distribution(t: torch.Tensor, key: str, dim: int, where: str, tol: float = NORMALISATION_TOL) -> None:
+    """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`."""
+    if not t.is_floating_point():
+        raise ArtifactError(f"{where}: tensor {key!r} must be floating point, got {t.dtype}", param=key)
+    if not bool(torch.isfinite(t).all()):
+        raise ArtifactError(f"{where}: tensor {key!r} has NaN or infinite entries", param=key)
+    if bool((t < 0).any()):
+        raise ArtifactError(f"{where}: tensor {key!r} has negative entries", param=key)
+    sums = t.double().sum(dim)
+    bad = (sums - 1).abs() > tol
+    if bool(bad.any()):
+        idx = bad.nonzero()[0].tolist()
+        raise ArtifactError(
+            f"{where}: tensor {key!r} is not normalised: entry {idx} sums to {sums[tuple(idx)].item():.6g} "
+            f"(tolerance {tol})",
+            param=key,
+        )
