@@ -1,0 +1,137 @@
+"""Artifacts: round trip, and every corruption refused with a message naming the file and the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from models.errors import ArtifactError, ModelNotFound
+from models.store import MANIFEST, VOCAB, WEIGHTS, list_models, load_artifact, save_artifact
+from models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
+from models.vocab import Preprocessing, Vocabulary
+
+
+def vocab(V: int) -> Vocabulary:
+    return Vocabulary([f"w{i}" for i in range(V - 2)] + ["<unk>", "<eos>"], Preprocessing(lowercase=True))
+
+
+@pytest.mark.parametrize("maker,family", [(lambda: random_hmm(4, 8), "hmm"),
+                                          (lambda: random_blocked_hmm(2, 3, 8), "blocked_hmm"),
+                                          (lambda: random_rank_hmm(5, 3, 8), "rank_hmm")])
+def test_round_trip(tmp_path, maker, family):
+    t, c = maker()
+    path = save_artifact(tmp_path, "m1", family, t, vocab(8), config=c, provenance={"source": "test"})
+    art = load_artifact(path)
+    assert art.family == family and art.vocab.tokens == vocab(8).tokens
+    assert art.vocab.preprocessing.lowercase is True
+    for k, v in t.items():
+        assert torch.equal(art.tensors[k], v)
+    m = json.loads((path / MANIFEST).read_text())
+    assert set(m["files"]) == {VOCAB, WEIGHTS} and m["provenance"]["source"] == "test"
+    assert list_models(tmp_path) == ["m1"]
+
+
+def saved(tmp_path):
+    t, c = random_hmm(3, 8)
+    return save_artifact(tmp_path, "m", "hmm", t, vocab(8), config=c), t
+
+
+def test_hash_mismatch_names_the_file(tmp_path):
+    path, t = saved(tmp_path)
+    (path / VOCAB).write_text((path / VOCAB).read_text().replace("w0", "zz"))
+    with pytest.raises(ArtifactError, match=r"vocab.txt: SHA-256 mismatch"):
+        load_artifact(path)
+
+
+def rewrite_weights(path, tensors):
+    """Replace the weights and fix the recorded hash, so only the content checks can catch it."""
+    save_file(tensors, str(path / WEIGHTS))
+    from models.store import sha256_file
+
+    m = json.loads((path / MANIFEST).read_text())
+    m["files"][WEIGHTS] = sha256_file(path / WEIGHTS)
+    m["shapes"] = {k: list(v.shape) for k, v in tensors.items()}
+    (path / MANIFEST).write_text(json.dumps(m))
+
+
+def test_unnormalised_rows_are_refused(tmp_path):
+    path, t = saved(tmp_path)
+    bad = dict(t)
+    bad["trans"] = t["trans"].clone()
+    bad["trans"][1] *= 1.01
+    rewrite_weights(path, bad)
+    with pytest.raises(ArtifactError, match=r"weights.safetensors: tensor 'trans' is not normalised: entry \[1\]"):
+        load_artifact(path)
+
+
+def test_nan_and_negative_are_refused(tmp_path):
+    path, t = saved(tmp_path)
+    bad = dict(t)
+    bad["emit"] = t["emit"].clone()
+    bad["emit"][0, 0] = float("nan")
+    rewrite_weights(path, bad)
+    with pytest.raises(ArtifactError, match="'emit' has NaN"):
+        load_artifact(path)
+    bad["emit"] = t["emit"].clone()
+    bad["emit"][0, 0] = -bad["emit"][0, 0]
+    rewrite_weights(path, bad)
+    with pytest.raises(ArtifactError, match="'emit' has negative"):
+        load_artifact(path)
+
+
+def test_shape_mismatch_against_manifest(tmp_path):
+    path, t = saved(tmp_path)
+    m = json.loads((path / MANIFEST).read_text())
+    m["shapes"]["trans"] = [3, 4]
+    (path / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=r"'trans' has shape \[3, 3\], manifest says \[3, 4\]"):
+        load_artifact(path)
+
+
+def test_missing_files_and_bad_manifest(tmp_path):
+    path, _ = saved(tmp_path)
+    (path / WEIGHTS).unlink()
+    with pytest.raises(ArtifactError, match="weights.safetensors: file listed in the manifest is missing"):
+        load_artifact(path)
+    (path / MANIFEST).write_text("{not json")
+    with pytest.raises(ArtifactError, match="manifest.json: not valid JSON"):
+        load_artifact(path)
+    with pytest.raises(ModelNotFound):
+        load_artifact(tmp_path / "nope")
+
+
+def test_rank_factors_must_match_cached_matrices(tmp_path):
+    t, c = random_rank_hmm(5, 3, 8)
+    t["rank_trans"] = t["rank_trans"][[1, 0, 2]]  # still row-stochastic, but not V U^T any more
+    with pytest.raises(ArtifactError, match="'rank_trans' does not match the product"):
+        save_artifact(tmp_path, "r", "rank_hmm", t, vocab(8), config=c)
+    assert list_models(tmp_path) == []
+
+
+def test_blocked_emission_normalised_per_state(tmp_path):
+    t, c = random_blocked_hmm(2, 2, 8)
+    t["emit"] = t["emit"].clone()
+    t["emit"][0] *= 2
+    with pytest.raises(ArtifactError, match=r"'emit' is not normalised: state \d+ \(cluster \d\)"):
+        save_artifact(tmp_path, "b", "blocked_hmm", t, vocab(8), config=c)
+
+
+def test_invalid_name(tmp_path):
+    t, c = random_hmm(2, 8)
+    with pytest.raises(ArtifactError, match="invalid model name"):
+        save_artifact(tmp_path, "../evil", "hmm", t, vocab(8), config=c)
+
+
+def test_tokenisation_follows_preprocessing():
+    v = vocab(8)
+    assert v.encode("W0 nothing w1") == [0, 6, 1, 7]
+    v2 = Vocabulary(["a", "b"], Preprocessing(unk=None, eos=None, add_eos=False))
+    from models.errors import InputError
+
+    with pytest.raises(InputError, match="word 'c' at position 1 is not in the vocabulary"):
+        v2.encode("a c")
+    with pytest.raises(InputError, match="empty sequence"):
+        v2.encode("   ")
