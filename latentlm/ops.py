@@ -157,8 +157,8 @@ def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens:
     return out
 
 
-def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0, prefix: str | list[int] | None = None,
-           temperature: float = 1.0, stop_at_eos: bool = True) -> list[dict]:
+def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0,
+           prefix: str | list[int] | None = None, temperature: float = 1.0, stop_at_eos: bool = True) -> list[dict]:
     """n samples (continuations of `prefix` when given, which is tokenised without `<eos>`)."""
     check_supported(model, "sample")
     if n < 1 or max_tokens < 1:

@@ -89,6 +89,19 @@ class Family:
 
 
 # -- JSON-level operations (what the CLI prints and the service returns, minus `index`/`tokens`) -------
+def json_float(x: float) -> float | None:
+    """Finite floats pass; -inf/inf/NaN become None (JSON has no infinities): null log-prob = probability 0."""
+    return x if math.isfinite(x) else None
+
+
+def perplexity(logprob: float, num_tokens: int) -> float | None:
+    """exp(-logprob / num_tokens), or None when it overflows (probability 0 or underflow)."""
+    try:
+        return json_float(math.exp(-logprob / num_tokens))
+    except OverflowError:
+        return None
+
+
 class ChainOps:
     """Mixin giving ChainFamily the `op_*` methods used by `latentlm.ops` (CLI and service)."""
 
@@ -98,9 +111,9 @@ class ChainOps:
         out = []
         for i, s in enumerate(seqs):
             lp = float(logp[i])
-            item = {"logprob": lp, "num_tokens": len(s), "perplexity": math.exp(-lp / len(s)) if lp > -1e300 else float("inf")}
+            item = {"logprob": json_float(lp), "num_tokens": len(s), "perplexity": perplexity(lp, len(s))}
             if token_logprobs:
-                item["token_logprobs"] = [float(v) for v in cond[i, : len(s)]]
+                item["token_logprobs"] = [json_float(v) for v in cond[i, : len(s)].tolist()]
             out.append(item)
         return out
 
@@ -119,7 +132,8 @@ class ChainOps:
         if method == "viterbi":
             path, logp = self.viterbi(batch)
             path, logp = path.cpu(), logp.double().cpu()
-            return [{"states": path[i, : len(s)].tolist(), "logprob": float(logp[i])} for i, s in enumerate(seqs)]
+            return [{"states": path[i, : len(s)].tolist(), "logprob": json_float(logp[i].item())}
+                    for i, s in enumerate(seqs)]
         states, p = self.mbr(batch)
         states, p = states.cpu(), p.double().cpu()
         return [{"states": states[i, : len(s)].tolist(), "state_probs": p[i, : len(s)].tolist(),
@@ -133,11 +147,43 @@ class ChainOps:
         return [{"ids": ids[i, : lengths[i]].tolist(), "states": states[i, : lengths[i]].tolist()}
                 for i in range(n)]
 
+    def op_embed(self, seqs: list[list[int]], *, causal: bool = False) -> list[dict]:
+        """Posterior-weighted average of the `state_vectors` extra (Z, d): sum_z p(z_t | x) v_z, or with
+        `causal` the filtered p(z_t | x_<=t). O(T K^2 + T K d) per sequence."""
+        vecs = self.extras["state_vectors"]
+        batch = Batch.from_lists(seqs, self.device)
+        if causal:
+            init, emit, trans = self.chain(batch)
+            _, probs = chain.forward(init, emit, trans, batch.lengths, keep_alphas=True)
+            ids = self.state_ids(batch)
+        else:
+            ids, probs = self.posterior(batch)
+        vecs = vecs.to(probs.dtype)
+        if probs.shape[-1] == vecs.shape[0]:  # every state present: scatter to state order, one GEMM
+            e = torch.zeros_like(probs).scatter_(-1, ids, probs) @ vecs
+        else:  # reduced state spaces (blocked): per position, so memory stays O(B K d)
+            e = torch.stack([torch.einsum("bk,bkd->bd", probs[:, t], vecs[ids[:, t]]) for t in range(ids.shape[1])], 1)
+        e = e.double().cpu()
+        return [{"embeddings": e[i, : len(s)].tolist(), "dim": vecs.shape[1]} for i, s in enumerate(seqs)]
+
+
+class _ChainOperations:
+    """`operations` of a chain family: the base set, plus "embed" on instances whose `extras` hold
+    `state_vectors` (Z, d) (DenseHMM, neural blocked HMM)."""
+
+    def __init__(self, base: frozenset[str]):
+        self.base = base
+
+    def __get__(self, obj: Any, cls: type | None = None) -> frozenset[str]:
+        if obj is not None and "state_vectors" in getattr(obj, "extras", {}):
+            return self.base | {"embed"}
+        return self.base
+
 
 class ChainFamily(ChainOps, Family):
     """Shared operations of HMM-like families over the chain engine."""
 
-    operations = frozenset({"score", "posterior", "decode", "sample"})
+    operations = _ChainOperations(frozenset({"score", "posterior", "decode", "sample"}))  # type: ignore[assignment]
     decode_methods = frozenset({"viterbi", "mbr"})
     device: torch.device
     dtype: torch.dtype

@@ -15,6 +15,7 @@ Cost per sequence: O(T K^2) for forward, backward and Viterbi.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -28,24 +29,25 @@ def valid_mask(lengths: Tensor, T: int) -> Tensor:
     return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def _step(alpha: Tensor, trans: Trans, t: int) -> Tensor:
-    """alpha (B, K) -> alpha @ A_t (B, K)."""
+def _step(alpha: Tensor, trans: Trans, t: int, out: Tensor) -> Tensor:
+    """out <- alpha @ A_t, alpha (B, K)."""
     if isinstance(trans, Tensor):
-        return alpha @ trans
-    return torch.bmm(alpha.unsqueeze(1), trans(t)).squeeze(1)
+        return torch.mm(alpha, trans, out=out)
+    return torch.bmm(alpha.unsqueeze(1), trans(t), out=out.unsqueeze(1)).squeeze(1)
 
 
-def _step_back(vec: Tensor, trans: Trans, t: int) -> Tensor:
-    """vec (B, K) -> A_t @ vec per row (B, K): the backward step into position t-1."""
+def _step_back(vec: Tensor, trans: Trans, t: int, out: Tensor) -> Tensor:
+    """out <- A_t @ vec per row, vec (B, K): the backward step into position t-1."""
     if isinstance(trans, Tensor):
-        return vec @ trans.T
-    return torch.bmm(trans(t), vec.unsqueeze(2)).squeeze(2)
+        return torch.mm(vec, trans.T, out=out)
+    return torch.bmm(trans(t), vec.unsqueeze(2), out=out.unsqueeze(2)).squeeze(2)
 
 
 def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:
-    """Emission likelihoods with padding positions set to 1, so padding can never produce 0/0."""
+    """(B, T, K) -> (T, B, K) contiguous emission likelihoods with padding positions set to 1, so
+    padding can never produce 0/0 and each step reads one contiguous (B, K) slab."""
     mask = valid_mask(lengths, emit.shape[1])
-    return torch.where(mask.unsqueeze(-1), emit, torch.ones((), dtype=emit.dtype, device=emit.device))
+    return emit.transpose(0, 1).masked_fill(~mask.T.unsqueeze(-1), 1.0).contiguous()
 
 
 def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_alphas: bool = False
@@ -53,25 +55,27 @@ def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_a
     """Scaled forward pass.
 
     Returns `log_cond` (B, T): log p(x_t | x_<t) at real positions and 0 at padding (so
-    `log_cond.sum(1)` is log p(x)), and, with `keep_alphas`, the filtered marginals p(z_t | x_<=t)
-    (B, T, K). O(B T K^2) time, O(B K) extra memory unless alphas are kept."""
+    `log_cond.sum(1)` is log p(x); -inf once a sequence has probability 0), and, with `keep_alphas`,
+    the filtered marginals p(z_t | x_<=t) (B, T, K). O(B T K^2) time; four tensor ops per step."""
     B, T, K = emit.shape
-    emit = _pad_emit(emit, lengths)
-    scales = emit.new_empty(B, T)
-    alphas = emit.new_empty(B, T, K) if keep_alphas else None
-    alpha = init * emit[:, 0]
+    emit_t = _pad_emit(emit, lengths)  # (T, B, K)
+    scales = emit.new_empty(T, B, 1)
+    alphas = emit.new_empty(T, B, K) if keep_alphas else emit.new_empty(2, B, K)
+    alpha = torch.mul(init, emit_t[0], out=alphas[0])
     for t in range(T):
         if t > 0:
-            alpha = _step(alpha, trans, t)
-            alpha.mul_(emit[:, t])
-        c = alpha.sum(-1, keepdim=True)
-        scales[:, t : t + 1] = c
-        alpha = alpha / torch.where(c > 0, c, torch.ones((), dtype=c.dtype, device=c.device))
-        if alphas is not None:
-            alphas[:, t] = alpha
-    log_cond = torch.where(valid_mask(lengths, T), scales.log(), torch.zeros((), dtype=emit.dtype,
-                                                                               device=emit.device))
-    return log_cond, alphas
+            alpha = _step(alpha, trans, t, alphas[t] if keep_alphas else alphas[t % 2])
+            alpha.mul_(emit_t[t])
+        torch.sum(alpha, -1, keepdim=True, out=scales[t])
+        alpha.div_(scales[t])  # a zero scale (impossible sequence) gives NaN from here on: see below
+    log_scales = scales.squeeze(-1).T.log()  # (B, T)
+    mask = valid_mask(lengths, T)
+    impossible = (log_scales == -math.inf) & mask
+    if bool(impossible.any()):  # after a zero-probability step every later conditional is undefined: -inf
+        dead = impossible.cumsum(1) > 0
+        log_scales = log_scales.masked_fill(dead, -math.inf)
+    log_cond = log_scales.masked_fill(~mask, 0.0)
+    return log_cond, (alphas.transpose(0, 1) if keep_alphas else None)
 
 
 def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor) -> Tensor:
@@ -79,16 +83,14 @@ def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor) -> T
 
     Returns (B, T, K); beta = 1 at each sequence's last position and at padding. O(B T K^2)."""
     B, T, K = emit.shape
-    emit = _pad_emit(emit, lengths)
-    scales = log_cond.exp()
-    betas = emit.new_ones(B, T, K)
-    beta = emit.new_ones(B, K)
-    last = (lengths - 1)[:, None]
+    # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
+    emit_scaled = _pad_emit(emit, lengths) / log_cond.T.exp().unsqueeze(-1)
+    betas = emit.new_ones(T, B, K)
+    not_started = (torch.arange(T, device=lengths.device)[:, None] >= (lengths - 1)[None, :]).unsqueeze(-1)
     for t in range(T - 2, -1, -1):
-        nxt = _step_back(beta * emit[:, t + 1], trans, t + 1) / scales[:, t + 1 : t + 2]
-        beta = torch.where(t >= last, torch.ones((), dtype=beta.dtype, device=beta.device), nxt)
-        betas[:, t] = beta
-    return betas
+        beta = _step_back(betas[t + 1] * emit_scaled[t + 1], trans, t + 1, betas[t])
+        beta.masked_fill_(not_started[t], 1.0)
+    return betas.transpose(0, 1)
 
 
 def posterior(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
@@ -102,12 +104,22 @@ def posterior(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor) -> tupl
     return gamma, log_cond
 
 
-def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22) -> tuple[Tensor, Tensor]:
+NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B * K * K above which the compiled CPU kernel pays off
+
+
+def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_max: Tensor | None = None
+            ) -> tuple[Tensor, Tensor]:
     """(max, +) product: out[b, j] = max_i delta[b, i] + log_trans[i, j], with argmax.
 
-    delta (B, K), log_trans (K, K) shared -> values (B, K), argmax (B, K). Processed in blocks of
-    source states so memory stays O(block_elems), not O(B K^2)."""
+    delta (B, K), log_trans (K, K) shared -> values (B, K), argmax (B, K). O(B K^2). On CPU large
+    products use the compiled kernel of `models.kernels`; otherwise blocks of source states keep memory
+    at O(block_elems), not O(B K^2)."""
     B, K = delta.shape
+    if delta.device.type == "cpu" and B * K * K >= NATIVE_MAXPLUS_MIN_WORK:
+        from models import kernels
+
+        if kernels.HAVE_NUMBA:
+            return kernels.maxplus_cpu(delta, log_trans, col_max)
     step = max(1, block_elems // max(1, B * K))
     best = None
     arg = None
@@ -134,9 +146,10 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     back = torch.empty(B, T, K, dtype=torch.long, device=log_emit.device)
     ident = torch.arange(K, device=log_emit.device).expand(B, K)
     delta = log_init + log_emit[:, 0]
+    col_max = log_trans.amax(0) if isinstance(log_trans, Tensor) else None
     for t in range(1, T):
         if isinstance(log_trans, Tensor):
-            v, a = maxplus(delta, log_trans)
+            v, a = maxplus(delta, log_trans, col_max=col_max)
         else:
             v, a = (delta.unsqueeze(2) + log_trans(t)).max(1)
         live = mask[:, t : t + 1]
@@ -183,3 +196,52 @@ def filtered_last(alphas_or_init: Tensor, lengths: Tensor) -> Tensor:
     """Pick each sequence's filtered marginal at its last real position: (B, T, K) -> (B, K)."""
     idx = (lengths - 1).clamp_min(0)
     return alphas_or_init[torch.arange(len(lengths), device=lengths.device), idx]
+
+
+def expected_counts(init: Tensor, emit: Tensor, trans: Tensor, lengths: Tensor
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """E-step sufficient statistics for a shared (K, K) transition matrix (Baum-Welch).
+
+    Returns (gamma (B, T, K) = p(z_t | x), zeros at padding; start counts (K,) = sum_b gamma[b, 0];
+    transition counts (K, K) = sum_{b, t >= 1} p(z_{t-1} = i, z_t = j | x); log_cond (B, T)).
+    xi summed over positions is trans * (alpha_{t-1}^T (emit_t * beta_t / c_t)): one (K, B T) x (B T, K)
+    GEMM. O(B T K^2)."""
+    log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
+    betas = backward(emit, trans, lengths, log_cond)
+    B, T, K = emit.shape
+    mask = valid_mask(lengths, T)
+    gamma = alphas * betas
+    gamma = gamma / gamma.sum(-1, keepdim=True).clamp_min(torch.finfo(gamma.dtype).tiny)
+    gamma = torch.where(mask.unsqueeze(-1), gamma, torch.zeros((), dtype=gamma.dtype, device=gamma.device))
+    if T > 1:
+        right = emit[:, 1:] * betas[:, 1:] / log_cond[:, 1:].exp().unsqueeze(-1)
+        right = torch.where(mask[:, 1:].unsqueeze(-1), right, torch.zeros((), dtype=right.dtype, device=right.device))
+        xi = trans * (alphas[:, :-1].reshape(-1, K).T @ right.reshape(-1, K))
+    else:
+        xi = torch.zeros_like(trans)
+    return gamma, gamma[:, 0].sum(0), xi, log_cond
+
+
+def forward_autograd(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_alphas: bool = False
+                     ) -> tuple[Tensor, Tensor | None]:
+    """Differentiable scaled forward for training (same numerics and outputs as `forward`, but no
+    `out=`/in-place writes, so autograd can run through it; gradient of log p(x) = expected counts).
+
+    init (B, K), emit (B, T, K), trans (K, K) or t -> (B, K, K) -> log_cond (B, T) (0 at padding) and,
+    with `keep_alphas`, filtered marginals (B, T, K). O(B T K^2) time, O(B T K) autograd memory."""
+    B, T, K = emit.shape
+    mask = valid_mask(lengths, T)
+    emit = emit.masked_fill(~mask.unsqueeze(-1), 1.0)
+    logs, alphas = [], []
+    alpha = init * emit[:, 0]
+    for t in range(T):
+        if t > 0:
+            prev = alpha @ trans if isinstance(trans, Tensor) else torch.bmm(alpha.unsqueeze(1), trans(t)).squeeze(1)
+            alpha = prev * emit[:, t]
+        c = alpha.sum(-1, keepdim=True)
+        alpha = alpha / c
+        logs.append(c)
+        if keep_alphas:
+            alphas.append(alpha)
+    log_cond = torch.cat(logs, 1).log().masked_fill(~mask, 0.0)
+    return log_cond, (torch.stack(alphas, 1) if keep_alphas else None)

@@ -146,3 +146,24 @@ def test_float32_long_sequence_does_not_underflow():
     l64, _ = m64.score(Batch.from_lists(x))
     assert math.isfinite(l32.item())
     assert l32.item() == pytest.approx(l64.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_maxplus_equals_broadcast(dtype):
+    """The numba (max, +) kernel agrees with the plain broadcast, including -inf entries and ties."""
+    from models import kernels
+    from models.chain import maxplus
+
+    g = torch.Generator().manual_seed(0)
+    for B, K in ((1, 300), (7, 130), (64, 64)):
+        delta = torch.randn(B, K, generator=g, dtype=dtype)
+        log_trans = torch.randn(K, K, generator=g, dtype=dtype)
+        log_trans[:, 3] = -math.inf
+        delta[0, 5] = -math.inf
+        cand = delta[:, :, None] + log_trans[None]
+        ref_v, ref_a = cand.max(1)
+        v, a = kernels.maxplus_cpu(delta, log_trans)
+        assert torch.equal(v, ref_v)
+        assert torch.equal(cand.gather(1, a[:, None, :]).squeeze(1), ref_v)  # argmax attains the max
+        v2, _ = maxplus(delta, log_trans)
+        assert torch.equal(v2, ref_v)

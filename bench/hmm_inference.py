@@ -1,0 +1,246 @@
+"""Throughput of latentlm's HMM inference on CPU against peer libraries and the FLOP limit.
+
+    python bench/hmm_inference.py [--sizes 64,256,1024] [--threads 2] [--out bench/results/hmm_inference.md]
+
+Workloads (random Dirichlet(1) HMM, V = 10,000): "batch" = 64 sequences x 50 tokens, "long" = one sequence
+of 10,000 tokens. Operations: score (forward), posterior (forward-backward), Viterbi, sampling. Peers
+(hmmlearn, pomegranate, dynamax core functions) run in the same process when importable (install them with
+`pip install -r bench/requirements-peers.txt` in a separate environment); slow peers are timed on a prefix
+of the long sequence and reported in tokens/s. The FLOP limit is 2 Z^2 flop per token at the float32 GEMM
+peak measured at the start of the run. Results (markdown) go to --out with machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.base import Batch
+from models.hmm import DenseHMM
+from models.synthetic import random_hmm
+
+V = 10_000
+
+
+def timed(fn: Callable[[], object], min_time: float = 0.5, max_reps: int = 5) -> float:
+    """Median seconds per call after one warm-up call (repeats until min_time or max_reps)."""
+    fn()
+    times: list[float] = []
+    while len(times) < max_reps and (sum(times) < min_time or len(times) < 2):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def matmul_peak() -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / timed(lambda: a @ b, 1.0, 10)
+
+
+def data(Z: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, V, (64, 50), generator=g)
+    long = torch.randint(0, V, (1, 10_000), generator=g)
+    return batch, long
+
+
+# -- latentlm ----------------------------------------------------------------------------------------
+def ours(Z: int) -> dict[str, float]:
+    t, c = random_hmm(Z, V, 0)
+    m = DenseHMM.from_tensors(t, c)
+    batch_ids, long_ids = data(Z)
+    b = Batch(batch_ids, torch.full((64,), 50))
+    lg = Batch(long_ids, torch.tensor([10_000]))
+    g = torch.Generator().manual_seed(0)
+    r = {
+        "score/batch": 3200 / timed(lambda: m.score(b)),
+        "score/long": 10_000 / timed(lambda: m.score(lg), 0, 2),
+        "posterior/batch": 3200 / timed(lambda: m.posterior(b)),
+        "posterior/long": 10_000 / timed(lambda: m.posterior(lg), 0, 2),
+        "viterbi/batch": 3200 / timed(lambda: m.viterbi(b), 0, 2),
+        "viterbi/long": 10_000 / timed(lambda: m.viterbi(lg), 0, 1),
+        "sample/64x50": 3200 / timed(lambda: m.sample(64, 50, g)),
+        "sample/1024x50": 1024 * 50 / timed(lambda: m.sample(1024, 50, g)),
+    }
+    return r
+
+
+def viterbi_exactness(Z: int) -> dict[str, float]:
+    """Joint log-prob (float64 rescoring) of the float32 Viterbi path vs the float64 path, long sequence."""
+    t, c = random_hmm(Z, V, 0)
+    m32 = DenseHMM.from_tensors(t, c, dtype=torch.float32)
+    m64 = DenseHMM.from_tensors(t, c, dtype=torch.float64)
+    _, long_ids = data(Z)
+    lg = Batch(long_ids, torch.tensor([10_000]))
+    p32, _ = m32.viterbi(lg)
+    p64, lp64 = m64.viterbi(lg)
+    return {"float64 best": lp64.item(), "float32 path": path_logprob(t, long_ids[0], p32[0]),
+            "same path": bool(torch.equal(p32, p64))}
+
+
+def path_logprob(t: dict, x: torch.Tensor, z: torch.Tensor) -> float:
+    s, A, E = (t[k].double() for k in ("start", "trans", "emit"))
+    lp = s[z[0]].log() + E[z, x].log().sum() + A[z[:-1], z[1:]].log().sum()
+    return lp.item()
+
+
+def posterior_peak_rss(Z: int) -> float:
+    """Peak RSS growth (MiB) of the batch posterior at Z, in a fresh process."""
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_rss_child, (Z,))
+
+
+def _rss_child(Z: int) -> float:
+    t, c = random_hmm(Z, V, 0)
+    m = DenseHMM.from_tensors(t, c)
+    batch_ids, long_ids = data(Z)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    m.posterior(Batch(batch_ids, torch.full((64,), 50)))
+    m.posterior(Batch(long_ids, torch.tensor([10_000])))
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+
+
+# -- peers -------------------------------------------------------------------------------------------
+def peers(Z: int, budget_tokens: int) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    t, _ = random_hmm(Z, V, 0)
+    start, trans, emit = (t[k].numpy() for k in ("start", "trans", "emit"))
+    batch_ids, long_ids = data(Z)
+    nb = max(1, min(64, budget_tokens // 50))
+    seqs = batch_ids[:nb].numpy()
+    nl = min(10_000, max(200, budget_tokens))
+    long = long_ids[0, :nl].numpy()
+    try:
+        from hmmlearn.hmm import CategoricalHMM
+
+        h = CategoricalHMM(n_components=Z, n_features=V, implementation="scaling")
+        h.startprob_, h.transmat_, h.emissionprob_ = start.astype(np.float64), trans.astype(np.float64), \
+            emit.astype(np.float64)
+        X = seqs.reshape(-1, 1)
+        lens = [50] * nb
+        r = {"score/batch": nb * 50 / timed(lambda: h.score(X, lens), 0, 1),
+             "score/long": nl / timed(lambda: h.score(long[:, None]), 0, 1),
+             "posterior/batch": nb * 50 / timed(lambda: h.predict_proba(X, lens), 0, 1),
+             "viterbi/batch": nb * 50 / timed(lambda: h.decode(X, lens, algorithm="viterbi"), 0, 1),
+             "viterbi/long": nl / timed(lambda: h.decode(long[:, None], algorithm="viterbi"), 0, 1),
+             "sample/64x50": 500 / timed(lambda: h.sample(500), 0, 1)}
+        out["hmmlearn"] = r
+    except ImportError:
+        pass
+    try:
+        from pomegranate.distributions import Categorical
+        from pomegranate.hmm import DenseHMM as PomHMM
+
+        dists = [Categorical(torch.from_numpy(emit[i : i + 1]).float()) for i in range(Z)]
+        p = PomHMM(dists, edges=torch.from_numpy(trans).float(), starts=torch.from_numpy(start).float())
+        Xb = torch.from_numpy(seqs)[..., None]
+        Xl = torch.from_numpy(long)[None, :, None]
+        r = {"score/batch": nb * 50 / timed(lambda: p.log_probability(Xb), 0, 1),
+             "score/long": nl / timed(lambda: p.log_probability(Xl), 0, 1),
+             "viterbi/batch": nb * 50 / timed(lambda: p.predict(Xb), 0, 1)}
+        try:
+            r["posterior/batch"] = nb * 50 / timed(lambda: p.predict_proba(Xb), 0, 1)
+        except RuntimeError:
+            r["posterior/batch"] = float("nan")
+        out["pomegranate"] = r
+    except ImportError:
+        pass
+    try:
+        import jax
+        import jax.numpy as jnp
+        from dynamax.hidden_markov_model import hmm_filter, hmm_posterior_mode, hmm_smoother
+
+        jax.config.update("jax_platform_name", "cpu")
+        E = jnp.asarray(emit.T)  # (V, Z)
+        A = jnp.asarray(trans)
+        s0 = jnp.asarray(start)
+
+        def lik(x):
+            return jnp.log(E[x])
+
+        f_filter = jax.jit(jax.vmap(lambda x: hmm_filter(s0, A, lik(x)).marginal_loglik))
+        f_smooth = jax.jit(jax.vmap(lambda x: hmm_smoother(s0, A, lik(x)).smoothed_probs))
+        f_mode = jax.jit(jax.vmap(lambda x: hmm_posterior_mode(s0, A, lik(x))))
+        xb = jnp.asarray(seqs)
+        xl = jnp.asarray(long)[None]
+        block = jax.block_until_ready
+        r = {"score/batch": nb * 50 / timed(lambda: block(f_filter(xb)), 0, 2),
+             "score/long": nl / timed(lambda: block(f_filter(xl)), 0, 2),
+             "posterior/batch": nb * 50 / timed(lambda: block(f_smooth(xb)), 0, 2),
+             "viterbi/batch": nb * 50 / timed(lambda: block(f_mode(xb)), 0, 2),
+             "viterbi/long": nl / timed(lambda: block(f_mode(xl)), 0, 2)}
+        out["dynamax"] = r
+    except ImportError:
+        pass
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64,256,1024")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--peer-budget", type=int, default=3200, help="max tokens per peer measurement")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/hmm_inference.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    peak = matmul_peak()
+    rows = []
+    for Z in (int(z) for z in args.sizes.split(",")):
+        limit = peak / (2 * Z * Z)
+        res = ours(Z)
+        peer = peers(Z, args.peer_budget if Z < 1024 else 400)
+        exact = viterbi_exactness(Z)
+        rss = posterior_peak_rss(Z)
+        rows.append({"Z": Z, "limit": limit, "ours": res, "peers": peer, "exact": exact, "rss_mib": rss})
+        print(json.dumps(rows[-1], default=float), flush=True)
+    write_report(args.out, peak, rows, args.threads)
+
+
+def write_report(out: Path, peak: float, rows: list[dict], threads: int) -> None:
+    lines = [
+        "# HMM inference on CPU: latentlm vs peers and the FLOP limit", "",
+        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads} threads, "
+        f"torch {torch.__version__}; date {dt.date.today().isoformat()}; float32 GEMM peak in this run "
+        f"{peak / 1e9:.0f} GFLOP/s. Generated by `python bench/hmm_inference.py`.", "",
+        "Tokens/s (higher is better). `% limit` = share of the forward FLOP limit 2 Z^2 flop/token at that peak.",
+        "Peers that take minutes were timed on a prefix (tokens/s is length-independent for them).", "",
+        "| Z | op/workload | latentlm | % limit | hmmlearn | pomegranate | dynamax | latentlm / best peer |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for key, val in r["ours"].items():
+            peer_vals = [r["peers"].get(p, {}).get(key, float("nan")) for p in ("hmmlearn", "pomegranate", "dynamax")]
+            finite = [v for v in peer_vals if v == v]
+            ratio = f"{val / max(finite):.1f}x" if finite else "–"
+            pct = f"{100 * val / r['limit']:.0f}%" if not key.startswith("sample") else "–"
+            cells = " | ".join(f"{v:,.0f}" if v == v else "–" for v in peer_vals)
+            lines.append(f"| {r['Z']} | {key} | {val:,.0f} | {pct} | {cells} | {ratio} |")
+    lines += ["", "Viterbi on the 10,000-token sequence (joint log-prob, float64 rescoring):", "",
+              "| Z | float64 best path | latentlm float32 path | same path |", "|---|---|---|---|"]
+    for r in rows:
+        e = r["exact"]
+        lines.append(f"| {r['Z']} | {e['float64 best']:.4f} | {e['float32 path']:.4f} | {e['same path']} |")
+    lines += ["", "Peak RSS growth of posteriors (batch + long), fresh process:", "",
+              "| Z | MiB |", "|---|---|"]
+    lines += [f"| {r['Z']} | {r['rss_mib']:.0f} |" for r in rows]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
