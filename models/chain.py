@@ -166,30 +166,39 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
 
 
 class CategoricalTable:
-    """Draws from many categorical distributions at once by inverse CDF on one flat, monotone array.
+    """Draws from many categorical distributions at once: probs (R, C), rows summing to 1 ->
+    `draw(rows (n,), generator) -> (n,)` column indices.
 
-    probs (R, C), rows summing to 1 -> `draw(rows (n,), generator) -> (n,)` column indices.
-    Row r's cumulative sums are shifted by r, so a single `searchsorted` serves every row: O(log(R C))
-    per draw and no per-step gather of whole rows. `temperature` sharpens (<1) or flattens (>1) rows."""
+    Uses Walker/Vose alias tables (built once in O(R C) by a compiled kernel): a draw is one uniform
+    column and one biased coin, O(1) per sample whatever C is, on any device. `temperature` sharpens
+    (< 1) or flattens (> 1) every row: p^(1/temperature), renormalised."""
 
     def __init__(self, probs: Tensor, temperature: float = 1.0):
+        from models import kernels
+
         p = probs.double()
         if temperature != 1.0:
-            logp = p.clamp_min(0).log() / temperature
-            p = torch.softmax(logp, dim=-1)
-        cum = p.cumsum(-1)
-        total = cum[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
-        cum = cum / total
-        cum[:, -1] = 1.0
-        R, C = p.shape
-        self.num_cols = C
-        self.flat = (cum + torch.arange(R, dtype=torch.float64, device=p.device)[:, None]).reshape(-1)
+            p = torch.softmax(p.clamp_min(0).log() / temperature, dim=-1)
+        self.num_cols = p.shape[1]
+        if kernels.HAVE_NUMBA:
+            accept, alias = kernels.alias_tables(p)
+            self.accept, self.alias = accept.to(probs.device), alias.to(probs.device)
+            self.flat = None
+        else:  # inverse CDF on one flat monotone array: row r's cumulative sums shifted by r
+            cum = p.cumsum(-1)
+            cum = cum / cum[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
+            cum[:, -1] = 1.0
+            self.flat = (cum + torch.arange(p.shape[0], dtype=torch.float64, device=p.device)[:, None]).reshape(-1)
 
     def draw(self, rows: Tensor, generator: torch.Generator) -> Tensor:
-        u = torch.rand(rows.shape, dtype=torch.float64, device=self.flat.device, generator=generator)
-        idx = torch.searchsorted(self.flat, rows.double() + u, right=True)
-        col = idx - rows * self.num_cols
-        return col.clamp_(0, self.num_cols - 1)
+        if self.flat is not None:
+            u = torch.rand(rows.shape, dtype=torch.float64, device=rows.device, generator=generator)
+            idx = torch.searchsorted(self.flat, rows.double() + u, right=True)
+            return (idx - rows * self.num_cols).clamp_(0, self.num_cols - 1)
+        u = torch.rand((2, *rows.shape), dtype=torch.float64, device=rows.device, generator=generator)
+        col = (u[0] * self.num_cols).long().clamp_(max=self.num_cols - 1)
+        keep = u[1] < self.accept[rows, col]
+        return torch.where(keep, col, self.alias[rows, col])
 
 
 def filtered_last(alphas_or_init: Tensor, lengths: Tensor) -> Tensor:

@@ -91,3 +91,24 @@ def test_temperature_sharpens():
     # at low temperature the first state is (nearly) always the most probable one
     top = int(model.start.argmax())
     assert (cold.states[:, 0] == top).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("use_alias", [True, False])
+def test_categorical_table_frequencies(monkeypatch, use_alias):
+    """Both samplers (alias tables, flat inverse CDF) reproduce every row's distribution, zeros included."""
+    from models import kernels
+    from models.chain import CategoricalTable
+
+    monkeypatch.setattr(kernels, "HAVE_NUMBA", use_alias and kernels.HAVE_NUMBA)
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(4, 7, generator=g, dtype=torch.float64) ** 3
+    probs[:, 2] = 0.0
+    probs /= probs.sum(1, keepdim=True)
+    table = CategoricalTable(probs)
+    n = 40000
+    for r in range(4):
+        draws = table.draw(torch.full((n,), r), g)
+        counts = torch.bincount(draws, minlength=7)
+        assert counts[2] == 0
+        p = chi_square_pvalue({c: int(counts[c]) for c in range(7)}, {c: probs[r, c].item() for c in range(7)}, n)
+        assert p > 1e-3
