@@ -224,11 +224,12 @@ class ChainFamily(ChainOps, Family):
         return Batch(batch.ids.to(self.device), batch.lengths.to(self.device))
 
     def score(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        """log p(x) (B,) and per-token log p(x_t | x_<t) (B, T) (0 at padding). O(T K^2) per sequence."""
+        """log p(x) (B,) float64 (summed in float64) and per-token log p(x_t | x_<t) (B, T) (0 at padding).
+        O(T K^2) per sequence."""
         batch = self.to(batch)
         init, emit, trans = self.chain(batch)
         log_cond, _ = chain.forward(init, emit, trans, batch.lengths)
-        return log_cond.sum(1), log_cond
+        return log_cond.double().sum(1), log_cond
 
     def posterior(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """State marginals p(z_t | x) as (state ids (B, T, K), probs (B, T, K)); probs 0 at padding."""

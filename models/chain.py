@@ -139,30 +139,39 @@ def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_ma
 def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
     """Max-product in log space. log_init (B, K), log_emit (B, T, K), log_trans (K, K) or t -> (B, K, K).
 
-    Returns the best path (B, T) (padding positions repeat nothing meaningful: -1) and its joint log
-    probability (B,). O(B T K^2) time, O(B T K) backpointers."""
+    Returns the best path (B, T) (-1 at padding) and its joint log probability (B,) in float64. Scores are
+    re-centred every step (the running maximum moves to a float64 offset), so float32 keeps full
+    precision on the differences that decide the path even after 10,000s of steps.
+    O(B T K^2) time, O(B T K) int32 backpointers."""
     B, T, K = log_emit.shape
+    device = log_emit.device
     mask = valid_mask(lengths, T)
-    back = torch.empty(B, T, K, dtype=torch.long, device=log_emit.device)
-    ident = torch.arange(K, device=log_emit.device).expand(B, K)
+    back = torch.empty(T, B, K, dtype=torch.int32, device=device)
+    ident = torch.arange(K, device=device, dtype=torch.int32).expand(B, K)
+    offset = torch.zeros(B, dtype=torch.float64, device=device)
     delta = log_init + log_emit[:, 0]
     col_max = log_trans.amax(0) if isinstance(log_trans, Tensor) else None
-    for t in range(1, T):
-        if isinstance(log_trans, Tensor):
-            v, a = maxplus(delta, log_trans, col_max=col_max)
-        else:
-            v, a = (delta.unsqueeze(2) + log_trans(t)).max(1)
-        live = mask[:, t : t + 1]
-        delta = torch.where(live, v + log_emit[:, t], delta)
-        back[:, t] = torch.where(live, a, ident)
+    for t in range(T):
+        if t > 0:
+            if isinstance(log_trans, Tensor):
+                v, a = maxplus(delta, log_trans, col_max=col_max)
+            else:
+                v, a = (delta.unsqueeze(2) + log_trans(t)).max(1)
+            live = mask[:, t : t + 1]
+            delta = torch.where(live, v + log_emit[:, t], delta)
+            back[t] = torch.where(live, a.to(torch.int32), ident)
+        top = delta.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        delta = delta - top
+        offset += top.squeeze(-1).double()
     best, state = delta.max(-1)
-    path = torch.empty(B, T, dtype=torch.long, device=log_emit.device)
-    path[:, T - 1] = state
+    path = torch.empty(T, B, dtype=torch.long, device=device)
+    path[T - 1] = state
     for t in range(T - 1, 0, -1):
-        state = back[:, t].gather(1, state[:, None]).squeeze(1)
-        path[:, t - 1] = state
-    path = torch.where(mask, path, torch.full((), -1, dtype=torch.long, device=path.device))
-    return path, best
+        state = back[t].gather(1, state[:, None]).squeeze(1).long()
+        path[t - 1] = state
+    path = torch.where(mask, path.T, torch.full((), -1, dtype=torch.long, device=device))
+    return path, offset + best.double()
 
 
 class CategoricalTable:
