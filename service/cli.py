@@ -1,0 +1,87 @@
+"""`latentlm serve` and `latentlm worker`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+from models.errors import LatentLMError
+from models.store import list_models
+
+
+class ServeError(LatentLMError):
+    pass
+
+
+def ensure_default_model(store: Path, builder=None) -> list[str]:
+    """An empty store first gets the default model (`training.default.build_default_model`)."""
+    names = list_models(store)
+    if names:
+        return names
+    if builder is None:
+        try:
+            builder = importlib.import_module("training.default").build_default_model
+        except (ImportError, AttributeError) as e:
+            raise ServeError(f"store {store} has no models and the default model builder is unavailable ({e}); "
+                             "add a model with `latentlm import-hmm` or `latentlm train`", param="store") from None
+    print(f"latentlm serve: store {store} is empty; building the default model first", file=sys.stderr)
+    store.mkdir(parents=True, exist_ok=True)
+    builder(store)
+    names = list_models(store)
+    if not names:
+        raise ServeError(f"building the default model left no model in {store}", param="store")
+    return names
+
+
+def set_threads(n: int) -> None:
+    """LATENTLM_TORCH_THREADS=n: small batches on a busy CPU run faster with 1-2 threads than with all cores."""
+    if n > 0:
+        import torch
+
+        torch.set_num_threads(n)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from latentlm import ops
+    from service.app import create_app
+    from service.settings import Settings
+
+    settings = Settings.from_env(store=args.store, device=args.device)
+    ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
+    ensure_default_model(settings.store)
+    set_threads(settings.torch_threads)
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+
+
+def cmd_worker(args: argparse.Namespace) -> None:
+    from service.settings import Settings
+    from service.worker import run_worker
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    settings = Settings.from_env(store=args.store, device=args.device)
+    set_threads(settings.torch_threads)
+    run_worker(settings, burst=args.burst)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve every model in the store over HTTP (builds a default model first "
+                                     "when the store is empty)")
+    p.add_argument("--store", type=Path, default=None, help="model store (default: $LATENTLM_STORE or ./artifacts)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="default auto")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("worker", help="run batch jobs from Redis (REDIS_URL)")
+    p.add_argument("--store", type=Path, default=None, help="model store (default: $LATENTLM_STORE or ./artifacts)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="default auto")
+    p.add_argument("--burst", action="store_true", help="exit when the queue is empty")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_worker)

@@ -1,0 +1,124 @@
+"""HTTP errors in the `{"error": {"message", "type", "param", "code"}}` shape, and the mapping from the
+model layer's exceptions to status codes. Installed on the app so that no bad input ever yields a 500."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from models.errors import (
+    ArtifactError,
+    InputError,
+    LatentLMError,
+    LimitExceeded,
+    ModelNotFound,
+    UnsupportedOperation,
+)
+
+log = logging.getLogger("latentlm.service")
+# pydantic puts the union member it tried into `loc` (top_k.int, prefix.list[int]); not a field name
+_UNION_TAG = re.compile(r"^(int|str|float|bool|none|list|dict|(literal|list|dict|function-\w+|constrained-\w+)\[.*)$")
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error", 413: "limit_exceeded", 422: "invalid_request_error",
+         429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered as JSON with `status`; `headers` e.g. Retry-After."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or TYPES.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+
+def from_model_error(e: LatentLMError) -> APIError:
+    """InputError -> 422, ModelNotFound -> 404, LimitExceeded -> 413, UnsupportedOperation -> 400."""
+    if isinstance(e, ModelNotFound):
+        return APIError(404, e.message, param=e.param or "model", code="model_not_found")
+    if isinstance(e, LimitExceeded):
+        return APIError(413, e.message, param=e.param, code="limit_exceeded")
+    if isinstance(e, UnsupportedOperation):
+        return APIError(400, e.message, param=e.param, code="unsupported_operation")
+    if isinstance(e, InputError):
+        return APIError(422, e.message, param=e.param, code="invalid_value")
+    if isinstance(e, ArtifactError):  # e.g. an invalid model name in a request
+        if e.param == "name":
+            return APIError(404, e.message, param="model", code="model_not_found")
+        return APIError(500, f"model artifact error: {e.message}", param=e.param, code="artifact_error")
+    return APIError(422, e.message, param=e.param, code="invalid_value")
+
+
+def error_payload(e: APIError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+
+def error_response(e: APIError) -> Response:
+    return Response(json.dumps(error_payload(e)), status_code=e.status, media_type="application/json",
+                    headers=e.headers)
+
+
+def describe_validation(errors: list[dict]) -> APIError:
+    """First pydantic error -> 422 naming the field (400 for a body that is not JSON at all)."""
+    if not errors:
+        return APIError(422, "invalid request", code="invalid_value")
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p))]
+    if err.get("type") == "json_invalid":
+        detail = err.get("ctx", {}).get("error", "")
+        return APIError(400, f"request body is not valid JSON{': ' + detail if detail else ''}", code="invalid_json")
+    param = ".".join(loc) if loc else "body"
+    msg = err.get("msg", "invalid value")
+    if err.get("type") == "missing" and not loc:
+        return APIError(422, "body: empty request body; expected a JSON object", param="body", code="missing_field")
+    if err.get("type") == "missing":
+        return APIError(422, f"{param}: field required", param=param, code="missing_field")
+    if err.get("type") == "extra_forbidden":
+        return APIError(422, f"{param}: unknown field", param=param, code="unknown_field")
+    if err.get("type") == "model_attributes_type" or (not loc and "dict" in msg.lower()):
+        return APIError(422, "body: expected a JSON object", param="body", code="invalid_value")
+    msg = msg.removeprefix("Value error, ")
+    return APIError(422, f"{param}: {msg}", param=param, code="invalid_value")
+
+
+def install(app: FastAPI, on_error=None) -> None:
+    """Exception handlers producing the error shape for every error; `on_error(status, type)` counts them."""
+
+    def respond(e: APIError) -> Response:
+        if on_error is not None:
+            on_error(e.status, e.code or e.type)
+        return error_response(e)
+
+    @app.exception_handler(APIError)
+    async def _api(request: Request, e: APIError):
+        return respond(e)
+
+    @app.exception_handler(LatentLMError)
+    async def _model(request: Request, e: LatentLMError):
+        return respond(from_model_error(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return respond(describe_validation(list(e.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
+        return respond(APIError(e.status_code, msg.get(e.status_code, str(e.detail)),
+                                code={404: "unknown_route", 405: "method_not_allowed"}.get(e.status_code),
+                                headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return respond(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))

@@ -1,0 +1,124 @@
+"""From a validated request to a response body: resolve the model, encode inputs, check limits, run the
+operation (via the batcher in the API, directly in batch-job workers) and shape `{"object": "list", ...}`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from latentlm import ops
+from models.errors import LimitExceeded
+from service.errors import APIError, describe_validation
+from service.schemas import REQUESTS, SampleRequest
+
+
+@dataclass
+class Prepared:
+    """A request ready to run: the model version it will use, token ids and the operation's options."""
+
+    model: ops.LoadedModel
+    op: str
+    opts: dict[str, Any]
+    seqs: list[list[int]]
+    request: BaseModel
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.seqs)
+
+
+def parse(op: str, body: Any) -> BaseModel:
+    """Validate a JSON body for `op` (batch-job path; the API lets FastAPI do it). 422 naming the field."""
+    if not isinstance(body, dict):
+        raise APIError(422, "body: expected a JSON object", param="body", code="invalid_value")
+    try:
+        return REQUESTS[op].model_validate(body)
+    except ValidationError as e:
+        raise describe_validation([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+def options(op: str, req: BaseModel) -> dict[str, Any]:
+    """The keyword options `ops.run` takes for `op` (everything that changes the computation)."""
+    if op == "score":
+        return {"token_logprobs": req.token_logprobs}
+    if op == "posterior":
+        return {"top_k": ops.parse_top_k(req.top_k)}
+    if op == "decode":
+        return {"method": req.method}
+    if op == "embed":
+        return {"causal": req.causal}
+    raise ValueError(op)
+
+
+def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens: int) -> Prepared:
+    """Check support, encode inputs (strings per the manifest; id lists as is) and the token limit."""
+    opts = options(op, req)
+    ops.check_supported(model, op, opts.get("method"))
+    raw = req.input if isinstance(req.input, list) else [req.input]
+    seqs = ops.encode_inputs(model.vocab, raw)
+    n = sum(len(s) for s in seqs)
+    if n > max_request_tokens:
+        raise LimitExceeded(f"input: {n} tokens exceed the limit of {max_request_tokens} per request "
+                            "(split the input or use /v1/batches)", param="input")
+    return Prepared(model, op, opts, seqs, req)
+
+
+def body(prep: Prepared, results: list[dict]) -> dict[str, Any]:
+    n = prep.num_tokens
+    return {"object": "list", "model": prep.model.name, "data": results,
+            "usage": {"input_tokens": n, "total_tokens": n}}
+
+
+def run_direct(prep: Prepared, max_batch_tokens: int) -> dict[str, Any]:
+    """Run without the batcher (batch-job workers): same ops.run the batcher calls."""
+    return body(prep, ops.run(prep.model, prep.op, prep.seqs, max_batch_tokens=max_batch_tokens, **prep.opts))
+
+
+def check_sample(req: SampleRequest, max_sample_tokens: int) -> None:
+    if req.n * req.max_tokens > max_sample_tokens:
+        raise LimitExceeded(f"n * max_tokens = {req.n * req.max_tokens} exceeds the limit of {max_sample_tokens}",
+                            param="max_tokens")
+
+
+def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
+    """Blocking: draw the samples and shape the response body."""
+    data = ops.sample(model, n=req.n, max_tokens=req.max_tokens, seed=req.seed, prefix=req.prefix,
+                      temperature=req.temperature, stop_at_eos=req.stop_at_eos)
+    out_tokens = sum(len(d["ids"]) for d in data)
+    prefix_tokens = 0
+    if req.prefix:
+        prefix_tokens = len(req.prefix) if isinstance(req.prefix, list) else len(model.vocab.tokenize(req.prefix))
+    return {"object": "list", "model": model.name, "data": data,
+            "usage": {"input_tokens": prefix_tokens, "output_tokens": out_tokens,
+                      "total_tokens": prefix_tokens + out_tokens}}
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def dumps(obj: Any) -> bytes:
+    """Strict JSON; non-finite floats (e.g. the perplexity of an impossible sequence) become null."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    except ValueError:
+        return json.dumps(_clean(obj), ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def cache_key(prep: Prepared) -> str:
+    """model name + content hash + operation + every option + input hash (the name is in the body)."""
+    opts = prep.request.model_dump(exclude={"model", "input"})
+    h_opts = hashlib.sha256(json.dumps(opts, sort_keys=True).encode()).hexdigest()[:16]
+    h_in = hashlib.sha256(json.dumps(prep.request.input, separators=(",", ":")).encode()).hexdigest()
+    return f"latentlm:cache:{prep.model.name}:{prep.model.content_hash}:{prep.op}:{h_opts}:{h_in}"

@@ -1,0 +1,41 @@
+"""Prometheus metrics of one service instance (own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+
+
+class Metrics:
+    """Request duration, queue wait/depth, batch sizes, tokens, errors, cache hits/misses."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.request_duration = Histogram("latentlm_request_duration_seconds", "HTTP request duration",
+                                          ["route", "method", "status"], buckets=LATENCY, registry=r)
+        self.queue_wait = Histogram("latentlm_queue_wait_seconds", "time a request waited for its batch",
+                                    ["operation"], buckets=LATENCY, registry=r)
+        self.queue_depth = Gauge("latentlm_queue_depth", "requests waiting for the inference thread", registry=r)
+        self.batch_requests = Histogram("latentlm_batch_requests", "requests merged into one batch",
+                                        ["operation"], buckets=SIZES, registry=r)
+        self.batch_sequences = Histogram("latentlm_batch_sequences", "sequences in one batch",
+                                         ["operation"], buckets=SIZES, registry=r)
+        self.batch_tokens = Histogram("latentlm_batch_tokens", "tokens in one batch", ["operation"],
+                                      buckets=TOKENS, registry=r)
+        self.batch_seconds = Histogram("latentlm_batch_seconds", "inference time of one batch", ["operation"],
+                                       buckets=LATENCY, registry=r)
+        self.tokens = Counter("latentlm_tokens_processed", "tokens processed", ["model", "operation"], registry=r)
+        self.errors = Counter("latentlm_errors", "error responses", ["status", "type"], registry=r)
+        self.cache_hits = Counter("latentlm_cache_hits", "response cache hits", ["operation"], registry=r)
+        self.cache_misses = Counter("latentlm_cache_misses", "response cache misses", ["operation"], registry=r)
+        self.cache_errors = Counter("latentlm_cache_errors", "cache reads/writes that failed", registry=r)
+        self.models_loaded = Gauge("latentlm_models_loaded", "models currently served", registry=r)
+
+    def error(self, status: int, kind: str) -> None:
+        self.errors.labels(str(status), kind).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,75 @@
+"""The set of served models: every artifact in the store, loaded once, swapped atomically on reload.
+
+Requests take a `LoadedModel` reference when they start, so a reload never changes the model under a
+request in flight; the old version is dropped when the last request holding it finishes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from latentlm import ops
+from models.errors import LatentLMError, ModelNotFound
+from models.store import list_models, read_manifest
+
+log = logging.getLogger("latentlm.service")
+
+
+def manifest_hash(path: Path) -> str:
+    """Content hash of an artifact from its manifest alone (same value as `Artifact.content_hash`)."""
+    files = read_manifest(path)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+class ModelRegistry:
+    """name -> LoadedModel; `reload()` loads new/changed artifacts and drops removed ones."""
+
+    def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32"):
+        self.store, self.device, self.dtype = Path(store), device, dtype
+        self.models: dict[str, ops.LoadedModel] = {}
+        self.failed: dict[str, str] = {}
+        self.ready = False
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> ops.LoadedModel:
+        m = self.models.get(name)
+        if m is None:
+            avail = ", ".join(sorted(self.models)) or "none"
+            raise ModelNotFound(f"model {name!r} not found (available: {avail})", param="model")
+        return m
+
+    def list(self) -> list[ops.LoadedModel]:
+        return [self.models[k] for k in sorted(self.models)]
+
+    def reload(self) -> dict[str, list[str]]:
+        """Sync with the store; returns {"added", "updated", "removed", "failed"} names. Blocking."""
+        with self._lock:
+            current = dict(self.models)
+            names = list_models(self.store)
+            added, updated, failed = [], [], []
+            new: dict[str, ops.LoadedModel] = {}
+            errors: dict[str, str] = {}
+            for name in names:
+                old = current.get(name)
+                try:
+                    if old is not None and manifest_hash(self.store / name) == old.content_hash:
+                        new[name] = old
+                        continue
+                    new[name] = ops.load_model(self.store, name, device=self.device, dtype=self.dtype)
+                    (updated if old is not None else added).append(name)
+                except Exception as e:  # a bad artifact must not keep the others from serving
+                    msg = e.message if isinstance(e, LatentLMError) else f"{type(e).__name__}: {e}"
+                    log.error("cannot load model %s: %s", name, msg)
+                    errors[name] = msg
+                    failed.append(name)
+                    if old is not None:  # keep serving the last good version
+                        new[name] = old
+            removed = sorted(set(current) - set(new))
+            self.models, self.failed = new, errors  # one reference swap: readers see old or new
+            self.ready = True
+            return {"added": added, "updated": updated, "removed": removed, "failed": failed}

@@ -1,0 +1,102 @@
+"""Request bodies of the operation endpoints (pydantic; unknown fields are rejected, naming the field).
+
+Option names and meanings follow the CLI: `token_logprobs`; `top_k` (null or "all" = every state);
+`method` viterbi|mbr; `n`, `max_tokens`, `seed`, `prefix`, `temperature`, `stop_at_eos`; `causal`."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
+
+INPUT_SCHEMA = {
+    "description": "a string, a list of strings, or a list of token-id lists (ids taken as is, no <eos> added)",
+    "anyOf": [{"type": "string"},
+              {"type": "array", "minItems": 1,
+               "items": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}}],
+}
+InputField = Annotated[Any, WithJsonSchema(INPUT_SCHEMA)]
+
+
+def check_input(v: Any) -> Any:
+    """Structure check only; token-level checks (ids in range, unknown words) happen in ops.encode_inputs."""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ValueError("expected a string, a list of strings, or a list of token-id lists")
+    if not v:
+        raise ValueError("empty list: give at least one input")
+    for i, item in enumerate(v):
+        if isinstance(item, str):
+            continue
+        if not isinstance(item, list):
+            raise ValueError(f"item {i} is {type(item).__name__}; expected a string or a list of token ids")
+        for j, t in enumerate(item):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"item {i}, position {j}: token id {t!r} is not an integer")
+    return v
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model: str = Field(description="model id (see GET /v1/models)", min_length=1)
+
+
+class _WithInput(_Base):
+    input: InputField
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        return check_input(v)
+
+
+class ScoreRequest(_WithInput):
+    token_logprobs: StrictBool = Field(False, description="add tokens and per-token log p(x_t | x_<t)")
+
+
+class PosteriorRequest(_WithInput):
+    top_k: Annotated[Any, WithJsonSchema({"anyOf": [{"type": "integer", "minimum": 1}, {"const": "all"},
+                                                     {"type": "null"}]})] = Field(
+        None, description="K most probable states per token; null or 'all' = every state")
+
+    @field_validator("top_k")
+    @classmethod
+    def _k(cls, v):
+        if v is None or v == "all":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"expected a positive integer, 'all' or null, got {v!r}")
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+
+class DecodeRequest(_WithInput):
+    method: str = Field("viterbi", description="viterbi (best path) or mbr (per-token argmax of marginals)")
+
+
+class EmbedRequest(_WithInput):
+    causal: StrictBool = Field(False, description="filtered (left-context) instead of smoothed embeddings")
+
+
+class SampleRequest(_Base):
+    n: StrictInt = Field(1, ge=1, description="number of samples")
+    max_tokens: StrictInt = Field(32, ge=1, description="tokens per sample at most")
+    seed: StrictInt = Field(0, description="random seed (same seed, same samples)")
+    prefix: str | list[StrictInt] | None = Field(None, description="text or token ids to continue")
+    temperature: float = Field(1.0, description="> 0; below 1 sharpens, above 1 flattens")
+    stop_at_eos: StrictBool = Field(True, description="end a sample after <eos>")
+    stream: StrictBool = Field(False, description="server-sent events, one per sample, ending 'data: [DONE]'")
+
+    @field_validator("temperature")
+    @classmethod
+    def _t(cls, v):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a positive finite number, got {v!r}")
+        return v
+
+
+REQUESTS: dict[str, type[_Base]] = {"score": ScoreRequest, "posterior": PosteriorRequest, "decode": DecodeRequest,
+                                    "sample": SampleRequest, "embed": EmbedRequest}

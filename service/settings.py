@@ -1,0 +1,67 @@
+"""Service settings, read from the environment (prefix LATENTLM_; Redis from REDIS_URL)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from models.store import default_store
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    v = os.environ.get(name)
+    return default if v is None or v == "" else v
+
+
+@dataclass
+class Settings:
+    """Every knob of the service; `Settings.from_env()` reads LATENTLM_<UPPER NAME> for each field."""
+
+    store: Path = field(default_factory=default_store)
+    device: str = "auto"
+    dtype: str = "float32"
+    torch_threads: int = 0               # intra-op threads for inference; 0 = torch's default
+    max_batch_tokens: int = 16384        # tokens (sum of lengths) merged into one batched call
+    max_queue_delay_ms: float = 2.0      # how long the first request of a batch waits for company
+    max_queue: int = 512                 # queued requests before 429
+    max_request_tokens: int = 200_000    # tokens in one request before 413
+    max_payload_bytes: int = 2_000_000   # request body before 413
+    max_file_bytes: int = 200_000_000    # /v1/files upload before 413
+    max_sample_tokens: int = 100_000     # n * max_tokens of one /v1/sample before 413
+    api_keys: str = ""                   # comma-separated bearer keys; empty = no auth
+    redis_url: str = ""                  # REDIS_URL: cache + batch-job queue
+    cache_url: str = ""                  # LATENTLM_CACHE_URL: cache on another Redis (default REDIS_URL)
+    cache_ttl_s: int = 3600
+    state_dir: Path = Path(".latentlm")  # local batch-job files when Redis is not configured
+    job_chunk_size: int = 32             # batch-job lines committed together
+    job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
+    job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
+    retry_after_s: int = 1
+
+    @classmethod
+    def from_env(cls, **overrides) -> Settings:
+        """Defaults < environment < explicit overrides (CLI flags)."""
+        s = cls()
+        for f in fields(cls):
+            raw = _env("REDIS_URL") if f.name == "redis_url" else _env(f"LATENTLM_{f.name.upper()}")
+            if raw is None:
+                continue
+            cur = getattr(s, f.name)
+            try:
+                val = type(cur)(raw) if not isinstance(cur, Path) else Path(raw)
+            except ValueError:
+                raise ValueError(f"LATENTLM_{f.name.upper()}: cannot parse {raw!r} as {type(cur).__name__}") from None
+            setattr(s, f.name, val)
+        for k, v in overrides.items():
+            if v is not None:
+                setattr(s, k, Path(v) if k in ("store", "state_dir") else v)
+        return s
+
+    @property
+    def keys(self) -> list[str]:
+        return [k.strip() for k in self.api_keys.split(",") if k.strip()]
+
+    @property
+    def cache_redis_url(self) -> str:
+        return self.cache_url or self.redis_url

@@ -1,0 +1,220 @@
+"""Fixtures for the service tests: a small model store, free ports, a real redis-server and real uvicorn
+processes (`latentlm serve`, `latentlm worker`) started and stopped by the tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from models.store import save_artifact
+from models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
+from models.vocab import Vocabulary
+
+V = 40
+WORDS = [f"w{i}" for i in range(V - 2)]
+
+
+def vocab() -> Vocabulary:
+    return Vocabulary([*WORDS, "<unk>", "<eos>"])
+
+
+def add_model(store: Path, name: str, kind: str = "hmm", seed: int = 0) -> None:
+    if kind == "hmm":
+        t, c = random_hmm(16, V, seed=seed)
+    elif kind == "blocked_hmm":
+        t, c = random_blocked_hmm(4, 4, V, seed=seed)
+    else:
+        t, c = random_rank_hmm(32, 8, V, seed=seed)
+    save_artifact(store, name, kind, t, vocab(), config=c)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LATENTLM_") and k != "REDIS_URL"}
+    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra})
+    return env
+
+
+class Proc:
+    """A child process in its own process group, with its output in a log file."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path):
+        self.log = log
+        self._fh = open(log, "ab")
+        self.p = subprocess.Popen(args, env=env, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self, sig: int = signal.SIGTERM, timeout: float = 15) -> None:
+        if self.alive():
+            os.killpg(self.p.pid, sig)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait(5)
+        self._fh.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Server(Proc):
+    """`latentlm serve` on a free port; `client` is an httpx.Client on it."""
+
+    def __init__(self, store: Path, tmp: Path, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        e = clean_env(LATENTLM_STATE_DIR=str(tmp / "state"), **(env or {}))
+        args = [sys.executable, "-m", "latentlm.cli", "serve", "--store", str(store), "--port", str(self.port),
+                "--device", "cpu", "--log-level", "warning"]
+        super().__init__(args, e, tmp / f"serve-{self.port}.log")
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        deadline = time.time() + 90
+        while True:
+            if not self.alive():
+                raise RuntimeError(f"server exited:\n{self.output()}")
+            try:
+                if self.client.get("/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(f"server not ready:\n{self.output()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.kill()
+
+
+def worker(store: Path, tmp: Path, env: dict[str, str]) -> Proc:
+    return Proc([sys.executable, "-m", "latentlm.cli", "worker", "--store", str(store), "--device", "cpu",
+                 "--log-level", "warning"], clean_env(**env), tmp / "worker.log")
+
+
+def add_other_families(store: Path) -> list[str]:
+    """A rank-space PCFG and an LDS (embeddings), when those families are present."""
+    added = []
+    try:
+        from models.pcfg import random_pcfg
+
+        t, c = random_pcfg(3, 4, 4, V, seed=3)
+        save_artifact(store, "pcfg", "pcfg", t, vocab(), config=c)
+        added.append("pcfg")
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        from tests.models.test_lds import random_lds
+
+        t = {k: torch.from_numpy(v) for k, v in random_lds(V, 3, 4).items()}
+        save_artifact(store, "lds", "lds", t, vocab(), config={"dim": 3, "lags": 3})
+        added.append("lds")
+    except ImportError:
+        pass
+    return added
+
+
+@pytest.fixture(scope="session")
+def base_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("store")
+    add_model(store, "tiny", "hmm", seed=0)
+    add_model(store, "blocked", "blocked_hmm", seed=1)
+    add_model(store, "rank", "rank_hmm", seed=2)
+    add_other_families(store)
+    return store
+
+
+@pytest.fixture(scope="module")
+def store(base_store, tmp_path_factory) -> Path:
+    """A per-module copy (reload tests add and remove models)."""
+    dst = tmp_path_factory.mktemp("modstore") / "store"
+    shutil.copytree(base_store, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis")
+    p = Proc([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+              "--maxmemory-policy", "noeviction", "--dir", str(d)], clean_env(), d / "redis.log")
+    import redis
+
+    r = redis.Redis(port=port)
+    deadline = time.time() + 20
+    while True:
+        try:
+            if r.ping():
+                break
+        except redis.ConnectionError:
+            if time.time() > deadline or not p.alive():
+                raise RuntimeError(p.output()) from None
+            time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    r.close()
+    p.kill()
+
+
+def err(resp: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict:
+    """Assert an error response: status, the error shape, the field named, the message."""
+    assert resp.status_code == status, resp.text
+    e = resp.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert e["param"] == param, e
+    assert contains in e["message"], e
+    return e
+
+
+def close(a, b, rel: float = 1e-5, path: str = "") -> None:
+    """Structures equal; floats within a relative/absolute tolerance (float32 batch rounding)."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert abs(a - b) <= rel * max(1.0, abs(a), abs(b)), f"{path}: {a} != {b}"
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            close(a[k], b[k], rel, f"{path}.{k}")
+    elif isinstance(a, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            close(x, y, rel, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample over series whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        sname, _, rest = head.partition("{")
+        if sname != name:
+            continue
+        lab = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv) if rest else {}
+        lab = {k: v.strip('"') for k, v in lab.items()}
+        if all(lab.get(k) == v for k, v in labels.items()):
+            total += float(value)
+    return total

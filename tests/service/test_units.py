@@ -1,0 +1,214 @@
+"""In-process tests of the service parts: batcher (merging, queue limit), registry versions, settings,
+error mapping, JSON output and the `serve` default-model step."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+
+import pytest
+
+from latentlm import ops
+from models.errors import InputError, LimitExceeded, ModelNotFound, UnsupportedOperation
+from service.batcher import Batcher, QueueFull
+from service.cli import ServeError, ensure_default_model
+from service.errors import describe_validation, from_model_error
+from service.execute import dumps
+from service.jobs import parse_input_file
+from service.metrics import Metrics
+from service.registry import ModelRegistry
+from service.settings import Settings
+from tests.service.conftest import add_model, close
+
+
+def test_batcher_merges_and_splits(base_store):
+    m = ops.load_model(base_store, "tiny")
+    reqs = [[[1, 2, 3], [4, 5]], [[6] * 7], [[7, 8], [9], [10, 11, 12]]]
+
+    async def go():
+        b = Batcher(Metrics(), max_queue_delay_ms=50)
+        await b.start()
+        try:
+            return await asyncio.gather(*(b.submit(m, "score", {"token_logprobs": True}, r) for r in reqs))
+        finally:
+            await b.stop()
+
+    outs = asyncio.run(go())
+    for r, out in zip(reqs, outs, strict=True):
+        assert [o["index"] for o in out] == list(range(len(r)))
+        close(out, ops.run(m, "score", r, token_logprobs=True))
+
+
+def test_batcher_queue_full_and_per_request_errors(base_store):
+    m = ops.load_model(base_store, "tiny")
+    gate = threading.Event()
+
+    async def go():
+        b = Batcher(Metrics(), max_queue=2, max_queue_delay_ms=0)
+        await b.start()
+        try:
+            blocker = asyncio.ensure_future(b.call(m, "sample", gate.wait))  # occupies the inference thread
+            await asyncio.sleep(0.05)
+            waiting = [asyncio.ensure_future(b.submit(m, "score", {}, [[1, 2]])) for _ in range(2)]
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFull):
+                await b.submit(m, "score", {}, [[3]])
+            gate.set()
+            await blocker
+            ok = await asyncio.gather(*waiting)
+            # one bad request in a merged batch fails alone
+            bad = b.submit(m, "score", {}, [[1, 999]])
+            good = b.submit(m, "score", {}, [[1, 2]])
+            res = await asyncio.gather(bad, good, return_exceptions=True)
+            return ok, res
+        finally:
+            await b.stop()
+
+    ok, (bad, good) = asyncio.run(go())
+    assert len(ok) == 2 and ok[0] == ok[1]
+    assert isinstance(bad, Exception) and isinstance(good, list)
+
+
+def test_registry_versions(tmp_path):
+    add_model(tmp_path, "a", seed=1)
+    reg = ModelRegistry(tmp_path)
+    assert reg.reload() == {"added": ["a"], "updated": [], "removed": [], "failed": []}
+    old = reg.get("a")
+    add_model(tmp_path, "a", seed=2)
+    assert reg.reload()["updated"] == ["a"]
+    new = reg.get("a")
+    assert new is not old and new.content_hash != old.content_hash
+    # a request holding the old version still computes with it
+    r_old = ops.run(old, "score", [[1, 2]])[0]["logprob"]
+    assert r_old != ops.run(new, "score", [[1, 2]])[0]["logprob"]
+    assert reg.reload() == {"added": [], "updated": [], "removed": [], "failed": []}
+    import json
+
+    mpath = tmp_path / "a" / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["files"]["weights.safetensors"] = "0" * 64  # a half-written update: hash mismatch on load
+    mpath.write_text(json.dumps(manifest))
+    out = reg.reload()
+    assert out["failed"] == ["a"] and reg.get("a") is new  # the last good version keeps serving
+    with pytest.raises(ModelNotFound):
+        reg.get("b")
+
+
+def test_settings_from_env(monkeypatch):
+    s = Settings()
+    assert s.max_payload_bytes == 2_000_000 and s.api_keys == "" and s.redis_url == ""
+    monkeypatch.setenv("LATENTLM_MAX_BATCH_TOKENS", "123")
+    monkeypatch.setenv("LATENTLM_MAX_QUEUE_DELAY_MS", "7.5")
+    monkeypatch.setenv("LATENTLM_API_KEYS", " a, b ,")
+    monkeypatch.setenv("REDIS_URL", "redis://x:1/0")
+    s = Settings.from_env(port=None, device="cpu")
+    assert (s.max_batch_tokens, s.max_queue_delay_ms, s.keys, s.device) == (123, 7.5, ["a", "b"], "cpu")
+    assert s.cache_redis_url == "redis://x:1/0"
+    monkeypatch.setenv("LATENTLM_MAX_QUEUE", "many")
+    with pytest.raises(ValueError, match="LATENTLM_MAX_QUEUE"):
+        Settings.from_env()
+
+
+def test_error_mapping():
+    assert from_model_error(InputError("x", param="input")).status == 422
+    assert from_model_error(ModelNotFound("x")).status == 404
+    assert from_model_error(LimitExceeded("x")).status == 413
+    assert from_model_error(UnsupportedOperation("x")).status == 400
+    e = describe_validation([{"type": "int_parsing", "loc": ("body", "top_k", "int"), "msg": "bad"}])
+    assert e.param == "top_k" and e.message == "top_k: bad"
+
+
+def test_dumps_non_finite():
+    assert dumps({"a": [1.0, math.inf, -math.inf, math.nan]}) == b'{"a":[1.0,null,null,null]}'
+
+
+def test_parse_input_file():
+    reqs, errs = parse_input_file(b'{"custom_id": "a", "method": "POST", "url": "/v1/score", "body": {}}\n\n',
+                                  "/v1/score")
+    assert len(reqs) == 1 and errs == []
+    _, errs = parse_input_file(b"\xff", "/v1/score")
+    assert "UTF-8" in errs[0]["message"]
+    _, errs = parse_input_file(b"", "/v1/score")
+    assert errs[0]["code"] == "empty_file"
+    _, errs = parse_input_file(b'{"custom_id": "a", "url": "/v1/score", "body": {}, "x": 1}', "/v1/score")
+    assert errs[0]["param"] == "x"
+
+
+def test_serve_builds_default_model_into_empty_store(tmp_path):
+    calls = []
+
+    def builder(store):
+        calls.append(store)
+        add_model(store, "default")
+
+    store = tmp_path / "empty"
+    assert ensure_default_model(store, builder) == ["default"]
+    assert ensure_default_model(store, builder) == ["default"] and len(calls) == 1  # not rebuilt
+    with pytest.raises(ServeError, match="no model"):
+        ensure_default_model(tmp_path / "other", lambda s: None)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_ready_503_until_models_load(base_store, tmp_path):
+    from fastapi.testclient import TestClient
+
+    from service.app import create_app
+
+    app = create_app(Settings(store=base_store, device="cpu", state_dir=tmp_path))
+    reg = app.state.registry
+    gate = threading.Event()
+    real = reg.reload
+
+    def slow_reload():
+        gate.wait(30)
+        return real()
+
+    reg.reload = slow_reload
+    with TestClient(app) as c:
+        assert c.get("/health").status_code == 200
+        r = c.get("/ready")
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        r = c.post("/v1/score", json={"model": "tiny", "input": "w1"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        gate.set()
+        for _ in range(200):
+            if c.get("/ready").status_code == 200:
+                break
+            threading.Event().wait(0.05)
+        assert c.post("/v1/score", json={"model": "tiny", "input": "w1"}).status_code == 200
+
+
+def test_worker_needs_redis_and_serve_checks_device(tmp_path, capsys):
+    import torch
+
+    from latentlm.cli import main
+    from service.worker import run_worker
+
+    with pytest.raises(SystemExit, match="REDIS_URL"):
+        run_worker(Settings(store=tmp_path, redis_url=""))
+    if not torch.cuda.is_available():
+        assert main(["serve", "--store", str(tmp_path), "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_batcher_waits_only_when_company_is_coming(base_store):
+    m = ops.load_model(base_store, "tiny")
+
+    async def go(announced: bool) -> float:
+        met = Metrics()
+        b = Batcher(met, max_queue_delay_ms=200)
+        await b.start()
+        try:
+            t1, t2 = (b.announce(), b.announce()) if announced else (None, None)
+            first = asyncio.ensure_future(b.submit(m, "score", {}, [[1, 2]], t1))
+            await asyncio.sleep(0.02)
+            second = asyncio.ensure_future(b.submit(m, "score", {}, [[3]], t2))
+            await asyncio.gather(first, second)
+            return met.registry.get_sample_value("latentlm_batch_requests_count", {"operation": "score"})
+        finally:
+            await b.stop()
+
+    assert asyncio.run(go(True)) == 1  # the first request waited for the announced second: one batch
+    # nobody announced: the lone first request went at once (two batches of one)
+    assert asyncio.run(go(False)) == 2
