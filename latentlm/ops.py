@@ -117,6 +117,8 @@ def check_supported(model: LoadedModel, op: str, method: str | None = None) -> N
             f"model {model.name!r} (family {model.family}) does not support {op!r}; it supports "
             f"{', '.join(sorted(impl.operations)) or 'nothing'}", param="model")
     if op == "decode" and method is not None and method not in impl.decode_methods:
+        if method in impl.decode_notes:
+            raise UnsupportedOperation(impl.decode_notes[method], param="method")
         raise UnsupportedOperation(
             f"family {model.family} has no decode method {method!r}; use one of "
             f"{', '.join(sorted(impl.decode_methods))}", param="method")

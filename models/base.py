@@ -60,6 +60,7 @@ class Family:
     family: ClassVar[str]
     operations: ClassVar[frozenset[str]] = frozenset()
     decode_methods: ClassVar[frozenset[str]] = frozenset()
+    decode_notes: ClassVar[dict[str, str]] = {}  # method -> why this family cannot offer it
 
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:

@@ -8,10 +8,14 @@ from models.errors import ArtifactError
 
 def _families() -> dict[str, type[Family]]:
     from models.blocked_hmm import BlockedHMM
+    from models.dense_pcfg import DensePCFG
     from models.hmm import DenseHMM
+    from models.lds import LDS
+    from models.pcfg import RankPCFG
     from models.rank_hmm import RankHMM
+    from models.tagging_hmm import TaggingHMM
 
-    fams: list[type[Family]] = [DenseHMM, BlockedHMM, RankHMM]
+    fams: list[type[Family]] = [DenseHMM, BlockedHMM, RankHMM, LDS, TaggingHMM, DensePCFG, RankPCFG]
     return {f.family: f for f in fams}
 
 
