@@ -1,0 +1,100 @@
+"""`latentlm train` / `latentlm eval`: settings from flags and config files, validation before any
+work (exit 2, message naming the flag), dispatch of pcfg/lds, eval through the ops path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from latentlm.cli import main
+from models.errors import InputError
+from tests.training.helpers import train_args
+from training import cli
+
+
+def run_cli(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--family", "blocked_hmm", "--states", "100", "--clusters", "16"],
+     "--states 100 must be divisible by --clusters 16"),
+    (["--family", "hmm", "--states", "0"], "--states"),
+    (["--family", "rank_hmm", "--rank", "-3"], "--rank"),
+    (["--family", "hmm", "--data", "/nonexistent/file.txt"], "--data"),
+    (["--family", "hmm", "--device", "tpu"], "--device"),
+    (["--family", "blocked_hmm", "--state-dropout", "1.0"], "--state-dropout"),
+    (["--family", "hmm", "--resume"], "--resume"),
+])
+def test_bad_settings_exit_2_before_any_work(tmp_path, capsys, extra, flag, monkeypatch):
+    called = []
+    monkeypatch.setattr(cli, "train", lambda ns: called.append(ns))
+    argv = ["train", "--data", "ptb", "--name", "m", "--store", str(tmp_path)]
+    argv += extra
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and flag in err and not called
+
+
+def test_bad_name_and_missing_family(tmp_path, capsys):
+    code, _, err = run_cli(["train", "--data", "ptb", "--name", "../x", "--store", str(tmp_path),
+                            "--family", "hmm"], capsys)
+    assert code == 2 and "--name" in err
+    code, _, err = run_cli(["train", "--data", "ptb", "--name", "x", "--store", str(tmp_path)], capsys)
+    assert code == 2 and "--family" in err
+
+
+def test_config_files_yaml_and_toml_flags_win(tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(cli, "train", lambda ns: seen.append(ns) or tmp_path)
+    (tmp_path / "c.yaml").write_text("family: blocked_hmm\nstates: 64\nclusters: 8\nmax-steps: 5\ndata: ptb\n")
+    (tmp_path / "c.toml").write_text('family = "rank_hmm"\nrank = 16\nstates = 32\nlr = 0.5\n')
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), "--name", "a", "--store", str(tmp_path),
+                 "--states", "128"]) == 0
+    ns = seen[-1]
+    assert (ns.family, ns.states, ns.clusters, ns.max_steps, ns.data) == ("blocked_hmm", 128, 8, 5, ["ptb"])
+    assert ns.hidden == 256 and ns.state_dropout == 0.5  # family and global defaults
+    assert main(["train", "--config", str(tmp_path / "c.toml"), "--data", "ptb", "--name", "b",
+                 "--store", str(tmp_path)]) == 0
+    assert (seen[-1].family, seen[-1].rank, seen[-1].lr, seen[-1].dropout) == ("rank_hmm", 16, 0.5, 0.1)
+    (tmp_path / "bad.toml").write_text('family = "hmm"\nstatez = 3\n')
+    code, _, err = run_cli(["train", "--config", str(tmp_path / "bad.toml"), "--data", "ptb", "--name", "c",
+                            "--store", str(tmp_path)], capsys)
+    assert code == 2 and "statez" in err
+
+
+@pytest.mark.parametrize("family,module", [("pcfg", "training.pcfg"), ("lds", "training.lds")])
+def test_pcfg_and_lds_dispatch_to_colleague_modules(tmp_path, monkeypatch, family, module):
+    import importlib
+    import sys
+    import types
+
+    fake = types.ModuleType(module)
+    fake.train = lambda ns: tmp_path / ns.name
+    monkeypatch.setitem(sys.modules, module, fake)
+    monkeypatch.setattr(importlib.import_module("training"), module.split(".")[1], fake, raising=False)
+    ns = cli.resolve_settings(train_args(tmp_path, family, nt=4, pt=8, dim=8, lags=2))
+    assert cli.train(ns) == tmp_path / f"t-{family}"
+
+
+def test_train_and_eval_end_to_end_through_the_cli(tmp_path, capsys):
+    code, _, err = run_cli(["train", "--family", "hmm", "--data", "ptb", "--states", "8", "--epochs", "1",
+                            "--train-sentences", "500", "--valid-sentences", "50", "--name", "tiny",
+                            "--store", str(tmp_path), "--no-progress"], capsys)
+    assert code == 0, err
+    code, out, err = run_cli(["eval", "--model", "tiny", "--data", "ptb:test", "--store", str(tmp_path)], capsys)
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["num_tokens"] == 82430 and 1 < res["perplexity"] < 10000
+    code, _, err = run_cli(["eval", "--model", "tiny", "--data", "ptb:dev", "--store", str(tmp_path)], capsys)
+    assert code == 2 and "split" in err
+
+
+def test_validate_rejects_bad_types_from_config(tmp_path):
+    (tmp_path / "c.yaml").write_text("family: hmm\nstates: many\n")
+    ns = train_args(tmp_path, "hmm", config=tmp_path / "c.yaml")
+    ns.family = None
+    with pytest.raises(InputError, match="--states"):
+        cli.resolve_settings(ns)

@@ -1,0 +1,112 @@
+"""Neural blocked (VL-)HMM and rank-space HMM: state dropout, few-step training on a PTB slice lowers the
+validation perplexity, the export loads and scores as the training-time evaluation, resume, BPTT;
+DenseHMM exports an `hmm` with vectors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from latentlm import ops
+from models.base import Batch
+from models.blocked_hmm import BlockedHMM
+from models.store import load_artifact
+from tests.training.helpers import train_args, valid_file
+from training import neural
+from training.cli import corpus_perplexity, resolve_settings
+
+
+@pytest.mark.parametrize("M,k,keep", [(1, 1, 1), (3, 8, 4), (5, 7, 3), (2, 16, 1)])
+def test_state_dropout_keeps_exactly_keep_states_per_cluster(M, k, keep):
+    g = torch.Generator().manual_seed(0)
+    seen = torch.zeros(M, k)
+    for _ in range(50):
+        a = neural.sample_state_dropout(M, k, keep, g)
+        assert a.shape == (M, keep)
+        for row in a:
+            assert len(set(row.tolist())) == keep and 0 <= int(row.min()) and int(row.max()) < k
+            assert row.tolist() == sorted(row.tolist())
+        seen.scatter_(1, a, 1.0)
+    assert bool((seen == 1).all())  # every state gets kept sometimes
+
+
+def test_vlhmm_matrices_normalised_and_dropout_chain_is_a_blocked_hmm():
+    torch.manual_seed(0)
+    V, M, k = 30, 3, 4
+    wc = torch.arange(V) % M
+    m = neural.VLHMM(V, wc, M, k, 16).double()
+    active = neural.sample_state_dropout(M, k, 2, torch.Generator().manual_seed(1))
+    ls, lt, le = m.matrices(active)
+    assert torch.allclose(ls.exp().sum(), torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(lt.exp().sum(1), torch.ones(M * 2, dtype=torch.float64))
+    per_state = torch.zeros(M, 2, dtype=torch.float64).index_add_(0, wc, le.exp())
+    assert torch.allclose(per_state, torch.ones_like(per_state))
+    # the training loss with a mask equals the exact blocked-HMM score of the reduced model
+    b = Batch.from_lists([[0, 4, 8, 2], [5, 1]])
+    nll, _ = neural.blocked_loss(m, b, active)
+    with torch.no_grad():
+        reduced = BlockedHMM(ls.exp(), lt.exp(), le.exp(), wc, M)
+        assert torch.allclose(-nll.detach(), reduced.score(b)[0].sum())
+
+
+def _check_run(tmp_path, ns, path, family):
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["family"] == family
+    rows = m["provenance"]["curve"]
+    assert rows[-1]["valid_ppl"] < rows[0]["valid_ppl"]
+    load_artifact(path)
+    res = corpus_perplexity(tmp_path, ns.name, str(valid_file(tmp_path, ns.valid_sentences)))
+    assert abs(res["perplexity"] - m["provenance"]["best_valid_ppl"]) / res["perplexity"] < 1e-3
+    assert (path / "curve.png").is_file()
+    return m
+
+
+def test_blocked_hmm_few_steps_lower_valid_ppl_and_export(tmp_path):
+    ns = resolve_settings(train_args(tmp_path, "blocked_hmm", states=32, clusters=8, hidden=16, epochs=1,
+                                     train_sentences=1500, batch=32, lr=0.02, eval_every=25,
+                                     valid_sentences=400))
+    path = neural.train(ns)
+    m = _check_run(tmp_path, ns, path, "blocked_hmm")
+    assert m["config"]["num_clusters"] == 8 and m["config"]["states_per_cluster"] == 4
+    assert len((path / "clusters.txt").read_text().splitlines()) == 10000
+    model = ops.load_model(tmp_path, ns.name)
+    assert ops.run(model, "score", [model.vocab.encode("the company said")])[0]["perplexity"] > 1
+
+
+def test_rank_hmm_few_steps_lower_valid_ppl_export_and_resume(tmp_path):
+    ns = resolve_settings(train_args(tmp_path, "rank_hmm", states=32, rank=8, hidden=16, epochs=2,
+                                     train_sentences=1500, batch=32, lr=0.01, max_steps=60,
+                                     valid_sentences=400))
+    path = neural.train(ns)
+    m = _check_run(tmp_path, ns, path, "rank_hmm")
+    assert m["config"]["rank"] == 8
+    steps = m["provenance"]["steps"]
+    # resume from the checkpoint with a larger step budget continues counting steps
+    ns2 = resolve_settings(train_args(tmp_path, "rank_hmm", states=32, rank=8, hidden=16, epochs=2,
+                                      train_sentences=1500, batch=32, lr=0.01, max_steps=steps + 10,
+                                      resume=True, valid_sentences=400))
+    m2 = json.loads((neural.train(ns2) / "manifest.json").read_text())
+    assert m2["provenance"]["steps"] == steps + 10
+
+
+def test_blocked_hmm_bptt_streams_run(tmp_path):
+    ns = resolve_settings(train_args(tmp_path, "blocked_hmm", states=16, clusters=8, hidden=8, epochs=1,
+                                     train_sentences=300, valid_sentences=100, batch=8, bptt=16, max_steps=6))
+    path = neural.train(ns)
+    art = load_artifact(path)
+    assert art.config["num_states"] == 16
+
+
+def test_densehmm_exports_hmm_with_vectors(tmp_path):
+    ns = resolve_settings(train_args(tmp_path, "densehmm", states=16, hidden=8, epochs=2, fit="cooc",
+                                     train_sentences=3000, lr=0.05, valid_sentences=300))
+    from training.densehmm import train
+
+    path = train(ns)
+    art = load_artifact(path)
+    assert art.family == "hmm"
+    assert art.tensors["state_vectors"].shape == (16, 8) and art.tensors["word_vectors"].shape == (10000, 8)
+    rows = art.manifest["provenance"]["curve"]
+    assert rows[-1]["valid_ppl"] < rows[0]["valid_ppl"]

@@ -1,0 +1,183 @@
+"""`hmm` by Baum-Welch (EM) over the chain engine: E-step `models.chain.expected_counts`, closed-form
+M-step. Each iteration costs O(N Z^2) for N training tokens and never decreases the training likelihood
+(with `smoothing=0`; a pseudo-count turns it into MAP-EM, monotone in the smoothed objective)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from models import chain
+from models.base import Batch
+from models.store import save_artifact
+from models.vocab import Vocabulary
+from training import common
+from training.data import load_corpus
+
+
+@dataclass
+class HMMParams:
+    """start (Z,), trans (Z, Z) and emit (Z, V), all row-stochastic."""
+
+    start: Tensor
+    trans: Tensor
+    emit: Tensor
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"start": self.start, "trans": self.trans, "emit": self.emit}
+
+    def score(self, batch: Batch) -> Tensor:
+        """log p(x) per sequence (B,) via the chain engine. O(B T Z^2)."""
+        emit_by_word = self.emit.T
+        log_cond, _ = chain.forward(self.start.expand(batch.ids.shape[0], -1), emit_by_word[batch.ids],
+                                    self.trans, batch.lengths)
+        return log_cond.sum(1)
+
+
+def unigram(seqs: list[list[int]], V: int) -> Tensor:
+    """Add-one unigram distribution (V,) of the training tokens. O(N)."""
+    counts = torch.ones(V, dtype=torch.float64)
+    for s in seqs:
+        counts.index_add_(0, torch.as_tensor(s), torch.ones(len(s), dtype=torch.float64))
+    return counts / counts.sum()
+
+
+def init_params(Z: int, uni: Tensor, generator: torch.Generator, noise: float = 1.0,
+                dtype: torch.dtype = torch.float32) -> HMMParams:
+    """Random start: trans rows softmax(noise * N(0,1)); emission rows = unigram * exp(noise * N(0,1)),
+    renormalised, so every state starts close to the unigram model. O(Z (Z + V))."""
+    V = uni.shape[0]
+    trans = torch.softmax(noise * torch.randn(Z, Z, generator=generator, dtype=torch.float64), 1)
+    start = torch.softmax(noise * torch.randn(Z, generator=generator, dtype=torch.float64), 0)
+    emit = uni[None] * torch.exp(noise * torch.randn(Z, V, generator=generator, dtype=torch.float64))
+    emit = emit / emit.sum(1, keepdim=True)
+    return HMMParams(start.to(dtype), trans.to(dtype), emit.to(dtype))
+
+
+@dataclass
+class Counts:
+    """Expected sufficient statistics (float64) and the log-likelihood they came from."""
+
+    start: Tensor
+    trans: Tensor
+    emit: Tensor
+    loglik: float
+    tokens: int
+
+
+def e_step(p: HMMParams, batches: list[Batch], on_batch=None) -> Counts:
+    """Accumulate expected start / transition / emission counts over `batches`. O(N Z^2)."""
+    Z, V = p.emit.shape
+    cs = torch.zeros(Z, dtype=torch.float64)
+    ct = torch.zeros(Z, Z, dtype=torch.float64)
+    ce = torch.zeros(V, Z, dtype=torch.float64)
+    emit_by_word = p.emit.T.contiguous()
+    ll, n = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            init = p.start.expand(b.ids.shape[0], -1)
+            gamma, s, xi, log_cond = chain.expected_counts(init, emit_by_word[b.ids], p.trans, b.lengths)
+            cs += s.double()
+            ct += xi.double()
+            mask = b.mask
+            ce.index_add_(0, b.ids[mask], gamma[mask].double())
+            bl = float(log_cond.double().sum())
+            ll += bl
+            ntok = int(b.lengths.sum())
+            n += ntok
+            if on_batch is not None:
+                on_batch(ntok, -bl / ntok)
+    return Counts(cs, ct, ce.T.contiguous(), ll, n)
+
+
+def _normalise(counts: Tensor, fallback: Tensor, smoothing: float) -> Tensor:
+    """Rows of counts + smoothing, normalised; rows with no mass keep `fallback`'s row."""
+    c = counts + smoothing
+    tot = c.sum(-1, keepdim=True)
+    return torch.where(tot > 0, c / tot.clamp_min(1e-300), fallback.double())
+
+
+def m_step(c: Counts, old: HMMParams, smoothing: float = 0.0) -> HMMParams:
+    """Closed-form maximisation (MAP with a symmetric pseudo-count `smoothing`). O(Z (Z + V))."""
+    dt = old.trans.dtype
+    start = _normalise(c.start[None], old.start[None], smoothing)[0]
+    return HMMParams(start.to(dt), _normalise(c.trans, old.trans, smoothing).to(dt),
+                     _normalise(c.emit, old.emit, smoothing).to(dt))
+
+
+def baum_welch(p: HMMParams, batches: list[Batch], iterations: int, smoothing: float = 0.0
+               ) -> tuple[HMMParams, list[float]]:
+    """Run EM; returns the final parameters and the training log-likelihood before each M-step."""
+    lls = []
+    for _ in range(iterations):
+        c = e_step(p, batches)
+        lls.append(c.loglik)
+        p = m_step(c, p, smoothing)
+    return p, lls
+
+
+def export(store: Path, name: str, p: HMMParams, vocab: Vocabulary, *, provenance: dict,
+           extra_files: dict[str, bytes] | None = None, extra_tensors: dict[str, Tensor] | None = None,
+           config_extra: dict | None = None) -> Path:
+    """Write `p` as an `hmm` artifact (rows renormalised in float64 so the store's 1e-4 check holds)."""
+    def norm(t: Tensor) -> Tensor:
+        t = t.double().clamp_min(0)
+        return (t / t.sum(-1, keepdim=True)).float()
+
+    tensors = {"start": norm(p.start), "trans": norm(p.trans), "emit": norm(p.emit), **(extra_tensors or {})}
+    config = {"num_states": int(p.trans.shape[0]), **(config_extra or {})}
+    return save_artifact(store, name, "hmm", tensors, vocab, config=config, provenance=provenance,
+                         extra_files=extra_files)
+
+
+def train(ns: argparse.Namespace) -> Path:
+    """`latentlm train --family hmm`: EM for `--epochs` iterations (or `--max-steps`), early stopping on
+    validation perplexity with `--patience`, checkpoint after every iteration, export of the best."""
+    t0 = time.perf_counter()
+    gen = common.seed_all(ns.seed)
+    device = common.resolve_device(ns.device)
+    vocab, data = load_corpus(ns.data, lowercase=ns.lowercase, min_count=ns.min_count, max_size=ns.max_vocab)
+    train_seqs = data["train"][: ns.train_sentences or None]
+    valid_seqs = data["valid"][: ns.valid_sentences or None]
+    batches = common.bucket_batches(train_seqs, ns.batch, device=device)
+    vbatches = common.bucket_batches(valid_seqs, ns.batch, device=device)
+    ckdir = common.checkpoint_dir(ns.store, ns.name)
+    smoothing = ns.smoothing
+    if ns.resume:
+        tensors, state = common.load_checkpoint(ckdir)
+        p = HMMParams(tensors["start"], tensors["trans"], tensors["emit"])
+        best = HMMParams(tensors["best_start"], tensors["best_trans"], tensors["best_emit"])
+        history, it0 = common.History.from_json(state["history"]), state["iteration"]
+        t0 -= state.get("seconds", 0.0)
+    else:
+        p = init_params(ns.states, unigram(train_seqs, len(vocab)), gen, noise=ns.init_noise)
+        history, it0, best = common.History(), 0, p
+    p = HMMParams(*(t.to(device) for t in (p.start, p.trans, p.emit)))
+    if not history.rows:
+        history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
+                    valid_ppl=common.evaluate(p.score, vbatches))
+    iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
+    N = common.num_tokens(train_seqs)
+    bar = common.Progress(N * max(iters - it0, 0), f"hmm Z={ns.states} EM", ns.progress)
+    for it in range(it0, iters):
+        c = e_step(p, batches, on_batch=lambda n, loss: bar.update(n, loss))
+        p = m_step(c, p, smoothing)
+        vppl = common.evaluate(p.score, vbatches)
+        bar.update(0, valid_ppl=vppl)
+        if history.add(iteration=it + 1, tokens=N * (it + 1), seconds=time.perf_counter() - t0,
+                       train_ppl=float(torch.tensor(-c.loglik / c.tokens).exp()), valid_ppl=vppl):
+            best = p
+        common.save_checkpoint(ckdir, {**p.tensors(), **{f"best_{k}": v for k, v in best.tensors().items()}},
+                               {"iteration": it + 1, "history": history.to_json(),
+                                "seconds": time.perf_counter() - t0})
+        if history.bad_evals >= ns.patience:
+            break
+    bar.close()
+    prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": "baum-welch", "smoothing": smoothing})
+    return export(ns.store, ns.name, best, vocab, provenance=prov,
+                  extra_files={"curve.png": common.curve_png(history, f"hmm {ns.states} states, Baum-Welch")})

