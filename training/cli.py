@@ -236,6 +236,9 @@ def validate(ns: argparse.Namespace) -> None:
                              f"got {ns.state_dropout}", param="state_dropout")
     if fam == "rank_hmm":
         _need_positive(ns, "rank", "hidden")
+    for key in {"lds": ("dim", "lags"), "pcfg": ("nt", "pt", "rank")}.get(fam, ()):
+        if getattr(ns, key, None) is not None:  # unset means the family's default
+            _need_positive(ns, key)
     if fam == "densehmm":
         _need_positive(ns, "hidden")
         if ns.fit not in ("em", "cooc"):

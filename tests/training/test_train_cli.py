@@ -98,3 +98,13 @@ def test_validate_rejects_bad_types_from_config(tmp_path):
     ns.family = None
     with pytest.raises(InputError, match="--states"):
         cli.resolve_settings(ns)
+
+
+def test_lds_and_pcfg_sizes_are_checked_before_any_work(tmp_path, capsys):
+    from latentlm.cli import main
+
+    for argv, flag in ((["--family", "lds", "--data", "brown", "--dim", "0"], "--dim"),
+                       (["--family", "pcfg", "--data", "ptb", "--nt", "0"], "--nt")):
+        rc = main(["train", *argv, "--name", "x", "--store", str(tmp_path)])
+        assert rc == 2 and f"{flag}: must be a positive integer" in capsys.readouterr().err
+        assert not (tmp_path / "x").exists()
