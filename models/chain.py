@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 Trans = Tensor | Callable[[int], Tensor]
+NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B*K*K (batches) or T*K*K (one sequence) above which compiled CPU code pays off
 
 
 def valid_mask(lengths: Tensor, T: int) -> Tensor:
@@ -58,6 +59,15 @@ def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_a
     `log_cond.sum(1)` is log p(x); -inf once a sequence has probability 0), and, with `keep_alphas`,
     the filtered marginals p(z_t | x_<=t) (B, T, K). O(B T K^2) time; four tensor ops per step."""
     B, T, K = emit.shape
+    if (not keep_alphas and B == 1 and emit.device.type == "cpu" and isinstance(trans, Tensor)
+            and not emit.requires_grad and T * K * K >= NATIVE_MAXPLUS_MIN_WORK):
+        from models import kernels
+
+        if kernels.HAVE_NUMBA:  # one long sequence: the whole recursion in compiled code
+            L = int(lengths[0])
+            log_cond = emit.new_zeros(1, T)
+            log_cond[0, :L] = kernels.forward_one_cpu(init[0], emit[0, :L], trans)
+            return log_cond, None
     emit_t = _pad_emit(emit, lengths)  # (T, B, K)
     scales = emit.new_empty(T, B, 1)
     alphas = emit.new_empty(T, B, K) if keep_alphas else emit.new_empty(2, B, K)
@@ -104,9 +114,6 @@ def posterior(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor) -> tupl
     return gamma, log_cond
 
 
-NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B * K * K above which the compiled CPU kernel pays off
-
-
 def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_max: Tensor | None = None
             ) -> tuple[Tensor, Tensor]:
     """(max, +) product: out[b, j] = max_i delta[b, i] + log_trans[i, j], with argmax.
@@ -145,6 +152,15 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     O(B T K^2) time, O(B T K) int32 backpointers."""
     B, T, K = log_emit.shape
     device = log_emit.device
+    if B == 1 and device.type == "cpu" and isinstance(log_trans, Tensor) and T * K * K >= NATIVE_MAXPLUS_MIN_WORK:
+        from models import kernels
+
+        if kernels.HAVE_NUMBA:  # one long sequence: the whole recursion in compiled code
+            L = int(lengths[0])
+            path1, score = kernels.viterbi_one_cpu(log_init[0], log_emit[0, :L], log_trans, log_trans.amax(0))
+            path = torch.full((1, T), -1, dtype=torch.long)
+            path[0, :L] = path1
+            return path, torch.tensor([score], dtype=torch.float64)
     mask = valid_mask(lengths, T)
     back = torch.empty(T, B, K, dtype=torch.int32, device=device)
     ident = torch.arange(K, device=device, dtype=torch.int32).expand(B, K)

@@ -68,7 +68,69 @@ def _make_kernels(scalar):  # pragma: no cover - compiled
         for task in range(delta.shape[0] * n_blocks):
             jbody(delta, log_trans, col_max, order, out_val, out_arg, task, n_blocks)
 
-    return serial
+    @njit(nogil=True)
+    def viterbi_one(log_init, log_emit, log_trans, col_max, back, path):
+        """Whole Viterbi recursion of one sequence in compiled code (no per-step interpreter work):
+        log_init (K,), log_emit (T, K), back (T, K) scratch, path (T,) out. Returns the float64 score."""
+        T, K = log_emit.shape
+        delta = np.empty((1, K), dtype=log_emit.dtype)
+        val = np.empty((1, K), dtype=log_emit.dtype)
+        order = np.empty((1, K), dtype=np.int64)
+        offset = 0.0
+        for t in range(T):
+            if t == 0:
+                for j in range(K):
+                    delta[0, j] = log_init[j] + log_emit[0, j]
+            else:
+                order[0, :] = np.argsort(-delta[0], kind="mergesort")
+                serial(delta, log_trans, col_max, order, val, back[t : t + 1])
+                for j in range(K):
+                    delta[0, j] = val[0, j] + log_emit[t, j]
+            top = delta[0].max()
+            if np.isfinite(top):  # re-centre; the offset carries the scale in float64
+                for j in range(K):
+                    delta[0, j] -= top
+                offset += top
+        state = int(np.argmax(delta[0]))
+        best = offset + delta[0, state]
+        path[T - 1] = state
+        for t in range(T - 1, 0, -1):
+            state = int(back[t, state])
+            path[t - 1] = state
+        return best
+
+    @njit(nogil=True, fastmath={"contract", "reassoc"})
+    def forward_one(init, emit, trans, log_scales):
+        """Scaled forward of one sequence: init (K,), emit (T, K), trans (K, K) -> log_scales (T,) float64.
+        alpha_t = (alpha_{t-1} @ trans) * emit_t, renormalised every step; the row update vectorises."""
+        T, K = emit.shape
+        alpha = init * emit[0]
+        nxt = np.empty_like(alpha)
+        for t in range(T):
+            if t > 0:
+                nxt[:] = 0.0
+                for i in range(K):
+                    a = alpha[i]
+                    if a != 0.0:
+                        row = trans[i]
+                        for j in range(K):
+                            nxt[j] += a * row[j]
+                for j in range(K):
+                    alpha[j] = nxt[j] * emit[t, j]
+            c = 0.0
+            for j in range(K):
+                c += alpha[j]
+            log_scales[t] = np.log(c) if c > 0 else -np.inf
+            if c > 0:
+                inv = 1.0 / c
+                for j in range(K):
+                    alpha[j] *= inv
+            else:
+                for t2 in range(t + 1, T):
+                    log_scales[t2] = -np.inf
+                break
+
+    return serial, viterbi_one, forward_one
 
 
 _KERNELS: dict = {}
@@ -92,8 +154,29 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     order = np.argsort(-d, axis=1, kind="stable")
     val = np.empty_like(d)
     arg = np.empty_like(d)
-    _kernels(d.dtype)(d, a, cm, order, val, arg)
+    _kernels(d.dtype)[0](d, a, cm, order, val, arg)
     return torch.from_numpy(val), torch.from_numpy(arg).long()
+
+
+def forward_one_cpu(init: Tensor, emit: Tensor, trans: Tensor) -> Tensor:
+    """log p(x_t | x_<t) (T,) of one sequence: init (K,), emit (T, K), trans (K, K). O(T K^2), no per-step
+    interpreter work (a long sequence on CPU is otherwise dominated by per-step dispatch)."""
+    e = np.ascontiguousarray(emit.detach().numpy())
+    out = np.empty(e.shape[0], dtype=np.float64)
+    _kernels(e.dtype)[2](np.ascontiguousarray(init.numpy()), e, np.ascontiguousarray(trans.numpy()), out)
+    return torch.from_numpy(out).to(emit.dtype)
+
+
+def viterbi_one_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, col_max: Tensor) -> tuple[Tensor, float]:
+    """Viterbi of one sequence: log_init (K,), log_emit (T, K), log_trans (K, K) -> (path (T,), log-prob).
+    Same recursion, pruning and re-centring as `models.chain.viterbi`, without per-step Python. O(T K^2)."""
+    e = np.ascontiguousarray(log_emit.detach().numpy())
+    back = np.empty_like(e)
+    path = np.empty(e.shape[0], dtype=np.int64)
+    score = _kernels(e.dtype)[1](np.ascontiguousarray(log_init.numpy()), e,
+                                 np.ascontiguousarray(log_trans.numpy()), np.ascontiguousarray(col_max.numpy()),
+                                 back, path)
+    return torch.from_numpy(path), float(score)
 
 
 if HAVE_NUMBA:

@@ -167,3 +167,32 @@ def test_compiled_maxplus_equals_broadcast(dtype):
         assert torch.equal(cand.gather(1, a[:, None, :]).squeeze(1), ref_v)  # argmax attains the max
         v2, _ = maxplus(delta, log_trans)
         assert torch.equal(v2, ref_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_single_sequence_viterbi_equals_engine(dtype):
+    """One long sequence goes through the compiled recursion; it matches the batched engine path."""
+    from models import chain
+
+    t, c = random_hmm(40, 30, 4)
+    m = DenseHMM.from_tensors(t, c, dtype=dtype)
+    x = torch.randint(0, 30, (1, 400), generator=torch.Generator().manual_seed(1)).tolist()
+    one = Batch.from_lists(x)
+    two = Batch.from_lists(x + [[1, 2, 3]])  # B = 2 takes the per-step engine
+    p1, l1 = m.viterbi(one)
+    p2, l2 = m.viterbi(two)
+    assert torch.equal(p1[0], p2[0]) and l1[0].item() == pytest.approx(l2[0].item(), rel=1e-9)
+    assert chain.NATIVE_MAXPLUS_MIN_WORK <= 400 * 40 * 40  # so `one` really took the compiled path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_single_sequence_forward_equals_engine(dtype):
+    """One long sequence is scored by the compiled forward; it matches the batched engine."""
+    t, c = random_hmm(40, 30, 5)
+    m = DenseHMM.from_tensors(t, c, dtype=dtype)
+    x = torch.randint(0, 30, (1, 400), generator=torch.Generator().manual_seed(2)).tolist()
+    l1, c1 = m.score(Batch.from_lists(x))
+    l2, c2 = m.score(Batch.from_lists(x + [[4, 5]]))
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert torch.allclose(c1[0], c2[0], rtol=tol, atol=tol)
+    assert l1[0].item() == pytest.approx(l2[0].item(), rel=tol)
