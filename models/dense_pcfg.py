@@ -63,14 +63,6 @@ class DensePCFG(PCFGOps, Family):
                                   or not all(isinstance(x, str) and x for x in names)):
             raise ArtifactError(f"{where}: config 'symbols' must list {S} non-empty names", param="symbols")
 
-    @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32) -> DensePCFG:
-        return cls({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, config)
-
-    @property
-    def num_states(self) -> int:
-        return self.nt + self.pt
-
     @property
     def chart_width(self) -> int:
         return self.nt + self.pt

@@ -104,14 +104,6 @@ class RankPCFG(PCFGOps, Family):
                 raise ArtifactError(f"{where}: cached tensor {key!r} does not match the product of the stored "
                                     f"factors (max error {err:.3g})", param=key)
 
-    @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32) -> RankPCFG:
-        return cls({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, config)
-
-    @property
-    def num_states(self) -> int:
-        return self.nt + self.pt
-
     @property
     def chart_width(self) -> int:
         return self.rank

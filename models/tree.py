@@ -421,6 +421,17 @@ class PCFGOps:
     `relabel_leaves(tree, vocab.decode(ids))` for words); MBR trees label the root `S` and every other node
     `X`; Viterbi trees carry the grammar's symbol names."""
 
+    @classmethod
+    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32):
+        """Family instance from verified artifact tensors, moved to `device` / `dtype`."""
+        return cls({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, config)
+
+    @property
+    def num_states(self) -> int:
+        """Nonterminals plus preterminals."""
+        return self.nt + self.pt
+
+
     max_length: int = 200
     chart_elems: int = 1 << 25  # B * n^2 * C entries per chart of one sub-batch
     marginal_elems: int = 1 << 28  # B * n^3 * C / 3 entries kept for back-propagation (1 GiB in float32)

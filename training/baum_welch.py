@@ -17,7 +17,7 @@ from models.base import Batch
 from models.store import save_artifact
 from models.vocab import Vocabulary
 from training import common
-from training.data import load_corpus
+from training.data import load_training_split
 
 
 @dataclass
@@ -141,9 +141,7 @@ def train(ns: argparse.Namespace) -> Path:
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
     device = common.resolve_device(ns.device)
-    vocab, data = load_corpus(ns.data, lowercase=ns.lowercase, min_count=ns.min_count, max_size=ns.max_vocab)
-    train_seqs = data["train"][: ns.train_sentences or None]
-    valid_seqs = data["valid"][: ns.valid_sentences or None]
+    vocab, train_seqs, valid_seqs = load_training_split(ns)
     batches = common.bucket_batches(train_seqs, ns.batch, device=device)
     vbatches = common.bucket_batches(valid_seqs, ns.batch, device=device)
     ckdir = common.checkpoint_dir(ns.store, ns.name)

@@ -154,3 +154,10 @@ def eval_corpus(spec: str, vocab: Vocabulary) -> list[list[int]]:
         return encode_corpus(ptb_sentences(spec[4:]), vocab)
     sents = read_text_files([spec], lowercase=vocab.preprocessing.lowercase)
     return encode_corpus(sents, vocab)
+
+
+def load_training_split(ns) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:
+    """(vocab, train ids, valid ids) for a `latentlm train` namespace: `--data`, vocabulary options and the
+    `--train-sentences` / `--valid-sentences` caps (0 = all)."""
+    vocab, data = load_corpus(ns.data, lowercase=ns.lowercase, min_count=ns.min_count, max_size=ns.max_vocab)
+    return vocab, data["train"][: ns.train_sentences or None], data["valid"][: ns.valid_sentences or None]

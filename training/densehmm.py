@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from training import baum_welch as bw
 from training import common
-from training.data import load_corpus
+from training.data import load_training_split
 
 
 class DenseParams(nn.Module):
@@ -73,9 +73,7 @@ def train(ns: argparse.Namespace) -> Path:
     """`latentlm train --family densehmm [--fit em|cooc]`: export as an `hmm` artifact with vectors."""
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
-    vocab, data = load_corpus(ns.data, lowercase=ns.lowercase, min_count=ns.min_count, max_size=ns.max_vocab)
-    train_seqs = data["train"][: ns.train_sentences or None]
-    valid_seqs = data["valid"][: ns.valid_sentences or None]
+    vocab, train_seqs, valid_seqs = load_training_split(ns)
     V = len(vocab)
     model = DenseParams(ns.states, V, ns.hidden, gen)
     with torch.no_grad():  # start each state at the unigram distribution

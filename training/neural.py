@@ -32,7 +32,7 @@ from models.rank_hmm import RankHMM
 from models.store import save_artifact
 from models.vocab import Vocabulary
 from training import common
-from training.data import load_corpus
+from training.data import load_training_split
 
 
 # -- building blocks ----------------------------------------------------------------------------------
@@ -296,9 +296,7 @@ def train(ns: argparse.Namespace) -> Path:
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
     device = common.resolve_device(ns.device)
-    vocab, data = load_corpus(ns.data, lowercase=ns.lowercase, min_count=ns.min_count, max_size=ns.max_vocab)
-    train_seqs = data["train"][: ns.train_sentences or None]
-    valid_seqs = data["valid"][: ns.valid_sentences or None]
+    vocab, train_seqs, valid_seqs = load_training_split(ns)
     model, extra_files = build(ns, vocab, train_seqs)
     model.to(device)
     blocked = ns.family == "blocked_hmm"
