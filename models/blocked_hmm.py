@@ -54,6 +54,9 @@ class BlockedHMM(ChainFamily):
             raise ArtifactError(f"{where}: tensor 'word_cluster' must be int64, got {wc.dtype}", param="word_cluster")
         if bool(((wc < 0) | (wc >= M)).any()):
             raise ArtifactError(f"{where}: tensor 'word_cluster' has ids outside [0, {M})", param="word_cluster")
+        if "state_vectors" in tensors:
+            sv = tensors["state_vectors"]
+            check_shape(tensors, "state_vectors", (Z, sv.shape[1] if sv.ndim == 2 else 0), where)
         per_state = torch.zeros(M, k, dtype=torch.float64).index_add_(0, wc, emit.double())  # (M, k)
         if bool((emit < 0).any()) or not bool(torch.isfinite(emit).all()):
             raise ArtifactError(f"{where}: tensor 'emit' has negative or non-finite entries", param="emit")

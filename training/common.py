@@ -192,6 +192,25 @@ def curve_png(history: History, title: str) -> bytes:
     return buf.getvalue()
 
 
+def series_png(ys: list[float], *, xs: list[float] | None = None, xlabel: str, ylabel: str, title: str) -> bytes:
+    """One curve (e.g. an EM objective per iteration) as PNG bytes (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    ax.plot(list(range(len(ys))) if xs is None else xs, ys, marker="o")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def provenance(ns: Any, history: History, seconds: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the manifest records about training: settings, data, time, final validation perplexity."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items() if k != "func"}

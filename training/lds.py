@@ -410,23 +410,11 @@ def fit(seqs: list[list[int]], V: int, dim: int, lags: int, em_iters: int, seed:
 
 
 def curve_png(trace: list[float]) -> bytes:
-    import io
+    """ASOS objective per EM iteration (iteration 0 = SSID)."""
+    from training.common import series_png
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(range(len(trace)), trace, marker="o")
-    ax.set_xlabel("EM iteration (0 = SSID)")
-    ax.set_ylabel("ASOS log-likelihood / token")
-    ax.set_title("lds: ASOS EM")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return series_png(trace, xlabel="EM iteration (0 = SSID)", ylabel="ASOS log-likelihood / token",
+                      title="lds: ASOS EM")
 
 
 def train(args: argparse.Namespace) -> Path:

@@ -126,13 +126,16 @@ class VLHMM(nn.Module):
         """Cached `blocked_hmm` tensors (float64-normalised, stored float32)."""
         with torch.no_grad():
             ls, lt, le = (t.double() for t in self.matrices(None))
+            # each state's emission-side representation H_emit (Z, h), served by `embed`
+            state_vectors = self.state_reprs(torch.arange(self.M * self.k, device=self.state_emb.device))["emit"]
         start, trans, emit = ls.exp(), lt.exp(), le.exp()
         per_state = torch.zeros(self.M, self.k, dtype=torch.float64).index_add_(0, self.word_cluster.cpu(),
                                                                                  emit.cpu())
         emit = emit.cpu() / per_state[self.word_cluster.cpu()]
         return {"start": (start / start.sum()).float().cpu(),
                 "trans": (trans / trans.sum(1, keepdim=True)).float().cpu(),
-                "emit": emit.float(), "word_cluster": self.word_cluster.cpu().long()}
+                "emit": emit.float(), "word_cluster": self.word_cluster.cpu().long(),
+                "state_vectors": state_vectors.float().cpu()}
 
 
 def blocked_chain(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, M: int, batch: Batch,

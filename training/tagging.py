@@ -239,23 +239,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def curve_png(curve: list[float]) -> bytes:
-    import io
+    """Joint log-likelihood per EM iteration."""
+    from training.common import series_png
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(range(1, len(curve) + 1), curve, marker="o")
-    ax.set_xlabel("EM iteration")
-    ax.set_ylabel("log p(words, tags) / token")
-    ax.set_title("tagging_hmm: EM on Brown train")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return series_png(curve, xs=list(range(1, len(curve) + 1)), xlabel="EM iteration",
+                      ylabel="log p(words, tags) / token", title="tagging_hmm: EM on Brown train")
 
 
 def run(a: argparse.Namespace) -> dict:

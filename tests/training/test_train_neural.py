@@ -73,6 +73,10 @@ def test_blocked_hmm_few_steps_lower_valid_ppl_and_export(tmp_path):
     assert len((path / "clusters.txt").read_text().splitlines()) == 10000
     model = ops.load_model(tmp_path, ns.name)
     assert ops.run(model, "score", [model.vocab.encode("the company said")])[0]["perplexity"] > 1
+    # the neural VL-HMM carries its states' vectors, so it serves `embed` (posterior-weighted)
+    assert "embed" in model.impl.operations
+    emb = ops.run(model, "embed", [model.vocab.encode("the company said")], causal=False)[0]
+    assert emb["dim"] == 16 and len(emb["embeddings"]) == 4 and len(emb["embeddings"][0]) == 16
 
 
 def test_rank_hmm_few_steps_lower_valid_ppl_export_and_resume(tmp_path):
