@@ -23,6 +23,7 @@ from torch import Tensor
 
 Trans = Tensor | Callable[[int], Tensor]
 NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B*K*K (batches) or T*K*K (one sequence) above which compiled CPU code pays off
+COMPILED_MAX_K = 512  # largest shared matrix for the compiled sum-product kernels (beyond it BLAS GEMMs win)
 
 
 def valid_mask(lengths: Tensor, T: int) -> Tensor:
@@ -44,6 +45,21 @@ def _step_back(vec: Tensor, trans: Trans, t: int, out: Tensor) -> Tensor:
     return torch.bmm(trans(t), vec.unsqueeze(2), out=out.unsqueeze(2)).squeeze(2)
 
 
+def _compiled(emit: Tensor, trans: Trans, *more: Tensor, any_size: bool = False) -> bool:
+    """Whether the compiled CPU sum-product kernels (`models.kernels.forward_cpu` / `backward_cpu`) run
+    this call: a shared matrix on CPU in float32/float64, no autograd, and at most COMPILED_MAX_K states
+    unless `any_size` (one sequence: there is no GEMM to hand to BLAS, only per-step dispatch)."""
+    if not (isinstance(trans, Tensor) and emit.device.type == "cpu" and trans.device.type == "cpu"
+            and emit.dtype in (torch.float32, torch.float64) and trans.dtype == emit.dtype
+            and (any_size or trans.shape[-1] <= COMPILED_MAX_K)):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (emit, trans, *more)):
+        return False
+    from models import kernels
+
+    return kernels.HAVE_NUMBA
+
+
 def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:
     """(B, T, K) -> (T, B, K) contiguous emission likelihoods with padding positions set to 1, so
     padding can never produce 0/0 and each step reads one contiguous (B, K) slab."""
@@ -59,15 +75,10 @@ def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_a
     `log_cond.sum(1)` is log p(x); -inf once a sequence has probability 0), and, with `keep_alphas`,
     the filtered marginals p(z_t | x_<=t) (B, T, K). O(B T K^2) time; four tensor ops per step."""
     B, T, K = emit.shape
-    if (not keep_alphas and B == 1 and emit.device.type == "cpu" and isinstance(trans, Tensor)
-            and not emit.requires_grad and T * K * K >= NATIVE_MAXPLUS_MIN_WORK):
+    if _compiled(emit, trans, init, any_size=B == 1 and not keep_alphas):
         from models import kernels
 
-        if kernels.HAVE_NUMBA:  # one long sequence: the whole recursion in compiled code
-            L = int(lengths[0])
-            log_cond = emit.new_zeros(1, T)
-            log_cond[0, :L] = kernels.forward_one_cpu(init[0], emit[0, :L], trans)
-            return log_cond, None
+        return kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=keep_alphas, threads=torch.get_num_threads())
     emit_t = _pad_emit(emit, lengths)  # (T, B, K)
     scales = emit.new_empty(T, B, 1)
     alphas = emit.new_empty(T, B, K) if keep_alphas else emit.new_empty(2, B, K)
@@ -93,6 +104,10 @@ def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor) -> T
 
     Returns (B, T, K); beta = 1 at each sequence's last position and at padding. O(B T K^2)."""
     B, T, K = emit.shape
+    if _compiled(emit, trans):
+        from models import kernels
+
+        return kernels.backward_cpu(emit, trans, lengths, log_cond, threads=torch.get_num_threads())
     # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
     emit_scaled = _pad_emit(emit, lengths) / log_cond.T.exp().unsqueeze(-1)
     betas = emit.new_ones(T, B, K)
@@ -106,6 +121,11 @@ def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor) -> T
 def posterior(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
     """Per-position marginals p(z_t | x) (B, T, K) (zeros at padding) and `log_cond` (B, T)."""
     log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
+    if _compiled(emit, trans, init):  # the posteriors overwrite the alphas in place: one (B, T, K) tensor
+        from models import kernels
+
+        return kernels.backward_cpu(emit, trans, lengths, log_cond, threads=torch.get_num_threads(),
+                                    alphas=alphas), log_cond
     betas = backward(emit, trans, lengths, log_cond)
     gamma = alphas * betas
     gamma = gamma / gamma.sum(-1, keepdim=True).clamp_min(torch.finfo(gamma.dtype).tiny)

@@ -8,6 +8,9 @@ runs memory-bound (~0.3 G entries/s on 2 cores); this kernel streams `log_trans`
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -99,38 +102,7 @@ def _make_kernels(scalar):  # pragma: no cover - compiled
             path[t - 1] = state
         return best
 
-    @njit(nogil=True, fastmath={"contract", "reassoc"})
-    def forward_one(init, emit, trans, log_scales):
-        """Scaled forward of one sequence: init (K,), emit (T, K), trans (K, K) -> log_scales (T,) float64.
-        alpha_t = (alpha_{t-1} @ trans) * emit_t, renormalised every step; the row update vectorises."""
-        T, K = emit.shape
-        alpha = init * emit[0]
-        nxt = np.empty_like(alpha)
-        for t in range(T):
-            if t > 0:
-                nxt[:] = 0.0
-                for i in range(K):
-                    a = alpha[i]
-                    if a != 0.0:
-                        row = trans[i]
-                        for j in range(K):
-                            nxt[j] += a * row[j]
-                for j in range(K):
-                    alpha[j] = nxt[j] * emit[t, j]
-            c = 0.0
-            for j in range(K):
-                c += alpha[j]
-            log_scales[t] = np.log(c) if c > 0 else -np.inf
-            if c > 0:
-                inv = 1.0 / c
-                for j in range(K):
-                    alpha[j] *= inv
-            else:
-                for t2 in range(t + 1, T):
-                    log_scales[t2] = -np.inf
-                break
-
-    return serial, viterbi_one, forward_one
+    return serial, viterbi_one
 
 
 _KERNELS: dict = {}
@@ -156,15 +128,6 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     arg = np.empty_like(d)
     _kernels(d.dtype)[0](d, a, cm, order, val, arg)
     return torch.from_numpy(val), torch.from_numpy(arg).long()
-
-
-def forward_one_cpu(init: Tensor, emit: Tensor, trans: Tensor) -> Tensor:
-    """log p(x_t | x_<t) (T,) of one sequence: init (K,), emit (T, K), trans (K, K). O(T K^2), no per-step
-    interpreter work (a long sequence on CPU is otherwise dominated by per-step dispatch)."""
-    e = np.ascontiguousarray(emit.detach().numpy())
-    out = np.empty(e.shape[0], dtype=np.float64)
-    _kernels(e.dtype)[2](np.ascontiguousarray(init.numpy()), e, np.ascontiguousarray(trans.numpy()), out)
-    return torch.from_numpy(out).to(emit.dtype)
 
 
 def viterbi_one_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, col_max: Tensor) -> tuple[Tensor, float]:
@@ -225,3 +188,389 @@ def alias_tables(probs: Tensor) -> tuple[Tensor, Tensor]:
     alias = np.empty(p.shape, dtype=np.int64)
     _alias_rows(p, accept, alias)
     return torch.from_numpy(accept), torch.from_numpy(alias)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sum-product (scaled forward / backward) on CPU.
+#
+# A batch step is alpha (B, K) @ trans (K, K). At the sizes served here (K <= 512, tens of sequences) a
+# BLAS call per step spends as long in dispatch, threading and the separate emission / normalisation
+# passes as in the product itself. These kernels run the whole recursion of a group of ROWS sequences in
+# compiled code: each streamed row of `trans` (cache-resident) feeds ROWS x 4 fused multiply-adds, and
+# the emission product, normaliser and log of the scale happen in the same sweep. Groups are independent,
+# so threads split them with no synchronisation at all (`run_groups`).
+
+ROWS = 4  # sequences per group
+
+
+if HAVE_NUMBA:
+    _FM = {"contract", "reassoc"}  # vectorised reductions; never assumes finite values (-inf is data here)
+
+    @njit(nogil=True, fastmath=_FM, inline="always", cache=True)
+    def _rows_matmul(x, mat, out):  # pragma: no cover - compiled
+        """out = x @ mat for x, out (ROWS, K), mat (K, K): four source rows per sweep, 16 FMAs per load."""
+        K = mat.shape[0]
+        x0 = x[0]
+        x1 = x[1]
+        x2 = x[2]
+        x3 = x[3]
+        o0 = out[0]
+        o1 = out[1]
+        o2 = out[2]
+        o3 = out[3]
+        for j in range(K):
+            o0[j] = 0.0
+            o1[j] = 0.0
+            o2[j] = 0.0
+            o3[j] = 0.0
+        K4 = K - K % 4
+        for i in range(0, K4, 4):
+            p0 = mat[i]
+            p1 = mat[i + 1]
+            p2 = mat[i + 2]
+            p3 = mat[i + 3]
+            a00, a01, a02, a03 = x0[i], x0[i + 1], x0[i + 2], x0[i + 3]
+            a10, a11, a12, a13 = x1[i], x1[i + 1], x1[i + 2], x1[i + 3]
+            a20, a21, a22, a23 = x2[i], x2[i + 1], x2[i + 2], x2[i + 3]
+            a30, a31, a32, a33 = x3[i], x3[i + 1], x3[i + 2], x3[i + 3]
+            for j in range(K):
+                q0 = p0[j]
+                q1 = p1[j]
+                q2 = p2[j]
+                q3 = p3[j]
+                o0[j] += (a00 * q0 + a01 * q1) + (a02 * q2 + a03 * q3)
+                o1[j] += (a10 * q0 + a11 * q1) + (a12 * q2 + a13 * q3)
+                o2[j] += (a20 * q0 + a21 * q1) + (a22 * q2 + a23 * q3)
+                o3[j] += (a30 * q0 + a31 * q1) + (a32 * q2 + a33 * q3)
+        for i in range(K4, K):
+            p = mat[i]
+            a0, a1, a2, a3 = x0[i], x1[i], x2[i], x3[i]
+            for j in range(K):
+                q = p[j]
+                o0[j] += a0 * q
+                o1[j] += a1 * q
+                o2[j] += a2 * q
+                o3[j] += a3 * q
+
+    @njit(nogil=True, fastmath=_FM, cache=True)
+    def forward_groups(init, emit, trans, lengths, order, log_cond, alphas, keep, first, stride):  # pragma: no cover
+        """Scaled forward of groups first, first + stride, ... of ROWS sequences (rows `order[4g:4g+4]`).
+
+        init (B, K), emit (B, T, K), trans (K, K), lengths (B,) -> log_cond (B, T) float64 (log p(x_t | x_<t);
+        left untouched at padding; -inf from an impossible step on) and, when `keep`, the filtered marginals
+        into alphas (B, T, K) (left untouched at padding). O(B T K^2)."""
+        B, T, K = emit.shape
+        x = np.zeros((ROWS, K), dtype=emit.dtype)
+        y = np.zeros((ROWS, K), dtype=emit.dtype)
+        for g in range(first, (B + ROWS - 1) // ROWS, stride):
+            g0 = g * ROWS
+            n = min(ROWS, B - g0)
+            t_max = 0
+            for r in range(n):
+                t_max = max(t_max, lengths[order[g0 + r]])
+            x[:] = 0.0
+            for t in range(t_max):
+                if t > 0:
+                    _rows_matmul(x, trans, y)
+                for r in range(n):
+                    b = order[g0 + r]
+                    if t >= lengths[b]:
+                        continue
+                    src = init[b] if t == 0 else y[r]
+                    e = emit[b, t]
+                    xr = x[r]
+                    c = 0.0
+                    for j in range(K):
+                        v = src[j] * e[j]
+                        xr[j] = v
+                        c += v
+                    if c > 0.0 and (t == 0 or log_cond[b, t - 1] > -np.inf):
+                        log_cond[b, t] = np.log(c)
+                        inv = xr.dtype.type(1.0 / c)
+                        for j in range(K):
+                            xr[j] *= inv
+                    else:  # impossible from here on
+                        log_cond[b, t] = -np.inf
+                        xr[:] = 0.0
+                    if keep:
+                        alphas[b, t] = xr
+
+    @njit(nogil=True, fastmath=_FM, cache=True)
+    def backward_groups(emit, trans_t, lengths, order, log_cond, out, to_gamma, first, stride):  # pragma: no cover
+        """Scaled backward matching `forward_groups`' scales, beta_{t-1} = trans @ (emit_t * beta_t / c_t).
+
+        trans_t is trans transposed (contiguous). Without `to_gamma`, out (B, T, K) receives the betas (1 at
+        the last position and at padding). With `to_gamma`, out holds the alphas and is overwritten in place
+        by the posteriors p(z_t | x) = alpha_t beta_t / sum (0 at padding and for impossible sequences):
+        no (B, T, K) beta tensor is ever allocated. O(B T K^2)."""
+        B, T, K = emit.shape
+        x = np.ones((ROWS, K), dtype=emit.dtype)
+        v = np.zeros((ROWS, K), dtype=emit.dtype)
+        y = np.zeros((ROWS, K), dtype=emit.dtype)
+        for g in range(first, (B + ROWS - 1) // ROWS, stride):
+            g0 = g * ROWS
+            n = min(ROWS, B - g0)
+            t_max = 0
+            for r in range(n):
+                t_max = max(t_max, lengths[order[g0 + r]])
+            x[:] = 1.0
+            v[:] = 0.0
+            for t in range(T - 1, -1, -1):
+                for r in range(n):
+                    b = order[g0 + r]
+                    L = lengths[b]
+                    xr = x[r]
+                    o = out[b, t]
+                    if t >= L:
+                        o[:] = 0.0 if to_gamma else 1.0
+                        continue
+                    if to_gamma:
+                        s = 0.0
+                        for j in range(K):
+                            w = o[j] * xr[j]
+                            o[j] = w
+                            s += w
+                        if s > 0.0:
+                            inv = o.dtype.type(1.0 / s)
+                            for j in range(K):
+                                o[j] *= inv
+                        else:
+                            o[:] = 0.0
+                    else:
+                        o[:] = xr
+                    if t > 0:
+                        vr = v[r]
+                        lc = log_cond[b, t]
+                        if lc > -np.inf:
+                            inv_c = vr.dtype.type(np.exp(-lc))
+                            e = emit[b, t]
+                            for j in range(K):
+                                vr[j] = e[j] * xr[j] * inv_c
+                        else:
+                            vr[:] = 0.0
+                if t == 0 or t >= t_max:
+                    continue
+                _rows_matmul(v, trans_t, y)
+                for r in range(n):
+                    if t <= lengths[order[g0 + r]] - 1:
+                        x[r] = y[r]
+
+    @njit(nogil=True, fastmath=_FM, inline="always", cache=True)
+    def _vec_matmul_cols(x, mat, out, j0, j1):  # pragma: no cover - compiled
+        """out[j0:j1] = (x @ mat)[j0:j1] for x (K,), mat (K, K): eight source rows per sweep of a row slice
+        (a matrix-vector product is bound by streaming `mat`; this keeps the accumulator traffic below it)."""
+        K = mat.shape[0]
+        o = out[j0:j1]
+        o[:] = 0.0
+        K8 = K - K % 8
+        for i in range(0, K8, 8):
+            a0, a1, a2, a3 = x[i], x[i + 1], x[i + 2], x[i + 3]
+            a4, a5, a6, a7 = x[i + 4], x[i + 5], x[i + 6], x[i + 7]
+            p0 = mat[i, j0:j1]
+            p1 = mat[i + 1, j0:j1]
+            p2 = mat[i + 2, j0:j1]
+            p3 = mat[i + 3, j0:j1]
+            p4 = mat[i + 4, j0:j1]
+            p5 = mat[i + 5, j0:j1]
+            p6 = mat[i + 6, j0:j1]
+            p7 = mat[i + 7, j0:j1]
+            for j in range(j1 - j0):
+                o[j] += ((a0 * p0[j] + a1 * p1[j]) + (a2 * p2[j] + a3 * p3[j])) + (
+                    (a4 * p4[j] + a5 * p5[j]) + (a6 * p6[j] + a7 * p7[j]))
+        for i in range(K8, K):
+            a = x[i]
+            p = mat[i, j0:j1]
+            for j in range(j1 - j0):
+                o[j] += a * p[j]
+
+    @njit(nogil=True, fastmath=_FM, cache=True)
+    def forward_one(init, emit, trans, log_cond):  # pragma: no cover - compiled
+        """Scaled forward of one sequence: init (K,), emit (T, K), trans (K, K) -> log_cond (T,) float64.
+        O(T K^2), one pass over `trans` per step and no interpreter work between steps."""
+        T, K = emit.shape
+        alpha = np.empty(K, dtype=emit.dtype)
+        nxt = np.empty(K, dtype=emit.dtype)
+        for t in range(T):
+            if t > 0:
+                _vec_matmul_cols(alpha, trans, nxt, 0, K)
+            src = init if t == 0 else nxt
+            e = emit[t]
+            c = 0.0
+            for j in range(K):
+                v = src[j] * e[j]
+                alpha[j] = v
+                c += v
+            if not c > 0.0:
+                log_cond[t:] = -np.inf
+                return
+            log_cond[t] = np.log(c)
+            inv = alpha.dtype.type(1.0 / c)
+            for j in range(K):
+                alpha[j] *= inv
+
+    from numba.core import cgutils, types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def _load_acquire(typingctx, arr, idx):  # pragma: no cover - compiled
+        """arr[idx] (int64) read with acquire ordering: a spin loop on it is never hoisted or torn."""
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]], wraparound=False)
+            return builder.load_atomic(ptr, "acquire", 8)
+        return types.int64(arr, idx), codegen
+
+    @intrinsic
+    def _store_release(typingctx, arr, idx, val):  # pragma: no cover - compiled
+        """arr[idx] = val (int64) with release ordering: every earlier write is visible to an acquirer."""
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, sig.args[0], ary, [args[1]], wraparound=False)
+            builder.store_atomic(args[2], ptr, "release", 8)
+            return context.get_dummy_value()
+        return types.void(arr, idx, val), codegen
+
+    _libc = ctypes.CDLL(None)
+    _sched_yield = _libc.sched_yield
+    _sched_yield.restype = ctypes.c_int
+    _sched_yield.argtypes = []
+    SPINS_BEFORE_YIELD = 2000
+
+    @njit(nogil=True, fastmath=_FM)
+    def forward_one_split(init, emit, trans, log_cond, shared, partial, flags, tid, j0, j1):  # pragma: no cover
+        """One of two threads of the scaled forward of one sequence; thread `tid` owns columns [j0, j1).
+
+        Each step a thread multiplies the whole previous alpha by its column slice of `trans` (so each
+        thread streams only its half of the matrix, which stays in its own core's cache), publishes its
+        slice of the new unnormalised alpha and its partial normaliser, and waits for the other thread's
+        (release/acquire step counters; after SPINS_BEFORE_YIELD polls it yields the core). shared (2, K)
+        and partial (2, 2) float64 are double-buffered by step parity; flags (32,) int64 holds the two
+        counters on separate cache lines. Both threads form the same total c_t; thread 0 writes log_cond.
+        Same result as `forward_one` up to float rounding. O(T K^2 / 2) per thread."""
+        T, K = emit.shape
+        other = 1 - tid
+        nxt = np.zeros(K, dtype=emit.dtype)
+        inv_prev = 1.0
+        for t in range(T):
+            buf = shared[t % 2]
+            if t > 0:
+                _vec_matmul_cols(shared[(t - 1) % 2], trans, nxt, j0, j1)
+            scale = buf.dtype.type(inv_prev)
+            src = init if t == 0 else nxt
+            if t == 0:
+                scale = buf.dtype.type(1.0)
+            e = emit[t]
+            c = 0.0
+            for j in range(j0, j1):
+                v = src[j] * scale * e[j]
+                buf[j] = v
+                c += v
+            partial[t % 2, tid] = c
+            _store_release(flags, tid * 16, t + 1)
+            spins = 0
+            while _load_acquire(flags, other * 16) < t + 1:
+                spins += 1
+                if spins >= SPINS_BEFORE_YIELD:
+                    _sched_yield()
+                    spins = 0
+            total = partial[t % 2, 0] + partial[t % 2, 1]
+            if not total > 0.0:
+                if tid == 0:
+                    log_cond[t:] = -np.inf
+                return
+            if tid == 0:
+                log_cond[t] = np.log(total)
+            inv_prev = 1.0 / total
+
+
+_POOL: list = []
+_POOL_LOCK = threading.Lock()
+SPLIT_MIN_K = 128  # below this a step is too short to amortise two threads meeting every step
+SPLIT_MIN_WORK = 1 << 24  # T K^2 above which starting a second thread for one sequence pays off
+
+
+def _pool(workers: int):
+    """A process-wide pool of `workers` helper threads (grown on demand, never shrunk)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _POOL_LOCK:
+        if not _POOL or _POOL[0]._max_workers < workers:
+            _POOL[:] = [ThreadPoolExecutor(max_workers=workers, thread_name_prefix="latentlm-chain")]
+        return _POOL[0]
+
+
+def run_groups(kernel, num_rows: int, args: tuple, threads: int) -> None:
+    """Run `kernel(*args, first, stride)` over the ROWS-sequence groups of `num_rows` rows on `threads`
+    threads: thread k takes groups k, k + threads, ... (rows sorted by length, so this balances work)."""
+    groups = (num_rows + ROWS - 1) // ROWS
+    threads = max(1, min(threads, groups))
+    if threads == 1:
+        kernel(*args, 0, 1)
+        return
+    futures = [_pool(threads - 1).submit(kernel, *args, k, threads) for k in range(1, threads)]
+    kernel(*args, 0, threads)
+    for f in futures:
+        f.result()
+
+
+def _np(x: Tensor) -> np.ndarray:
+    return np.ascontiguousarray(x.detach().numpy())
+
+
+def _length_order(lengths: np.ndarray) -> np.ndarray:
+    return np.argsort(-lengths, kind="stable")
+
+
+def forward_cpu(init: Tensor, emit: Tensor, trans: Tensor, lengths: Tensor, *, keep_alphas: bool,
+                threads: int) -> tuple[Tensor, Tensor | None]:
+    """Scaled forward on CPU in compiled code: init (B, K), emit (B, T, K), trans (K, K), lengths (B,) ->
+    log_cond (B, T) in emit's dtype (0 at padding) and, with `keep_alphas`, filtered marginals (B, T, K)
+    (0 at padding). One sequence runs `forward_one` (split over two threads when large); a batch runs
+    `forward_groups` with groups spread over `threads`. O(B T K^2)."""
+    B, T, K = emit.shape
+    e, a, L = _np(emit), _np(trans), lengths.numpy().astype(np.int64)
+    log_cond = np.zeros((B, T), dtype=np.float64)
+    if B == 1 and not keep_alphas:
+        n = int(L[0])
+        _forward_one_np(_np(init[0]), e[0, :n], a, log_cond[0, :n], threads)
+    else:
+        alphas = np.zeros((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
+        run_groups(forward_groups, B, (_np(init), e, a, L, _length_order(L), log_cond, alphas, keep_alphas), threads)
+    out = torch.from_numpy(log_cond).to(emit.dtype)
+    return out, (torch.from_numpy(alphas) if keep_alphas else None)
+
+
+def _forward_one_np(init: np.ndarray, emit: np.ndarray, trans: np.ndarray, log_cond: np.ndarray,
+                    threads: int) -> None:
+    T, K = emit.shape
+    if threads < 2 or K < SPLIT_MIN_K or T * K * K < SPLIT_MIN_WORK:
+        forward_one(init, emit, trans, log_cond)
+        return
+    half = (K // 2 + 15) // 16 * 16  # 64-byte aligned column split
+    shared = np.zeros((2, K), dtype=emit.dtype)
+    partial = np.zeros((2, 2), dtype=np.float64)
+    flags = np.zeros(32, dtype=np.int64)
+    helper = threading.Thread(target=forward_one_split,
+                              args=(init, emit, trans, log_cond, shared, partial, flags, 1, half, K))
+    helper.start()
+    forward_one_split(init, emit, trans, log_cond, shared, partial, flags, 0, 0, half)
+    helper.join()
+
+
+def backward_cpu(emit: Tensor, trans: Tensor, lengths: Tensor, log_cond: Tensor, *, threads: int,
+                 alphas: Tensor | None = None) -> Tensor:
+    """Scaled backward on CPU in compiled code, with `forward_cpu`'s scales `log_cond` (B, T).
+
+    Without `alphas`: the betas (B, T, K) (1 at the last position and at padding). With `alphas` (as
+    returned by `forward_cpu`): the posteriors p(z_t | x) (B, T, K), written into `alphas` in place (0 at
+    padding), so a posterior needs one (B, T, K) tensor, not three. O(B T K^2)."""
+    B, T, K = emit.shape
+    e, L = _np(emit), lengths.numpy().astype(np.int64)
+    trans_t = np.ascontiguousarray(trans.detach().numpy().T)
+    lc = np.ascontiguousarray(log_cond.detach().double().numpy())
+    if alphas is None:
+        out = np.empty((B, T, K), dtype=e.dtype)
+    else:
+        out = alphas.numpy()
+    run_groups(backward_groups, B, (e, trans_t, L, _length_order(L), lc, out, alphas is not None), threads)
+    return alphas if alphas is not None else torch.from_numpy(out)

@@ -1,0 +1,118 @@
+"""The compiled CPU sum-product kernels (models.kernels) against the plain PyTorch recursion of
+models.chain, over random shapes, lengths, thread counts and dtypes, including impossible sequences and
+the two-thread single-sequence forward."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models import chain, kernels
+
+pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba unavailable")
+
+
+def random_chain(B: int, T: int, K: int, seed: int, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    trans = torch.rand(K, K, generator=g, dtype=dtype) ** 3
+    trans /= trans.sum(1, keepdim=True)
+    init = torch.rand(B, K, generator=g, dtype=dtype)
+    init /= init.sum(1, keepdim=True)
+    emit = torch.rand(B, T, K, generator=g, dtype=dtype) * 0.01
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    return init, emit, trans, lengths
+
+
+def plain(fn, *args, **kw):
+    """Run a models.chain function on its plain PyTorch path."""
+    saved = chain._compiled
+    chain._compiled = lambda *a, **k: False
+    try:
+        return fn(*args, **kw)
+    finally:
+        chain._compiled = saved
+
+
+@settings(max_examples=25, deadline=None)
+@given(B=st.integers(1, 11), T=st.integers(1, 9), K=st.integers(1, 13), threads=st.integers(1, 3),
+       seed=st.integers(0, 10_000))
+def test_forward_backward_posterior_match_plain(B, T, K, threads, seed):
+    init, emit, trans, lengths = random_chain(B, T, K, seed)
+    ref_cond, ref_alpha = plain(chain.forward, init, emit, trans, lengths, keep_alphas=True)
+    cond, alpha = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=True, threads=threads)
+    mask = chain.valid_mask(lengths, T)
+    torch.testing.assert_close(cond, ref_cond, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(alpha[mask], ref_alpha[mask], rtol=1e-10, atol=1e-12)
+    assert (alpha[~mask] == 0).all()
+    cond1, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=threads)
+    torch.testing.assert_close(cond1, ref_cond, rtol=1e-12, atol=1e-12)
+    betas = kernels.backward_cpu(emit, trans, lengths, cond, threads=threads)
+    torch.testing.assert_close(betas, plain(chain.backward, emit, trans, lengths, ref_cond), rtol=1e-9, atol=1e-12)
+    gamma = kernels.backward_cpu(emit, trans, lengths, cond, threads=threads, alphas=alpha)
+    ref_gamma, _ = plain(chain.posterior, init, emit, trans, lengths)
+    torch.testing.assert_close(gamma, ref_gamma, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
+def test_batch_equals_one_at_a_time(dtype, tol):
+    init, emit, trans, lengths = random_chain(9, 40, 70, seed=3, dtype=dtype)
+    cond, _ = chain.forward(init, emit, trans, lengths)
+    gamma, _ = chain.posterior(init, emit, trans, lengths)
+    for b in range(9):
+        n = int(lengths[b])
+        c1, _ = chain.forward(init[b : b + 1], emit[b : b + 1, :n], trans, lengths[b : b + 1])
+        g1, _ = chain.posterior(init[b : b + 1], emit[b : b + 1, :n], trans, lengths[b : b + 1])
+        torch.testing.assert_close(cond[b, :n], c1[0], rtol=tol, atol=tol)
+        torch.testing.assert_close(gamma[b, :n], g1[0], rtol=tol, atol=tol)
+        assert (cond[b, n:] == 0).all() and (gamma[b, n:] == 0).all()
+
+
+def test_impossible_sequences_are_minus_inf_from_the_first_zero_step():
+    init, emit, trans, lengths = random_chain(6, 8, 5, seed=1)
+    lengths[:] = 8
+    emit[2, 3] = 0.0  # impossible from position 3 on
+    emit[4, 0] = 0.0  # impossible from the start
+    cond, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=2)
+    ref, _ = plain(chain.forward, init, emit, trans, lengths)
+    assert torch.equal(torch.isinf(cond), torch.isinf(ref))
+    assert torch.isinf(cond[2, 3:]).all() and torch.isfinite(cond[2, :3]).all() and torch.isinf(cond[4]).all()
+    ok = torch.tensor([0, 1, 3, 5])
+    torch.testing.assert_close(cond[ok], ref[ok])
+    gamma, _ = chain.posterior(init, emit, trans, lengths)
+    assert torch.isfinite(gamma).all() and (gamma[4] == 0).all()
+    one, _ = kernels.forward_cpu(init[2:3], emit[2:3], trans, lengths[2:3], keep_alphas=False, threads=1)
+    assert torch.isinf(one[0, 3:]).all() and math.isfinite(one[0, 2].item())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("K", [128, 200])
+def test_two_thread_single_sequence_forward(monkeypatch, dtype, tol, K):
+    """The column-split forward (two threads meeting every step) equals the one-thread recursion."""
+    init, emit, trans, lengths = random_chain(1, 300, K, seed=K, dtype=dtype)
+    lengths[:] = 300
+    one, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=1)
+    monkeypatch.setattr(kernels, "SPLIT_MIN_WORK", 1)
+    two, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=2)
+    ref, _ = plain(chain.forward, init, emit, trans, lengths)
+    torch.testing.assert_close(two, one, rtol=tol, atol=tol)
+    torch.testing.assert_close(two, ref, rtol=tol, atol=tol)
+    emit[0, 123] = 0.0  # both threads must stop at the same step
+    dead, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=2)
+    assert torch.isinf(dead[0, 123:]).all() and torch.isfinite(dead[0, :123]).all()
+
+
+def test_autograd_and_other_devices_take_the_plain_path():
+    init, emit, trans, lengths = random_chain(3, 4, 5, seed=0)
+    trans.requires_grad_(True)
+    assert not chain._compiled(emit, trans, init)
+    with torch.no_grad():
+        assert chain._compiled(emit, trans, init)
+    assert not chain._compiled(emit, lambda t: trans)
+    assert not chain._compiled(emit.float(), trans.detach())  # mixed dtypes
+    assert not chain._compiled(emit, torch.eye(chain.COMPILED_MAX_K + 1, dtype=emit.dtype))
+    assert chain._compiled(emit, torch.eye(chain.COMPILED_MAX_K + 1, dtype=emit.dtype), any_size=True)
