@@ -99,39 +99,47 @@ def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_a
     return log_cond, (alphas.transpose(0, 1) if keep_alphas else None)
 
 
-def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor) -> Tensor:
+def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alphas: Tensor | None = None
+             ) -> Tensor:
     """Scaled backward pass matching `forward`'s scales: beta_t such that alpha_t * beta_t = p(z_t | x).
 
-    Returns (B, T, K); beta = 1 at each sequence's last position and at padding. O(B T K^2)."""
+    Returns the betas (B, T, K), 1 at each sequence's last position and at padding. With `alphas` (the
+    filtered marginals (B, T, K) from `forward`), returns instead the posteriors p(z_t | x) (0 at padding),
+    written into `alphas` in place step by step: no (B, T, K) beta tensor is kept. O(B T K^2)."""
     B, T, K = emit.shape
     if _compiled(emit, trans):
         from models import kernels
 
-        return kernels.backward_cpu(emit, trans, lengths, log_cond, threads=torch.get_num_threads())
+        return kernels.backward_cpu(emit, trans, lengths, log_cond, threads=torch.get_num_threads(), alphas=alphas)
     # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
     emit_scaled = _pad_emit(emit, lengths) / log_cond.T.exp().unsqueeze(-1)
-    betas = emit.new_ones(T, B, K)
     not_started = (torch.arange(T, device=lengths.device)[:, None] >= (lengths - 1)[None, :]).unsqueeze(-1)
-    for t in range(T - 2, -1, -1):
-        beta = _step_back(betas[t + 1] * emit_scaled[t + 1], trans, t + 1, betas[t])
-        beta.masked_fill_(not_started[t], 1.0)
-    return betas.transpose(0, 1)
+    if alphas is None:
+        betas = emit.new_ones(T, B, K)
+        for t in range(T - 2, -1, -1):
+            beta = _step_back(betas[t + 1] * emit_scaled[t + 1], trans, t + 1, betas[t])
+            beta.masked_fill_(not_started[t], 1.0)
+        return betas.transpose(0, 1)
+    gamma = alphas.transpose(0, 1)  # (T, B, K); a view of forward's own (T, B, K) storage
+    beta, scaled = emit.new_ones(B, K), emit.new_empty(B, K)
+    spare = [emit.new_empty(B, K), emit.new_empty(B, K)]
+    tiny = torch.finfo(emit.dtype).tiny
+    for t in range(T - 1, -1, -1):
+        if t < T - 1:
+            torch.mul(beta, emit_scaled[t + 1], out=scaled)
+            beta = _step_back(scaled, trans, t + 1, spare[t % 2])
+            beta.masked_fill_(not_started[t], 1.0)
+        g = gamma[t].mul_(beta)
+        g.div_(g.sum(-1, keepdim=True).clamp_min_(tiny))
+    gamma.masked_fill_(~valid_mask(lengths, T).T.unsqueeze(-1), 0.0)
+    return alphas
 
 
 def posterior(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-position marginals p(z_t | x) (B, T, K) (zeros at padding) and `log_cond` (B, T)."""
+    """Per-position marginals p(z_t | x) (B, T, K) (zeros at padding) and `log_cond` (B, T).
+    One (B, T, K) tensor: the filtered marginals are turned into posteriors in place. O(B T K^2)."""
     log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
-    if _compiled(emit, trans, init):  # the posteriors overwrite the alphas in place: one (B, T, K) tensor
-        from models import kernels
-
-        return kernels.backward_cpu(emit, trans, lengths, log_cond, threads=torch.get_num_threads(),
-                                    alphas=alphas), log_cond
-    betas = backward(emit, trans, lengths, log_cond)
-    gamma = alphas * betas
-    gamma = gamma / gamma.sum(-1, keepdim=True).clamp_min(torch.finfo(gamma.dtype).tiny)
-    gamma = torch.where(valid_mask(lengths, emit.shape[1]).unsqueeze(-1), gamma, torch.zeros((), dtype=gamma.dtype,
-                                                                                              device=gamma.device))
-    return gamma, log_cond
+    return backward(emit, trans, lengths, log_cond, alphas=alphas), log_cond
 
 
 def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_max: Tensor | None = None
