@@ -8,7 +8,6 @@ runs memory-bound (~0.3 G entries/s on 2 cores); this kernel streams `log_trans`
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import numpy as np
@@ -26,13 +25,12 @@ BLOCK = 256  # columns per task: a block of running maxima and argmaxes stays in
 CHECK_EVERY = 16  # sources between pruning checks
 
 
-def _make_kernels(scalar):  # pragma: no cover - compiled
-    """The (max, +) kernel for one float type (single-threaded: numba's thread pool costs milliseconds
-    per call on a busy 2-core machine, more than the work itself). Each task is a (row b, column block)
-    pair; the argmax is kept in the value's float type so the compare/select pairs vectorise (exact for
-    K < 2**24)."""
+if HAVE_NUMBA:
 
-    def body(delta, log_trans, col_max, order, out_val, out_arg, task, n_blocks):
+    @njit(nogil=True, inline="always", cache=True)
+    def _maxplus_task(delta, log_trans, col_max, order, out_val, out_arg, task, n_blocks):  # pragma: no cover
+        """One (row b, column block) task of the (max, +) product. The argmax is kept in the value's float
+        type so the compare/select pairs vectorise (exact for K < 2**24)."""
         K = delta.shape[1]
         b = task // n_blocks
         j0 = (task % n_blocks) * BLOCK
@@ -56,23 +54,23 @@ def _make_kernels(scalar):  # pragma: no cover - compiled
                 if done:
                     break
             row = log_trans[i, j0:j1]
-            fi = scalar(i)
+            fi = arg.dtype.type(i)
             for j in range(j1 - j0):
                 v = di + row[j]
                 better = v > best[j]
                 best[j] = v if better else best[j]
                 arg[j] = fi if better else arg[j]
 
-    jbody = njit(nogil=True, inline="always")(body)
-
-    @njit(nogil=True)
-    def serial(delta, log_trans, col_max, order, out_val, out_arg):
+    @njit(nogil=True, cache=True)
+    def maxplus_serial(delta, log_trans, col_max, order, out_val, out_arg):  # pragma: no cover - compiled
+        """(max, +) product of every row, single-threaded (numba's thread pool costs milliseconds per call
+        on a busy 2-core machine, more than the work itself)."""
         n_blocks = (delta.shape[1] + BLOCK - 1) // BLOCK
         for task in range(delta.shape[0] * n_blocks):
-            jbody(delta, log_trans, col_max, order, out_val, out_arg, task, n_blocks)
+            _maxplus_task(delta, log_trans, col_max, order, out_val, out_arg, task, n_blocks)
 
-    @njit(nogil=True)
-    def viterbi_one(log_init, log_emit, log_trans, col_max, back, path):
+    @njit(nogil=True, cache=True)
+    def viterbi_one(log_init, log_emit, log_trans, col_max, back, path):  # pragma: no cover - compiled
         """Whole Viterbi recursion of one sequence in compiled code (no per-step interpreter work):
         log_init (K,), log_emit (T, K), back (T, K) scratch, path (T,) out. Returns the float64 score."""
         T, K = log_emit.shape
@@ -86,7 +84,7 @@ def _make_kernels(scalar):  # pragma: no cover - compiled
                     delta[0, j] = log_init[j] + log_emit[0, j]
             else:
                 order[0, :] = np.argsort(-delta[0], kind="mergesort")
-                serial(delta, log_trans, col_max, order, val, back[t : t + 1])
+                maxplus_serial(delta, log_trans, col_max, order, val, back[t : t + 1])
                 for j in range(K):
                     delta[0, j] = val[0, j] + log_emit[t, j]
             top = delta[0].max()
@@ -102,17 +100,6 @@ def _make_kernels(scalar):  # pragma: no cover - compiled
             path[t - 1] = state
         return best
 
-    return serial, viterbi_one
-
-
-_KERNELS: dict = {}
-
-
-def _kernels(dtype: np.dtype):
-    if dtype not in _KERNELS:
-        _KERNELS[dtype] = _make_kernels(np.float32 if dtype == np.float32 else np.float64)
-    return _KERNELS[dtype]
-
 
 def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(B, K) x (K, K) -> values (B, K), argmax (B, K) int64; CPU float32/float64. O(B K^2) worst case.
@@ -126,7 +113,7 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     order = np.argsort(-d, axis=1, kind="stable")
     val = np.empty_like(d)
     arg = np.empty_like(d)
-    _kernels(d.dtype)[0](d, a, cm, order, val, arg)
+    maxplus_serial(d, a, cm, order, val, arg)
     return torch.from_numpy(val), torch.from_numpy(arg).long()
 
 
@@ -136,7 +123,7 @@ def viterbi_one_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, col_m
     e = np.ascontiguousarray(log_emit.detach().numpy())
     back = np.empty_like(e)
     path = np.empty(e.shape[0], dtype=np.int64)
-    score = _kernels(e.dtype)[1](np.ascontiguousarray(log_init.numpy()), e,
+    score = viterbi_one(np.ascontiguousarray(log_init.numpy()), e,
                                  np.ascontiguousarray(log_trans.numpy()), np.ascontiguousarray(col_max.numpy()),
                                  back, path)
     return torch.from_numpy(path), float(score)
@@ -408,6 +395,7 @@ if HAVE_NUMBA:
             for j in range(K):
                 alpha[j] *= inv
 
+    from llvmlite import ir
     from numba.core import cgutils, types
     from numba.core.extending import intrinsic
 
@@ -430,13 +418,19 @@ if HAVE_NUMBA:
             return context.get_dummy_value()
         return types.void(arr, idx, val), codegen
 
-    _libc = ctypes.CDLL(None)
-    _sched_yield = _libc.sched_yield
-    _sched_yield.restype = ctypes.c_int
-    _sched_yield.argtypes = []
+    @intrinsic
+    def _yield_core(typingctx):  # pragma: no cover - compiled
+        """sched_yield(2): let another runnable thread have this core (a call by symbol name, so the
+        function stays cacheable, unlike a ctypes pointer)."""
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+            builder.call(fn, [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
     SPINS_BEFORE_YIELD = 2000
 
-    @njit(nogil=True, fastmath=_FM)
+    @njit(nogil=True, fastmath=_FM, cache=True)
     def forward_one_split(init, emit, trans, log_cond, shared, partial, flags, tid, j0, j1):  # pragma: no cover
         """One of two threads of the scaled forward of one sequence; thread `tid` owns columns [j0, j1).
 
@@ -471,7 +465,7 @@ if HAVE_NUMBA:
             while _load_acquire(flags, other * 16) < t + 1:
                 spins += 1
                 if spins >= SPINS_BEFORE_YIELD:
-                    _sched_yield()
+                    _yield_core()
                     spins = 0
             total = partial[t % 2, 0] + partial[t % 2, 1]
             if not total > 0.0:
@@ -574,3 +568,32 @@ def backward_cpu(emit: Tensor, trans: Tensor, lengths: Tensor, log_cond: Tensor,
         out = alphas.numpy()
     run_groups(backward_groups, B, (e, trans_t, L, _length_order(L), lc, out, alphas is not None), threads)
     return alphas if alphas is not None else torch.from_numpy(out)
+
+
+_WARM: set = set()
+
+
+def warm_up(dtype: torch.dtype = torch.float32) -> None:
+    """Compile (or load from numba's cache) every CPU kernel for `dtype` on tiny inputs, so that the first
+    real request does not pay seconds of JIT. Idempotent per process and dtype; no-op without numba."""
+    if not HAVE_NUMBA or dtype in _WARM:
+        return
+    K, T = 8, 5
+    g = torch.Generator().manual_seed(0)
+    trans = torch.rand(K, K, generator=g, dtype=dtype)
+    trans /= trans.sum(1, keepdim=True)
+    emit = torch.rand(2, T, K, generator=g, dtype=dtype)
+    init = torch.full((2, K), 1.0 / K, dtype=dtype)
+    lengths = torch.tensor([T, T - 2])
+    cond, alphas = forward_cpu(init, emit, trans, lengths, keep_alphas=True, threads=1)
+    backward_cpu(emit, trans, lengths, cond, threads=1)
+    backward_cpu(emit, trans, lengths, cond, threads=1, alphas=alphas)
+    out = np.zeros(T)
+    forward_one(_np(init[0]), _np(emit[0]), _np(trans), out)
+    shared, partial, flags = np.zeros((2, K), dtype=_np(emit).dtype), np.zeros((2, 2)), np.zeros(32, np.int64)
+    flags[16] = T  # the other thread's step counter reads "finished": thread 0 runs every column alone
+    forward_one_split(_np(init[0]), _np(emit[0]), _np(trans), out, shared, partial, flags, 0, 0, K)
+    log_trans = trans.log()
+    maxplus_cpu(emit[:, 0].log(), log_trans)
+    viterbi_one_cpu(init[0].log(), emit[0].log(), log_trans, log_trans.amax(0))
+    _WARM.add(dtype)

@@ -7,6 +7,7 @@ No pickle anywhere: tensors are safetensors, metadata is JSON, the vocabulary is
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import hashlib
 import json
 import os
@@ -75,7 +76,7 @@ class Artifact:
     def config(self) -> dict[str, Any]:
         return self.manifest.get("config", {})
 
-    @property
+    @functools.cached_property
     def content_hash(self) -> str:
         """SHA-256 over the hashes of every file: changes whenever any byte of the model changes."""
         files = self.manifest["files"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from latentlm import ops
+from models import kernels
 from models.errors import LatentLMError, ModelNotFound
 from models.store import list_models, read_manifest
 
@@ -61,6 +62,7 @@ class ModelRegistry:
                         new[name] = old
                         continue
                     new[name] = ops.load_model(self.store, name, device=self.device, dtype=self.dtype)
+                    kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
                     (updated if old is not None else added).append(name)
                 except Exception as e:  # a bad artifact must not keep the others from serving
                     msg = e.message if isinstance(e, LatentLMError) else f"{type(e).__name__}: {e}"
