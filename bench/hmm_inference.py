@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models import chain
 from models.base import Batch
 from models.hmm import DenseHMM
 from models.synthetic import random_hmm
@@ -74,6 +75,10 @@ def ours(Z: int) -> dict[str, float]:
         "sample/64x50": 3200 / timed(lambda: m.sample(64, 50, g)),
         "sample/1024x50": 1024 * 50 / timed(lambda: m.sample(1024, 50, g)),
     }
+    with chain.plain_torch():  # baseline in the same process: one BLAS GEMM + elementwise ops per step
+        r["score/batch@plain"] = 3200 / timed(lambda: m.score(b))
+        r["score/long@plain"] = 10_000 / timed(lambda: m.score(lg), 0, 1)
+        r["posterior/batch@plain"] = 3200 / timed(lambda: m.posterior(b))
     return r
 
 
@@ -257,6 +262,8 @@ def write_report(out: Path, peak: float, rows: list[dict], threads: int) -> None
     ]
     for r in rows:
         for key, val in r["ours"].items():
+            if key.endswith("@plain"):
+                continue
             peer_key = "sample/64x50" if key.startswith("sample") else key  # peers' generation speed
             peer_vals = [r["peers"].get(p, {}).get(peer_key, float("nan"))
                          for p in ("hmmlearn", "pomegranate", "dynamax")]
@@ -265,6 +272,14 @@ def write_report(out: Path, peak: float, rows: list[dict], threads: int) -> None
             pct = f"{100 * val / r['limit']:.0f}%" if not key.startswith("sample") else "–"
             cells = " | ".join(f"{v:,.0f}" if v == v else "–" for v in peer_vals)
             lines.append(f"| {r['Z']} | {key} | {val:,.0f} | {pct} | {cells} | {ratio} |")
+    lines += ["", "Compiled kernels (`models/kernels.py`) vs the engine's plain PyTorch recursion (one BLAS GEMM and",
+              "elementwise ops per step; `models.chain.plain_torch()`), same process, tokens/s:", "",
+              "| Z | op/workload | compiled | plain PyTorch | ratio |", "|---|---|---|---|---|"]
+    for r in rows:
+        for key, val in r["ours"].items():
+            if key.endswith("@plain"):
+                fast = r["ours"][key[: -len("@plain")]]
+                lines.append(f"| {r['Z']} | {key[: -len('@plain')]} | {fast:,.0f} | {val:,.0f} | {fast / val:.1f}x |")
     lines += ["", "Viterbi on the 10,000-token sequence (joint log-prob, float64 rescoring):", "",
               "| Z | float64 best path | latentlm float32 path | same path |", "|---|---|---|---|"]
     for r in rows:

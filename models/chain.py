@@ -16,7 +16,8 @@ Cost per sequence: O(T K^2) for forward, backward and Viterbi.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -58,6 +59,19 @@ def _compiled(emit: Tensor, trans: Trans, *more: Tensor, any_size: bool = False)
     from models import kernels
 
     return kernels.HAVE_NUMBA
+
+
+@contextmanager
+def plain_torch() -> Iterator[None]:
+    """Within this block the engine runs its plain PyTorch recursion (one GEMM per step), never the compiled
+    kernels: the baseline for benchmarks and the reference for the kernels' tests. Not thread-safe."""
+    global _compiled
+    saved = _compiled
+    _compiled = lambda *args, **kwargs: False  # noqa: E731
+    try:
+        yield
+    finally:
+        _compiled = saved
 
 
 def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:

@@ -30,12 +30,8 @@ def random_chain(B: int, T: int, K: int, seed: int, dtype=torch.float64):
 
 def plain(fn, *args, **kw):
     """Run a models.chain function on its plain PyTorch path."""
-    saved = chain._compiled
-    chain._compiled = lambda *a, **k: False
-    try:
+    with chain.plain_torch():
         return fn(*args, **kw)
-    finally:
-        chain._compiled = saved
 
 
 @settings(max_examples=25, deadline=None)
