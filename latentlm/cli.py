@@ -21,7 +21,8 @@ from models.errors import LatentLMError
 from models.store import check_name, default_store, list_models, save_artifact
 from models.vocab import Preprocessing, Vocabulary
 
-EXTENSIONS = ["training.cli", "service.cli", "latentlm.pcfg_cli", "latentlm.embed_cli"]
+EXTENSIONS = ["training.cli", "service.cli", "latentlm.pcfg_cli", "latentlm.embed_cli",
+              "latentlm.ngram_cli"]
 
 
 class CLIError(LatentLMError):

@@ -11,11 +11,12 @@ def _families() -> dict[str, type[Family]]:
     from models.dense_pcfg import DensePCFG
     from models.hmm import DenseHMM
     from models.lds import LDS
+    from models.ngram import NGramLM
     from models.pcfg import RankPCFG
     from models.rank_hmm import RankHMM
     from models.tagging_hmm import TaggingHMM
 
-    fams: list[type[Family]] = [DenseHMM, BlockedHMM, RankHMM, LDS, TaggingHMM, DensePCFG, RankPCFG]
+    fams: list[type[Family]] = [DenseHMM, BlockedHMM, RankHMM, LDS, TaggingHMM, DensePCFG, RankPCFG, NGramLM]
     return {f.family: f for f in fams}
 
 
