@@ -257,7 +257,9 @@ if HAVE_NUMBA:
                 t_max = max(t_max, lengths[order[g0 + r]])
             x[:] = 0.0
             for t in range(t_max):
-                if t > 0:
+                if t > 0 and n == 1:  # a lone sequence (e.g. one long input): a matrix-vector product
+                    _vec_matmul_cols(x[0], trans, y[0], 0, K)
+                elif t > 0:
                     _rows_matmul(x, trans, y)
                 for r in range(n):
                     b = order[g0 + r]
@@ -337,7 +339,10 @@ if HAVE_NUMBA:
                             vr[:] = 0.0
                 if t == 0 or t >= t_max:
                     continue
-                _rows_matmul(v, trans_t, y)
+                if n == 1:
+                    _vec_matmul_cols(v[0], trans_t, y[0], 0, K)
+                else:
+                    _rows_matmul(v, trans_t, y)
                 for r in range(n):
                     if t <= lengths[order[g0 + r]] - 1:
                         x[r] = y[r]
