@@ -313,12 +313,20 @@ if HAVE_NUMBA:
                     if t >= L:
                         o[:] = 0.0 if to_gamma else 1.0
                         continue
+                    # the vector for the next step back, v = emit_t * beta_t / c_t (0 once impossible), is
+                    # formed in the same sweep as alpha_t * beta_t
+                    vr = v[r]
+                    e = emit[b, t]
+                    lc = log_cond[b, t]
+                    inv_c = vr.dtype.type(np.exp(-lc) if lc > -np.inf else 0.0)
                     if to_gamma:
                         s = 0.0
                         for j in range(K):
-                            w = o[j] * xr[j]
+                            xj = xr[j]
+                            w = o[j] * xj
                             o[j] = w
                             s += w
+                            vr[j] = e[j] * xj * inv_c
                         if s > 0.0:
                             inv = o.dtype.type(1.0 / s)
                             for j in range(K):
@@ -326,17 +334,10 @@ if HAVE_NUMBA:
                         else:
                             o[:] = 0.0
                     else:
-                        o[:] = xr
-                    if t > 0:
-                        vr = v[r]
-                        lc = log_cond[b, t]
-                        if lc > -np.inf:
-                            inv_c = vr.dtype.type(np.exp(-lc))
-                            e = emit[b, t]
-                            for j in range(K):
-                                vr[j] = e[j] * xr[j] * inv_c
-                        else:
-                            vr[:] = 0.0
+                        for j in range(K):
+                            xj = xr[j]
+                            o[j] = xj
+                            vr[j] = e[j] * xj * inv_c
                 if t == 0 or t >= t_max:
                     continue
                 if n == 1:
