@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from models import chain
-from models.chain import CategoricalTable, Trans
+from models.chain import CategoricalTable, Emit, Trans
 from models.errors import InputError
 
 
@@ -190,8 +190,8 @@ class ChainFamily(ChainOps, Family):
     dtype: torch.dtype
 
     # -- what a family supplies ---------------------------------------------------------------------
-    def chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
-        """(init (B, K), emit (B, T, K), trans) in the family's reduced state space for scoring."""
+    def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
+        """(init (B, K), emit (B, T, K) or a `chain.RowLookup`, trans) in the family's reduced state space."""
         raise NotImplementedError
 
     def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from models.base import Batch, ChainFamily
-from models.chain import CategoricalTable, Trans
+from models.chain import CategoricalTable, Emit, RowLookup, Trans
 from models.errors import ArtifactError
 from models.store import check_distribution, check_shape
 
@@ -84,10 +84,10 @@ class BlockedHMM(ChainFamily):
     def _clusters(self, batch: Batch) -> Tensor:
         return self.word_cluster[batch.ids]
 
-    def chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
+    def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         clusters = self._clusters(batch)
         init = self.start.view(self.M, self.k)[clusters[:, 0]]
-        return init, self.emit[batch.ids], self._block_fn(self.trans_blocks, clusters)
+        return init, RowLookup(self.emit, batch.ids), self._block_fn(self.trans_blocks, clusters)
 
     @staticmethod
     def _block_fn(blocks: Tensor, clusters: Tensor):

@@ -18,11 +18,54 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 Trans = Tensor | Callable[[int], Tensor]
+
+
+@dataclass(frozen=True)
+class RowLookup:
+    """Emission likelihoods given as rows of a table: emit[b, t] = table[rows[b, t]], table (N, K), rows
+    (B, T) long. Families whose emissions are a per-token row (hmm, rank_hmm) hand this to the engine in place
+    of a (B, T, K) tensor: the compiled kernels read each row where it lies, the PyTorch path gathers it."""
+
+    table: Tensor
+    rows: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.rows.shape, self.table.shape[1])  # type: ignore[return-value]
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.table.requires_grad
+
+    def dense(self) -> Tensor:
+        """(B, T, K) gathered emissions."""
+        return self.table[self.rows]
+
+
+Emit = Tensor | RowLookup
+
+
+def dense(emit: Emit) -> Tensor:
+    """The (B, T, K) emission tensor of a tensor or a `RowLookup`."""
+    return emit if isinstance(emit, Tensor) else emit.dense()
+
+
+def _table_rows(emit: Emit) -> tuple[Tensor, Tensor | None]:
+    return (emit, None) if isinstance(emit, Tensor) else (emit.table, emit.rows)
 NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B*K*K (batches) or T*K*K (one sequence) above which compiled CPU code pays off
 COMPILED_MAX_K = 512  # largest shared matrix for the compiled sum-product kernels (beyond it BLAS GEMMs win)
 
@@ -46,7 +89,7 @@ def _step_back(vec: Tensor, trans: Trans, t: int, out: Tensor) -> Tensor:
     return torch.bmm(trans(t), vec.unsqueeze(2), out=out.unsqueeze(2)).squeeze(2)
 
 
-def _compiled(emit: Tensor, trans: Trans, *more: Tensor, any_size: bool = False) -> bool:
+def _compiled(emit: Emit, trans: Trans, *more: Tensor, any_size: bool = False) -> bool:
     """Whether the compiled CPU sum-product kernels (`models.kernels.forward_cpu` / `backward_cpu`) run
     this call: a shared matrix on CPU in float32/float64, no autograd, and at most COMPILED_MAX_K states
     unless `any_size` (one sequence: there is no GEMM to hand to BLAS, only per-step dispatch)."""
@@ -81,7 +124,7 @@ def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:
     return emit.transpose(0, 1).masked_fill(~mask.T.unsqueeze(-1), 1.0).contiguous()
 
 
-def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_alphas: bool = False
+def forward(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, keep_alphas: bool = False
             ) -> tuple[Tensor, Tensor | None]:
     """Scaled forward pass.
 
@@ -92,7 +135,9 @@ def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_a
     if _compiled(emit, trans, init, any_size=B == 1 and not keep_alphas):
         from models import kernels
 
-        return kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=keep_alphas, threads=torch.get_num_threads())
+        return kernels.forward_cpu(init, *_table_rows(emit), trans, lengths, keep_alphas=keep_alphas,
+                                   threads=torch.get_num_threads())
+    emit = dense(emit)
     emit_t = _pad_emit(emit, lengths)  # (T, B, K)
     scales = emit.new_empty(T, B, 1)
     alphas = emit.new_empty(T, B, K) if keep_alphas else emit.new_empty(2, B, K)
@@ -113,7 +158,7 @@ def forward(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor, *, keep_a
     return log_cond, (alphas.transpose(0, 1) if keep_alphas else None)
 
 
-def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alphas: Tensor | None = None
+def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alphas: Tensor | None = None
              ) -> Tensor:
     """Scaled backward pass matching `forward`'s scales: beta_t such that alpha_t * beta_t = p(z_t | x).
 
@@ -124,7 +169,9 @@ def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor, *, a
     if _compiled(emit, trans):
         from models import kernels
 
-        return kernels.backward_cpu(emit, trans, lengths, log_cond, threads=torch.get_num_threads(), alphas=alphas)
+        return kernels.backward_cpu(*_table_rows(emit), trans, lengths, log_cond, threads=torch.get_num_threads(),
+                                    alphas=alphas)
+    emit = dense(emit)
     # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
     emit_scaled = _pad_emit(emit, lengths) / log_cond.T.exp().unsqueeze(-1)
     not_started = (torch.arange(T, device=lengths.device)[:, None] >= (lengths - 1)[None, :]).unsqueeze(-1)
@@ -149,7 +196,7 @@ def backward(emit: Tensor, trans: Trans, lengths: Tensor, log_cond: Tensor, *, a
     return alphas
 
 
-def posterior(init: Tensor, emit: Tensor, trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
+def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
     """Per-position marginals p(z_t | x) (B, T, K) (zeros at padding) and `log_cond` (B, T).
     One (B, T, K) tensor: the filtered marginals are turned into posteriors in place. O(B T K^2)."""
     log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from models.base import Batch, ChainFamily
-from models.chain import CategoricalTable, Trans
+from models.chain import CategoricalTable, Emit, RowLookup, Trans
 from models.store import check_distribution, check_shape
 
 
@@ -48,9 +48,9 @@ class DenseHMM(ChainFamily):
     def num_states(self) -> int:
         return self.trans.shape[0]
 
-    def chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
+    def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         B = batch.ids.shape[0]
-        return self.start.expand(B, -1), self.emit_by_word[batch.ids], self.trans
+        return self.start.expand(B, -1), RowLookup(self.emit_by_word, batch.ids), self.trans
 
     @cached_property
     def _logs(self) -> tuple[Tensor, Tensor, Tensor]:

@@ -240,15 +240,18 @@ if HAVE_NUMBA:
                 o3[j] += a3 * q
 
     @njit(nogil=True, fastmath=_FM, cache=True)
-    def forward_groups(init, emit, trans, lengths, order, log_cond, alphas, keep, first, stride):  # pragma: no cover
+    def forward_groups(init, table, rows, trans, lengths, order, log_cond, alphas, keep,  # pragma: no cover
+                       first, stride):
         """Scaled forward of groups first, first + stride, ... of ROWS sequences (rows `order[4g:4g+4]`).
 
-        init (B, K), emit (B, T, K), trans (K, K), lengths (B,) -> log_cond (B, T) float64 (log p(x_t | x_<t);
-        left untouched at padding; -inf from an impossible step on) and, when `keep`, the filtered marginals
-        into alphas (B, T, K) (left untouched at padding). O(B T K^2)."""
-        B, T, K = emit.shape
-        x = np.zeros((ROWS, K), dtype=emit.dtype)
-        y = np.zeros((ROWS, K), dtype=emit.dtype)
+        init (B, K); emissions as table (N, K) rows: p(x_t | z_t = k) = table[rows[b, t], k], rows (B, T);
+        trans (K, K), lengths (B,) -> log_cond (B, T) float64 (log p(x_t | x_<t); left untouched at padding;
+        -inf from an impossible step on) and, when `keep`, the filtered marginals into alphas (B, T, K) (left
+        untouched at padding). O(B T K^2)."""
+        B, T = rows.shape
+        K = table.shape[1]
+        x = np.zeros((ROWS, K), dtype=table.dtype)
+        y = np.zeros((ROWS, K), dtype=table.dtype)
         for g in range(first, (B + ROWS - 1) // ROWS, stride):
             g0 = g * ROWS
             n = min(ROWS, B - g0)
@@ -266,7 +269,7 @@ if HAVE_NUMBA:
                     if t >= lengths[b]:
                         continue
                     src = init[b] if t == 0 else y[r]
-                    e = emit[b, t]
+                    e = table[rows[b, t]]
                     xr = x[r]
                     c = 0.0
                     for j in range(K):
@@ -285,17 +288,19 @@ if HAVE_NUMBA:
                         alphas[b, t] = xr
 
     @njit(nogil=True, fastmath=_FM, cache=True)
-    def backward_groups(emit, trans_t, lengths, order, log_cond, out, to_gamma, first, stride):  # pragma: no cover
+    def backward_groups(table, rows, trans_t, lengths, order, log_cond, out, to_gamma,  # pragma: no cover
+                        first, stride):
         """Scaled backward matching `forward_groups`' scales, beta_{t-1} = trans @ (emit_t * beta_t / c_t).
 
         trans_t is trans transposed (contiguous). Without `to_gamma`, out (B, T, K) receives the betas (1 at
         the last position and at padding). With `to_gamma`, out holds the alphas and is overwritten in place
         by the posteriors p(z_t | x) = alpha_t beta_t / sum (0 at padding and for impossible sequences):
-        no (B, T, K) beta tensor is ever allocated. O(B T K^2)."""
-        B, T, K = emit.shape
-        x = np.ones((ROWS, K), dtype=emit.dtype)
-        v = np.zeros((ROWS, K), dtype=emit.dtype)
-        y = np.zeros((ROWS, K), dtype=emit.dtype)
+        no (B, T, K) beta tensor is ever allocated. Emissions as in `forward_groups`. O(B T K^2)."""
+        B, T = rows.shape
+        K = table.shape[1]
+        x = np.ones((ROWS, K), dtype=table.dtype)
+        v = np.zeros((ROWS, K), dtype=table.dtype)
+        y = np.zeros((ROWS, K), dtype=table.dtype)
         for g in range(first, (B + ROWS - 1) // ROWS, stride):
             g0 = g * ROWS
             n = min(ROWS, B - g0)
@@ -316,7 +321,7 @@ if HAVE_NUMBA:
                     # the vector for the next step back, v = emit_t * beta_t / c_t (0 once impossible), is
                     # formed in the same sweep as alpha_t * beta_t
                     vr = v[r]
-                    e = emit[b, t]
+                    e = table[rows[b, t]]
                     lc = log_cond[b, t]
                     inv_c = vr.dtype.type(np.exp(-lc) if lc > -np.inf else 0.0)
                     if to_gamma:
@@ -377,17 +382,19 @@ if HAVE_NUMBA:
                 o[j] += a * p[j]
 
     @njit(nogil=True, fastmath=_FM, cache=True)
-    def forward_one(init, emit, trans, log_cond):  # pragma: no cover - compiled
-        """Scaled forward of one sequence: init (K,), emit (T, K), trans (K, K) -> log_cond (T,) float64.
-        O(T K^2), one pass over `trans` per step and no interpreter work between steps."""
-        T, K = emit.shape
-        alpha = np.empty(K, dtype=emit.dtype)
-        nxt = np.empty(K, dtype=emit.dtype)
+    def forward_one(init, table, rows, trans, log_cond):  # pragma: no cover - compiled
+        """Scaled forward of one sequence: init (K,), emissions table[rows[t]] (table (N, K), rows (T,)),
+        trans (K, K) -> log_cond (T,) float64. O(T K^2), one pass over `trans` per step and no interpreter
+        work between steps."""
+        T = rows.shape[0]
+        K = table.shape[1]
+        alpha = np.empty(K, dtype=table.dtype)
+        nxt = np.empty(K, dtype=table.dtype)
         for t in range(T):
             if t > 0:
                 _vec_matmul_cols(alpha, trans, nxt, 0, K)
             src = init if t == 0 else nxt
-            e = emit[t]
+            e = table[rows[t]]
             c = 0.0
             for j in range(K):
                 v = src[j] * e[j]
@@ -437,7 +444,7 @@ if HAVE_NUMBA:
     SPINS_BEFORE_YIELD = 2000
 
     @njit(nogil=True, fastmath=_FM, cache=True)
-    def forward_one_split(init, emit, trans, log_cond, shared, partial, flags, tid, j0, j1):  # pragma: no cover
+    def forward_one_split(init, table, rows, trans, log_cond, shared, partial, flags, tid, j0, j1):  # pragma: no cover
         """One of two threads of the scaled forward of one sequence; thread `tid` owns columns [j0, j1).
 
         Each step a thread multiplies the whole previous alpha by its column slice of `trans` (so each
@@ -447,9 +454,10 @@ if HAVE_NUMBA:
         and partial (2, 2) float64 are double-buffered by step parity; flags (32,) int64 holds the two
         counters on separate cache lines. Both threads form the same total c_t; thread 0 writes log_cond.
         Same result as `forward_one` up to float rounding. O(T K^2 / 2) per thread."""
-        T, K = emit.shape
+        T = rows.shape[0]
+        K = table.shape[1]
         other = 1 - tid
-        nxt = np.zeros(K, dtype=emit.dtype)
+        nxt = np.zeros(K, dtype=table.dtype)
         inv_prev = 1.0
         for t in range(T):
             buf = shared[t % 2]
@@ -459,7 +467,7 @@ if HAVE_NUMBA:
             src = init if t == 0 else nxt
             if t == 0:
                 scale = buf.dtype.type(1.0)
-            e = emit[t]
+            e = table[rows[t]]
             c = 0.0
             for j in range(j0, j1):
                 v = src[j] * scale * e[j]
@@ -521,58 +529,70 @@ def _length_order(lengths: np.ndarray) -> np.ndarray:
     return np.argsort(-lengths, kind="stable")
 
 
-def forward_cpu(init: Tensor, emit: Tensor, trans: Tensor, lengths: Tensor, *, keep_alphas: bool,
-                threads: int) -> tuple[Tensor, Tensor | None]:
-    """Scaled forward on CPU in compiled code: init (B, K), emit (B, T, K), trans (K, K), lengths (B,) ->
-    log_cond (B, T) in emit's dtype (0 at padding) and, with `keep_alphas`, filtered marginals (B, T, K)
-    (0 at padding). One sequence runs `forward_one` (split over two threads when large); a batch runs
-    `forward_groups` with groups spread over `threads`. O(B T K^2)."""
-    B, T, K = emit.shape
-    e, a, L = _np(emit), _np(trans), lengths.numpy().astype(np.int64)
+def emission_rows(table: Tensor, rows: Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    """(table (N, K), rows (B, T) or None) -> contiguous numpy views for the kernels. Without rows the table
+    is a dense (B, T, K) emission tensor, seen as B T rows read in order (no copy)."""
+    if rows is None:
+        B, T, K = table.shape
+        return _np(table).reshape(B * T, K), np.arange(B * T, dtype=np.int64).reshape(B, T)
+    return _np(table), np.ascontiguousarray(rows.numpy(), dtype=np.int64)
+
+
+def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, *,
+                keep_alphas: bool, threads: int) -> tuple[Tensor, Tensor | None]:
+    """Scaled forward on CPU in compiled code: init (B, K), emissions table[rows[b, t]] (table (N, K), rows
+    (B, T); or a dense (B, T, K) table with rows None), trans (K, K), lengths (B,) -> log_cond (B, T) in
+    the table's dtype (0 at padding) and, with `keep_alphas`, filtered marginals (B, T, K) (0 at padding).
+    One sequence runs `forward_one` (split over two threads when large); a batch runs `forward_groups`
+    with groups spread over `threads`. O(B T K^2)."""
+    e, r = emission_rows(table, rows)
+    a, L = _np(trans), lengths.numpy().astype(np.int64)
+    B, T = r.shape
+    K = e.shape[1]
     log_cond = np.zeros((B, T), dtype=np.float64)
     if B == 1 and not keep_alphas:
         n = int(L[0])
-        _forward_one_np(_np(init[0]), e[0, :n], a, log_cond[0, :n], threads)
+        _forward_one_np(_np(init[0]), e, r[0, :n], a, log_cond[0, :n], threads)
     else:
         alphas = np.zeros((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
-        run_groups(forward_groups, B, (_np(init), e, a, L, _length_order(L), log_cond, alphas, keep_alphas), threads)
-    out = torch.from_numpy(log_cond).to(emit.dtype)
+        run_groups(forward_groups, B, (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas),
+                   threads)
+    out = torch.from_numpy(log_cond).to(table.dtype)
     return out, (torch.from_numpy(alphas) if keep_alphas else None)
 
 
-def _forward_one_np(init: np.ndarray, emit: np.ndarray, trans: np.ndarray, log_cond: np.ndarray,
-                    threads: int) -> None:
-    T, K = emit.shape
+def _forward_one_np(init: np.ndarray, table: np.ndarray, rows: np.ndarray, trans: np.ndarray,
+                    log_cond: np.ndarray, threads: int) -> None:
+    T, K = rows.shape[0], table.shape[1]
     if threads < 2 or K < SPLIT_MIN_K or T * K * K < SPLIT_MIN_WORK:
-        forward_one(init, emit, trans, log_cond)
+        forward_one(init, table, rows, trans, log_cond)
         return
     half = (K // 2 + 15) // 16 * 16  # 64-byte aligned column split
-    shared = np.zeros((2, K), dtype=emit.dtype)
+    shared = np.zeros((2, K), dtype=table.dtype)
     partial = np.zeros((2, 2), dtype=np.float64)
     flags = np.zeros(32, dtype=np.int64)
     helper = threading.Thread(target=forward_one_split,
-                              args=(init, emit, trans, log_cond, shared, partial, flags, 1, half, K))
+                              args=(init, table, rows, trans, log_cond, shared, partial, flags, 1, half, K))
     helper.start()
-    forward_one_split(init, emit, trans, log_cond, shared, partial, flags, 0, 0, half)
+    forward_one_split(init, table, rows, trans, log_cond, shared, partial, flags, 0, 0, half)
     helper.join()
 
 
-def backward_cpu(emit: Tensor, trans: Tensor, lengths: Tensor, log_cond: Tensor, *, threads: int,
-                 alphas: Tensor | None = None) -> Tensor:
-    """Scaled backward on CPU in compiled code, with `forward_cpu`'s scales `log_cond` (B, T).
+def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, log_cond: Tensor, *,
+                 threads: int, alphas: Tensor | None = None) -> Tensor:
+    """Scaled backward on CPU in compiled code, with `forward_cpu`'s scales `log_cond` (B, T) and its
+    emission arguments.
 
     Without `alphas`: the betas (B, T, K) (1 at the last position and at padding). With `alphas` (as
     returned by `forward_cpu`): the posteriors p(z_t | x) (B, T, K), written into `alphas` in place (0 at
     padding), so a posterior needs one (B, T, K) tensor, not three. O(B T K^2)."""
-    B, T, K = emit.shape
-    e, L = _np(emit), lengths.numpy().astype(np.int64)
+    e, r = emission_rows(table, rows)
+    B, T = r.shape
+    L = lengths.numpy().astype(np.int64)
     trans_t = np.ascontiguousarray(trans.detach().numpy().T)
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
-    if alphas is None:
-        out = np.empty((B, T, K), dtype=e.dtype)
-    else:
-        out = alphas.numpy()
-    run_groups(backward_groups, B, (e, trans_t, L, _length_order(L), lc, out, alphas is not None), threads)
+    out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
+    run_groups(backward_groups, B, (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None), threads)
     return alphas if alphas is not None else torch.from_numpy(out)
 
 
@@ -591,14 +611,16 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
     emit = torch.rand(2, T, K, generator=g, dtype=dtype)
     init = torch.full((2, K), 1.0 / K, dtype=dtype)
     lengths = torch.tensor([T, T - 2])
-    cond, alphas = forward_cpu(init, emit, trans, lengths, keep_alphas=True, threads=1)
-    backward_cpu(emit, trans, lengths, cond, threads=1)
-    backward_cpu(emit, trans, lengths, cond, threads=1, alphas=alphas)
-    out = np.zeros(T)
-    forward_one(_np(init[0]), _np(emit[0]), _np(trans), out)
-    shared, partial, flags = np.zeros((2, K), dtype=_np(emit).dtype), np.zeros((2, 2)), np.zeros(32, np.int64)
-    flags[16] = T  # the other thread's step counter reads "finished": thread 0 runs every column alone
-    forward_one_split(_np(init[0]), _np(emit[0]), _np(trans), out, shared, partial, flags, 0, 0, K)
+    for table, rows in ((emit, None), (emit[0], torch.tensor([[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]]))):
+        cond, alphas = forward_cpu(init, table, rows, trans, lengths, keep_alphas=True, threads=1)
+        backward_cpu(table, rows, trans, lengths, cond, threads=1)
+        backward_cpu(table, rows, trans, lengths, cond, threads=1, alphas=alphas)
+        e, r = emission_rows(table, rows)
+        out = np.zeros(T)
+        forward_one(_np(init[0]), e, r[0], _np(trans), out)
+        shared, partial, flags = np.zeros((2, K), dtype=e.dtype), np.zeros((2, 2)), np.zeros(32, np.int64)
+        flags[16] = T  # the other thread's step counter reads "finished": thread 0 runs every column alone
+        forward_one_split(_np(init[0]), e, r[0], _np(trans), out, shared, partial, flags, 0, 0, K)
     log_trans = trans.log()
     maxplus_cpu(emit[:, 0].log(), log_trans)
     viterbi_one_cpu(init[0].log(), emit[0].log(), log_trans, log_trans.amax(0))

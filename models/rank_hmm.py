@@ -26,7 +26,7 @@ from torch import Tensor
 
 from models import chain
 from models.base import Batch, ChainFamily, Samples, _run_sampler
-from models.chain import CategoricalTable, Trans
+from models.chain import CategoricalTable, Emit, RowLookup, Trans
 from models.errors import ArtifactError, LimitExceeded
 from models.store import check_distribution, check_shape
 
@@ -81,9 +81,9 @@ class RankHMM(ChainFamily):
     def describe(self) -> dict[str, Any]:
         return {"num_states": self.num_states, "rank": self.rank}
 
-    def chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
+    def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         """Rank-space chain: init (B, r), emit (B, T, r), shared (r, r) step."""
-        return self.rank_start.expand(batch.ids.shape[0], -1), self.emit[batch.ids], self.rank_trans
+        return self.rank_start.expand(batch.ids.shape[0], -1), RowLookup(self.emit, batch.ids), self.rank_trans
 
     def state_ids(self, batch: Batch) -> Tensor:
         B, T = batch.ids.shape
@@ -99,7 +99,7 @@ class RankHMM(ChainFamily):
         B, T, _ = emit.shape
         ahead = torch.ones(B, T, self.rank, dtype=self.dtype, device=self.device)
         if T > 1:
-            ahead[:, :-1] = emit[:, 1:] * betas[:, 1:]
+            ahead[:, :-1] = self.emit[batch.ids[:, 1:]] * betas[:, 1:]
         last = chain.valid_mask(batch.lengths, T) & ~chain.valid_mask(batch.lengths - 1, T)
         ahead = torch.where(last.unsqueeze(-1), torch.ones((), dtype=self.dtype, device=self.device), ahead)
         probs = (alphas @ self.state_out) * (ahead @ self.state_in.T)

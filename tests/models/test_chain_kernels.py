@@ -40,16 +40,16 @@ def plain(fn, *args, **kw):
 def test_forward_backward_posterior_match_plain(B, T, K, threads, seed):
     init, emit, trans, lengths = random_chain(B, T, K, seed)
     ref_cond, ref_alpha = plain(chain.forward, init, emit, trans, lengths, keep_alphas=True)
-    cond, alpha = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=True, threads=threads)
+    cond, alpha = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=True, threads=threads)
     mask = chain.valid_mask(lengths, T)
     torch.testing.assert_close(cond, ref_cond, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(alpha[mask], ref_alpha[mask], rtol=1e-10, atol=1e-12)
     assert (alpha[~mask] == 0).all()
-    cond1, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=threads)
+    cond1, _ = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=False, threads=threads)
     torch.testing.assert_close(cond1, ref_cond, rtol=1e-12, atol=1e-12)
-    betas = kernels.backward_cpu(emit, trans, lengths, cond, threads=threads)
+    betas = kernels.backward_cpu(emit, None, trans, lengths, cond, threads=threads)
     torch.testing.assert_close(betas, plain(chain.backward, emit, trans, lengths, ref_cond), rtol=1e-9, atol=1e-12)
-    gamma = kernels.backward_cpu(emit, trans, lengths, cond, threads=threads, alphas=alpha)
+    gamma = kernels.backward_cpu(emit, None, trans, lengths, cond, threads=threads, alphas=alpha)
     ref_gamma, _ = plain(chain.posterior, init, emit, trans, lengths)
     torch.testing.assert_close(gamma, ref_gamma, rtol=1e-9, atol=1e-12)
 
@@ -73,7 +73,7 @@ def test_impossible_sequences_are_minus_inf_from_the_first_zero_step():
     lengths[:] = 8
     emit[2, 3] = 0.0  # impossible from position 3 on
     emit[4, 0] = 0.0  # impossible from the start
-    cond, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=2)
+    cond, _ = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=False, threads=2)
     ref, _ = plain(chain.forward, init, emit, trans, lengths)
     assert torch.equal(torch.isinf(cond), torch.isinf(ref))
     assert torch.isinf(cond[2, 3:]).all() and torch.isfinite(cond[2, :3]).all() and torch.isinf(cond[4]).all()
@@ -81,7 +81,7 @@ def test_impossible_sequences_are_minus_inf_from_the_first_zero_step():
     torch.testing.assert_close(cond[ok], ref[ok])
     gamma, _ = chain.posterior(init, emit, trans, lengths)
     assert torch.isfinite(gamma).all() and (gamma[4] == 0).all()
-    one, _ = kernels.forward_cpu(init[2:3], emit[2:3], trans, lengths[2:3], keep_alphas=False, threads=1)
+    one, _ = kernels.forward_cpu(init[2:3], emit[2:3], None, trans, lengths[2:3], keep_alphas=False, threads=1)
     assert torch.isinf(one[0, 3:]).all() and math.isfinite(one[0, 2].item())
 
 
@@ -91,14 +91,14 @@ def test_two_thread_single_sequence_forward(monkeypatch, dtype, tol, K):
     """The column-split forward (two threads meeting every step) equals the one-thread recursion."""
     init, emit, trans, lengths = random_chain(1, 300, K, seed=K, dtype=dtype)
     lengths[:] = 300
-    one, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=1)
+    one, _ = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=False, threads=1)
     monkeypatch.setattr(kernels, "SPLIT_MIN_WORK", 1)
-    two, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=2)
+    two, _ = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=False, threads=2)
     ref, _ = plain(chain.forward, init, emit, trans, lengths)
     torch.testing.assert_close(two, one, rtol=tol, atol=tol)
     torch.testing.assert_close(two, ref, rtol=tol, atol=tol)
     emit[0, 123] = 0.0  # both threads must stop at the same step
-    dead, _ = kernels.forward_cpu(init, emit, trans, lengths, keep_alphas=False, threads=2)
+    dead, _ = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=False, threads=2)
     assert torch.isinf(dead[0, 123:]).all() and torch.isfinite(dead[0, :123]).all()
 
 
@@ -112,3 +112,30 @@ def test_autograd_and_other_devices_take_the_plain_path():
     assert not chain._compiled(emit.float(), trans.detach())  # mixed dtypes
     assert not chain._compiled(emit, torch.eye(chain.COMPILED_MAX_K + 1, dtype=emit.dtype))
     assert chain._compiled(emit, torch.eye(chain.COMPILED_MAX_K + 1, dtype=emit.dtype), any_size=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(B=st.integers(1, 9), T=st.integers(1, 8), K=st.integers(1, 9), N=st.integers(1, 12),
+       threads=st.integers(1, 2), seed=st.integers(0, 10_000))
+def test_row_lookup_equals_the_gathered_tensor(B, T, K, N, threads, seed):
+    """Emissions as table rows (what hmm / rank_hmm pass) give exactly what the gathered tensor gives,
+    on the compiled and the plain path, for score, posteriors and betas."""
+    init, _, trans, lengths = random_chain(B, T, K, seed)
+    g = torch.Generator().manual_seed(seed)
+    table = torch.rand(N, K, generator=g, dtype=torch.float64)
+    rows = torch.randint(0, N, (B, T), generator=g)
+    lookup = chain.RowLookup(table, rows)
+    assert lookup.shape == (B, T, K)
+    gathered = table[rows]
+    for run in (lambda f, *a: f(*a), plain):
+        c1, _ = run(chain.forward, init, lookup, trans, lengths)
+        c2, _ = run(chain.forward, init, gathered, trans, lengths)
+        assert torch.equal(c1, c2)
+        p1, _ = run(chain.posterior, init, lookup, trans, lengths)
+        p2, _ = run(chain.posterior, init, gathered, trans, lengths)
+        assert torch.equal(p1, p2)
+        b1, b2 = run(chain.backward, lookup, trans, lengths, c1), run(chain.backward, gathered, trans, lengths, c2)
+        assert torch.equal(b1, b2)
+    one, _ = kernels.forward_cpu(init[:1], table, rows[:1], trans, lengths[:1], keep_alphas=False, threads=threads)
+    ref, _ = kernels.forward_cpu(init[:1], gathered[:1], None, trans, lengths[:1], keep_alphas=False, threads=threads)
+    assert torch.equal(one, ref)
