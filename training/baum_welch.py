@@ -5,7 +5,9 @@ M-step. Each iteration costs O(N Z^2) for N training tokens and never decreases 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,16 +72,23 @@ class Counts:
     tokens: int
 
 
-def e_step(p: HMMParams, batches: list[Batch], on_batch=None) -> Counts:
-    """Accumulate expected start / transition / emission counts over `batches`. O(N Z^2)."""
+def e_step(p: HMMParams, batches: list[Batch], on_batch=None, *, start: int = 0, partial: Counts | None = None,
+           every: int = 0, on_checkpoint: Callable[[int, Counts], None] | None = None) -> Counts:
+    """Accumulate expected start / transition / emission counts over `batches`. O(N Z^2).
+    `start`, `partial`: continue a pass after its first `start` batches from their counts (a resume);
+    `on_checkpoint(done, counts so far)` is called after every `every` batches (not after the last)."""
     Z, V = p.emit.shape
     cs = torch.zeros(Z, dtype=torch.float64)
     ct = torch.zeros(Z, Z, dtype=torch.float64)
     ce = torch.zeros(V, Z, dtype=torch.float64)
-    emit_by_word = p.emit.T.contiguous()
     ll, n = 0.0, 0
+    if partial is not None:
+        cs, ct, ce = partial.start.double().clone(), partial.trans.double().clone(), partial.emit.double().T.clone()
+        ll, n = partial.loglik, partial.tokens
+    emit_by_word = p.emit.T.contiguous()
     with torch.no_grad():
-        for b in batches:
+        for bi in range(start, len(batches)):
+            b = batches[bi]
             init = p.start.expand(b.ids.shape[0], -1)
             gamma, s, xi, log_cond = chain.expected_counts(init, emit_by_word[b.ids], p.trans, b.lengths)
             cs += s.double()
@@ -92,6 +101,8 @@ def e_step(p: HMMParams, batches: list[Batch], on_batch=None) -> Counts:
             n += ntok
             if on_batch is not None:
                 on_batch(ntok, -bl / ntok)
+            if on_checkpoint is not None and every and (bi + 1) % every == 0 and bi + 1 < len(batches):
+                on_checkpoint(bi + 1, Counts(cs, ct, ce.T, ll, n))
     return Counts(cs, ct, ce.T.contiguous(), ll, n)
 
 
@@ -135,9 +146,18 @@ def export(store: Path, name: str, p: HMMParams, vocab: Vocabulary, *, provenanc
                          extra_files=extra_files)
 
 
+def load_partial(tensors: dict[str, Tensor], state: dict) -> tuple[Counts | None, int]:
+    """The counts of a checkpoint taken inside an E-step pass and the number of batches they cover."""
+    if not state.get("batch"):
+        return None, 0
+    return Counts(tensors["partial_start"], tensors["partial_trans"], tensors["partial_emit"],
+                  float(state["partial_loglik"]), int(state["partial_tokens"])), int(state["batch"])
+
+
 def train(ns: argparse.Namespace) -> Path:
     """`latentlm train --family hmm`: EM for `--epochs` iterations (or `--max-steps`), early stopping on
-    validation perplexity with `--patience`, checkpoint after every iteration, export of the best."""
+    validation perplexity with `--patience`, checkpoint after every iteration (and every
+    `--checkpoint-every` E-step batches, with the partial counts), export of the best."""
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
     device = common.resolve_device(ns.device)
@@ -146,11 +166,13 @@ def train(ns: argparse.Namespace) -> Path:
     vbatches = common.bucket_batches(valid_seqs, ns.batch, device=device)
     ckdir = common.checkpoint_dir(ns.store, ns.name)
     smoothing = ns.smoothing
+    partial, first = None, 0
     if ns.resume:
         tensors, state = common.load_checkpoint(ckdir)
         p = HMMParams(tensors["start"], tensors["trans"], tensors["emit"])
         best = HMMParams(tensors["best_start"], tensors["best_trans"], tensors["best_emit"])
         history, it0 = common.History.from_json(state["history"]), state["iteration"]
+        partial, first = load_partial(tensors, state)
         t0 -= state.get("seconds", 0.0)
     else:
         p = init_params(ns.states, unigram(train_seqs, len(vocab)), gen, noise=ns.init_noise)
@@ -160,19 +182,32 @@ def train(ns: argparse.Namespace) -> Path:
         history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
                     valid_ppl=common.evaluate(p.score, vbatches))
     iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
+    if history.bad_evals >= ns.patience:
+        it0 = iters  # early-stopped before the checkpoint: export the best again
     N = common.num_tokens(train_seqs)
     bar = common.Progress(N * max(iters - it0, 0), f"hmm Z={ns.states} EM", ns.progress)
+
+    def save(it: int, p: HMMParams, best: HMMParams, done: int = 0, counts: Counts | None = None) -> None:
+        """Checkpoint after `it` iterations (+ `done` batches of the next one, whose counts are `counts`)."""
+        extra = {} if counts is None else {"partial_start": counts.start, "partial_trans": counts.trans,
+                                           "partial_emit": counts.emit}
+        common.save_checkpoint(ckdir, {**p.tensors(), **{f"best_{k}": v for k, v in best.tensors().items()}, **extra},
+                               {"iteration": it, "batch": done, "history": history.to_json(),
+                                "seconds": time.perf_counter() - t0,
+                                **({} if counts is None else {"partial_loglik": counts.loglik,
+                                                              "partial_tokens": counts.tokens})})
+
     for it in range(it0, iters):
-        c = e_step(p, batches, on_batch=lambda n, loss: bar.update(n, loss))
+        c = e_step(p, batches, on_batch=lambda n, loss: bar.update(n, loss), start=first, partial=partial,
+                   every=ns.checkpoint_every or 0, on_checkpoint=functools.partial(save, it, p, best))
+        partial, first = None, 0
         p = m_step(c, p, smoothing)
         vppl = common.evaluate(p.score, vbatches)
         bar.update(0, valid_ppl=vppl)
         if history.add(iteration=it + 1, tokens=N * (it + 1), seconds=time.perf_counter() - t0,
                        train_ppl=float(torch.tensor(-c.loglik / c.tokens).exp()), valid_ppl=vppl):
             best = p
-        common.save_checkpoint(ckdir, {**p.tensors(), **{f"best_{k}": v for k, v in best.tensors().items()}},
-                               {"iteration": it + 1, "history": history.to_json(),
-                                "seconds": time.perf_counter() - t0})
+        save(it + 1, p, best)
         if history.bad_evals >= ns.patience:
             break
     bar.close()

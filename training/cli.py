@@ -1,8 +1,8 @@
 """`latentlm train` and `latentlm eval`.
 
     latentlm train --family F --data ptb|FILE... [--states --clusters --rank --hidden --epochs --batch
-                   --device --seed --lr --max-steps ...] --name NAME [--store DIR] [--config FILE.yaml|toml]
-                   [--resume]
+                   --device --seed --lr --max-steps --checkpoint-every ...] --name NAME [--store DIR]
+                   [--config FILE.yaml|toml] [--resume]
     latentlm eval --model NAME --data ptb:valid|ptb:test|FILE [--store DIR]
 
 Settings come from the command line, else from `--config` (same names, `-` or `_`), else defaults; all of
@@ -44,6 +44,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "state_dropout": (float, 0.5, "blocked_hmm: fraction of each cluster's states dropped per batch (lambda)"),
     "patience": (int, 2, "early stopping / LR decay: evaluations without improvement before acting"),
     "eval_every": (int, 0, "evaluate on validation every N steps (0 = once per epoch)"),
+    "checkpoint_every": (int, None, "also checkpoint every N optimisation steps (blocked_hmm, rank_hmm; default "
+                                    "200) or E-step batches (hmm, densehmm; default 0); 0 = only at evaluations / "
+                                    "iteration ends; --resume continues from the exact batch"),
     "train_sentences": (int, 0, "use only the first N training sentences (0 = all)"),
     "valid_sentences": (int, 0, "use only the first N validation sentences (0 = all)"),
     "min_count": (int, 1, "text files: keep words seen at least this often"),
@@ -58,11 +61,12 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "hmm": {"states": 256, "epochs": 10, "batch": 256},
-    "densehmm": {"states": 128, "hidden": 64, "epochs": 10, "batch": 256, "lr": 0.05},
-    "blocked_hmm": {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2},
+    "hmm": {"states": 256, "epochs": 10, "batch": 256, "checkpoint_every": 0},
+    "densehmm": {"states": 128, "hidden": 64, "epochs": 10, "batch": 256, "lr": 0.05, "checkpoint_every": 0},
+    "blocked_hmm": {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
+                    "checkpoint_every": 200},
     "rank_hmm": {"states": 1024, "rank": 256, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
-                 "dropout": 0.1},
+                 "dropout": 0.1, "checkpoint_every": 200},
     "pcfg": {},
     "lds": {},
 }
@@ -202,8 +206,9 @@ def validate(ns: argparse.Namespace) -> None:
                                  param="data")
             if not Path(f).is_file():
                 raise InputError(f"--data: {f}: no such file", param="data")
-    for key in ("seed", "max_steps", "eval_every", "train_sentences", "valid_sentences", "bptt"):
-        if getattr(ns, key) < 0:
+    for key in ("seed", "max_steps", "eval_every", "train_sentences", "valid_sentences", "bptt",
+                "checkpoint_every"):
+        if (getattr(ns, key) or 0) < 0:
             raise InputError(f"--{key.replace('_', '-')}: must be >= 0, got {getattr(ns, key)}", param=key)
     _need_positive(ns, "patience", "min_count", "max_vocab")
     if ns.max_vocab < 3:

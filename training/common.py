@@ -81,6 +81,25 @@ def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     return load_file(str(path / "tensors.safetensors")), json.loads((path / "state.json").read_text("utf-8"))
 
 
+def rng_tensors(gen: torch.Generator) -> dict[str, Tensor]:
+    """The random state a resume must restore, as uint8 tensors: `gen` ("rng"), torch's global CPU
+    generator ("torch_rng", used by nn.Dropout and torch.rand without a generator) and, when CUDA is in
+    use, the current device's generator ("cuda_rng")."""
+    out = {"rng": gen.get_state(), "torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_rng"] = torch.cuda.get_rng_state()
+    return out
+
+
+def restore_rng(gen: torch.Generator, tensors: dict[str, Tensor]) -> None:
+    """Inverse of `rng_tensors` (entries missing from older checkpoints are left alone)."""
+    gen.set_state(tensors["rng"])
+    if "torch_rng" in tensors:
+        torch.set_rng_state(tensors["torch_rng"])
+    if "cuda_rng" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda_rng"])
+
+
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Flatten an optimizer's state into safetensors-able tensors + JSON scalars (no pickle)."""
     sd = opt.state_dict()

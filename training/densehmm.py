@@ -6,12 +6,14 @@ vectors — state vectors u_i, transition-target vectors z_j, word vectors o_k, 
 Two fits: `em` — Baum-Welch E-step (`models.chain.expected_counts`) and a gradient M-step (Adam on the
 expected complete-data log-likelihood); `cooc` — direct fit of the bigram co-occurrence matrix
 Omega = B^T diag(pi) A B to the empirical bigram distribution (cross-entropy over observed pairs,
-stochastic over chunks of pairs). Exported as an `hmm` artifact carrying `state_vectors` (Z, d) and
-`word_vectors` (V, d)."""
+stochastic over chunks of pairs). Checkpoints after every iteration (and every `--checkpoint-every`
+E-step batches / pair chunks) let `--resume` continue exactly. Exported as an `hmm` artifact carrying
+`state_vectors` (Z, d) and `word_vectors` (V, d)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
 
@@ -81,13 +83,28 @@ def train(ns: argparse.Namespace) -> Path:
     opt = torch.optim.Adam(model.parameters(), lr=ns.lr)
     batches = common.bucket_batches(train_seqs, ns.batch)
     vbatches = common.bucket_batches(valid_seqs, ns.batch)
-    history = common.History()
-    history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
-                valid_ppl=common.evaluate(model.probs().score, vbatches))
-    best = model.probs()
+    ckdir = common.checkpoint_dir(ns.store, ns.name)
+    history, it0, partial, first, vectors = common.History(), 0, None, 0, None
+    if ns.resume:
+        tensors, state = common.load_checkpoint(ckdir)
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        common.restore_optimizer(opt, tensors, state["optimizer"])
+        common.restore_rng(gen, tensors)
+        history, it0 = common.History.from_json(state["history"]), int(state["iteration"])
+        best = bw.HMMParams(tensors["best_start"], tensors["best_trans"], tensors["best_emit"])
+        if "best_state_vectors" in tensors:
+            vectors = {k: tensors[f"best_{k}"] for k in ("state_vectors", "word_vectors")}
+        partial, first = bw.load_partial(tensors, state)
+        t0 -= state.get("seconds", 0.0)
+    else:
+        history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
+                    valid_ppl=common.evaluate(model.probs().score, vbatches))
+        best = model.probs()
     N = common.num_tokens(train_seqs)
     iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
-    bar = common.Progress(N * iters, f"densehmm Z={ns.states} d={ns.hidden} ({ns.fit})", ns.progress)
+    if history.bad_evals >= ns.patience:
+        it0 = iters  # early-stopped before the checkpoint: export the best again
+    bar = common.Progress(N * max(iters - it0, 0), f"densehmm Z={ns.states} d={ns.hidden} ({ns.fit})", ns.progress)
     if ns.fit == "cooc":
         from training.brown import bigram_matrix
 
@@ -95,29 +112,53 @@ def train(ns: argparse.Namespace) -> Path:
         left, right = torch.as_tensor(big.row), torch.as_tensor(big.col)
         weight = torch.as_tensor(big.data, dtype=torch.float32)
         weight = weight / weight.sum()
-    for it in range(iters):
+
+    def save(it: int, best: bw.HMMParams, done: int = 0, counts: bw.Counts | None = None,
+             rng: dict[str, Tensor] | None = None) -> None:
+        """Checkpoint after `it` iterations and `done` batches (em: with their `counts`) or chunks (cooc:
+        with the generators as they were when the iteration's pair order was drawn, `rng`) of the next."""
+        ot, ometa = common.optimizer_tensors(opt)
+        tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **ot,
+                   **(rng or common.rng_tensors(gen)), **{f"best_{k}": v for k, v in best.tensors().items()},
+                   **{f"best_{k}": v for k, v in (vectors or {}).items()}}
+        state = {"iteration": it, "batch": done, "history": history.to_json(), "optimizer": ometa,
+                 "seconds": time.perf_counter() - t0}
+        if counts is not None:
+            tensors.update(partial_start=counts.start, partial_trans=counts.trans, partial_emit=counts.emit)
+            state.update(partial_loglik=counts.loglik, partial_tokens=counts.tokens)
+        common.save_checkpoint(ckdir, tensors, state)
+
+    every = ns.checkpoint_every or 0
+    for it in range(it0, iters):
         if ns.fit == "em":
-            c = bw.e_step(model.probs(), batches, on_batch=lambda n, loss: bar.update(n, loss))
+            c = bw.e_step(model.probs(), batches, on_batch=lambda n, loss: bar.update(n, loss), start=first,
+                          partial=partial, every=every, on_checkpoint=functools.partial(save, it, best))
             gradient_m_step(model, c, opt, steps=25)
         else:
+            rng = common.rng_tensors(gen)  # a resumed iteration redraws the same order from here
             perm = torch.randperm(len(left), generator=gen)
             chunks = perm.split(1 << 16)
-            for ch in chunks:
+            for ci in range(first, len(chunks)):
+                ch = chunks[ci]
                 loss = cooc_loss(model, left[ch], right[ch], weight[ch] * len(chunks))
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 bar.update(N // len(chunks), float(loss.detach()))
+                if every and (ci + 1) % every == 0 and ci + 1 < len(chunks):
+                    save(it, best, ci + 1, rng=rng)
+        partial, first = None, 0
         p = model.probs()
         vppl = common.evaluate(p.score, vbatches)
         bar.update(0, valid_ppl=vppl)
         if history.add(iteration=it + 1, tokens=N * (it + 1), seconds=time.perf_counter() - t0, valid_ppl=vppl):
             best = p
             vectors = {"state_vectors": model.u.detach().clone(), "word_vectors": model.o.detach().clone()}
+        save(it + 1, best)
         if history.bad_evals >= ns.patience:
             break
     bar.close()
-    if len(history.rows) == 1 or history.best == history.rows[0]["valid_ppl"]:
+    if vectors is None or history.best == history.rows[0]["valid_ppl"]:
         vectors = {"state_vectors": model.u.detach().clone(), "word_vectors": model.o.detach().clone()}
     prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": f"DenseHMM ({ns.fit})"})
     return bw.export(ns.store, ns.name, best, vocab, provenance=prov, extra_tensors=vectors,

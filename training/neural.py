@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -307,22 +308,26 @@ def train(ns: argparse.Namespace) -> Path:
     betas = (0.9, 0.999) if blocked else (0.99, 0.999)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0 if blocked else 0.01)
     decay = 0.25 if blocked else 0.5
-    history, epoch0, step = common.History(), 0, 0
+    history, pos = common.History(), Position()
     ckdir = common.checkpoint_dir(ns.store, ns.name)
+    carry = None
     if ns.resume:
         tensors, state = common.load_checkpoint(ckdir)
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         common.restore_optimizer(opt, tensors, state["optimizer"])
-        history, epoch0, step = common.History.from_json(state["history"]), state["epoch"], state["step"]
-        gen.set_state(tensors["rng"])
+        history = common.History.from_json(state["history"])
+        pos = Position.from_json(state, history)
+        common.restore_rng(gen, tensors)
+        carry = tensors.get("carry")
+        carry = carry.to(device) if carry is not None else None
         t0 -= state.get("seconds", 0.0)
-        if state.get("early_stopped") or (ns.max_steps and step >= ns.max_steps):
-            epoch0 = ns.epochs  # nothing left to do: export the best parameters again
+        if state.get("early_stopped") or (ns.max_steps and pos.step >= ns.max_steps):
+            pos.epoch = ns.epochs  # nothing left to do: export the best parameters again
     vbatches = common.bucket_batches(valid_seqs, 256, device=device)
     k = model.k if blocked else 0
     keep = k - round(k * ns.state_dropout) if blocked else 0
     N = common.num_tokens(train_seqs)
-    bar = common.Progress(N * max(ns.epochs - epoch0, 0), f"{ns.family} Z={ns.states}", ns.progress)
+    bar = common.Progress(N * max(ns.epochs - pos.epoch, 0), f"{ns.family} Z={ns.states}", ns.progress)
     stop = False
     best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
     if history.rows:
@@ -339,35 +344,41 @@ def train(ns: argparse.Namespace) -> Path:
     if not history.rows:
         history.add(step=0, epoch=0, tokens=0, seconds=time.perf_counter() - t0, valid_ppl=evaluate(),
                     lr=opt.param_groups[0]["lr"])
-    for epoch in range(epoch0, ns.epochs):
+    for epoch in range(pos.epoch, ns.epochs):
+        # the batch order is a function of (seed, epoch) alone, so a resumed epoch regenerates it
         egen = torch.Generator().manual_seed(ns.seed * 100003 + epoch)
         if blocked and ns.bptt:
             batches = bptt_batches(train_seqs, ns.batch, ns.bptt, device)
         else:
             batches = common.bucket_batches(train_seqs, ns.batch, egen, device)
-        carry = None
+        first = pos.batch if epoch == pos.epoch else 0
+        if first == 0:
+            carry = None
         model.train()
-        for bi, b in enumerate(batches):
+        for bi in range(first, len(batches)):
+            b = batches[bi]
             if blocked:
                 active = sample_state_dropout(model.M, model.k, keep, gen).to(device)
                 nll, carry = blocked_loss(model, b, active, carry, want_last=bool(ns.bptt))
             else:
-                nll = rank_loss(model, b)
+                nll = rank_loss(model, b)  # dropout draws from torch's global generator (checkpointed)
             ntok = int(b.lengths.sum())
             loss = nll / ntok
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
             opt.step()
-            step += 1
+            pos.step += 1
+            pos.tokens += ntok
             bar.update(ntok, float(loss.detach()))
             last_batch = bi == len(batches) - 1
-            at_limit = bool(ns.max_steps and step >= ns.max_steps)
+            at_limit = bool(ns.max_steps and pos.step >= ns.max_steps)
             final = last_batch and epoch == ns.epochs - 1
-            if (step % ns.eval_every == 0 if ns.eval_every else last_batch) or final or at_limit:
+            evaluating = (pos.step % ns.eval_every == 0 if ns.eval_every else last_batch) or final or at_limit
+            if evaluating:
                 ppl = evaluate()
                 bar.update(0, valid_ppl=ppl)
-                if history.add(step=step, epoch=epoch + (bi + 1) / len(batches), tokens=bar.done,
+                if history.add(step=pos.step, epoch=epoch + (bi + 1) / len(batches), tokens=pos.tokens,
                                seconds=time.perf_counter() - t0, train_ppl=math.exp(float(loss.detach())),
                                valid_ppl=ppl, lr=opt.param_groups[0]["lr"]):
                     best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
@@ -376,12 +387,13 @@ def train(ns: argparse.Namespace) -> Path:
                 else:
                     for g in opt.param_groups:
                         g["lr"] *= decay
-                done = stop or at_limit
-                _save(ckdir, model, opt, best_state, gen, history, epoch + 1 if last_batch else epoch, step,
-                      time.perf_counter() - t0, stop)
-                if done:
-                    stop = True
-                    break
+            if evaluating or stop or at_limit or (ns.checkpoint_every and pos.step % ns.checkpoint_every == 0):
+                pos.epoch, pos.batch = (epoch + 1, 0) if last_batch else (epoch, bi + 1)
+                _save(ckdir, model, opt, best_state, gen, history, pos, time.perf_counter() - t0, stop,
+                      carry if ns.bptt and not last_batch else None)
+            if stop or at_limit:
+                stop = True
+                break
         if stop:
             break
     bar.close()
@@ -395,18 +407,40 @@ def train(ns: argparse.Namespace) -> Path:
               {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout})
     prov = common.provenance(ns, history, time.perf_counter() - t0,
                              {"method": "VL-HMM (Chiu & Rush 2020)" if blocked else "rank-space HMM (Yang et al. 2022)",
-                              "steps": step})
+                              "steps": pos.step})
     title = f"{ns.family} {ns.states} states" + (f", M={model.M}" if blocked else f", r={ns.rank}")
     extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
     return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
                          extra_files=extra_files)
 
 
-def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Generator, history, epoch: int,
-          step: int, seconds: float, early_stopped: bool) -> None:
+@dataclass
+class Position:
+    """Where training stands: `batch` batches of epoch `epoch` done, `step` optimiser steps and `tokens`
+    training tokens in all (what a checkpoint needs to continue at the next batch)."""
+
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+    tokens: int = 0
+
+    @classmethod
+    def from_json(cls, state: dict, history: common.History) -> Position:
+        tokens = state.get("tokens", history.rows[-1].get("tokens", 0) if history.rows else 0)
+        return cls(int(state["epoch"]), int(state.get("batch", 0)), int(state["step"]), int(tokens))
+
+
+def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Generator, history,
+          pos: Position, seconds: float, early_stopped: bool, carry: Tensor | None = None) -> None:
+    """Checkpoint everything a resume needs to continue bit-for-bit: parameters, best parameters, AdamW
+    state, both generators (state dropout; torch's global one, used by nn.Dropout), the position in the
+    epoch and the BPTT carry."""
     ot, ometa = common.optimizer_tensors(opt)
     tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
-               **{f"best.{k}": v for k, v in best_state.items()}, **ot, "rng": gen.get_state()}
-    common.save_checkpoint(ckdir, tensors, {"epoch": epoch, "step": step, "history": history.to_json(),
+               **{f"best.{k}": v for k, v in best_state.items()}, **ot, **common.rng_tensors(gen)}
+    if carry is not None:
+        tensors["carry"] = carry
+    common.save_checkpoint(ckdir, tensors, {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step,
+                                            "tokens": pos.tokens, "history": history.to_json(),
                                             "optimizer": ometa, "seconds": seconds,
                                             "early_stopped": early_stopped})

@@ -1,0 +1,123 @@
+"""`--resume` continues exactly where the checkpoint was taken: a run interrupted right after a mid-epoch
+checkpoint and then resumed ends with the same parameters, history and export as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.training.helpers import train_args
+from training import baum_welch, common, densehmm, neural
+from training.cli import resolve_settings
+
+
+class Interrupted(Exception):
+    """Stands for the process being killed."""
+
+
+def interrupt_after_checkpoint(monkeypatch, n: int) -> None:
+    """Make the n-th checkpoint write complete and then kill the run (a crash right after saving)."""
+    real, calls = common.save_checkpoint, [0]
+
+    def save(path, tensors, state):
+        real(path, tensors, state)
+        calls[0] += 1
+        if calls[0] == n:
+            raise Interrupted
+
+    monkeypatch.setattr(common, "save_checkpoint", save)
+
+
+def tiny_corpus(tmp_path) -> str:
+    """A 40-word synthetic corpus file (160 sentences): small vocabulary, so each run takes a second."""
+    g = torch.Generator().manual_seed(0)
+    words = [f"w{i}" for i in range(40)]
+    lines = []
+    for _ in range(160):
+        n = int(torch.randint(3, 12, (1,), generator=g))
+        start = int(torch.randint(0, 40, (1,), generator=g))
+        steps = torch.randint(0, 4, (n,), generator=g).tolist()  # a random walk over the words
+        lines.append(" ".join(words[(start + sum(steps[: i + 1]) * 3) % 40] for i in range(n)))
+    path = tmp_path / "tiny.txt"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def _final(store, name):
+    """(final parameters from the last checkpoint, exported tensors, history without wall times)."""
+    ck = load_file(str(common.checkpoint_dir(store, name) / "tensors.safetensors"))
+    params = {k: v for k, v in ck.items() if k.startswith("model.") or k in ("start", "trans", "emit")}
+    art = load_file(str(store / name / "weights.safetensors"))
+    curve = json.loads((store / name / "manifest.json").read_text())["provenance"]["curve"]
+    return params, art, [{k: v for k, v in r.items() if k != "seconds"} for r in curve]
+
+
+FAMILIES = {
+    "blocked_hmm": dict(states=16, clusters=4, hidden=8, state_dropout=0.5),
+    "blocked_hmm_bptt": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, bptt=12, batch=6),
+    "rank_hmm": dict(states=16, rank=4, hidden=8, dropout=0.3),
+}
+
+
+# checkpoints at steps 3, 5 (eval), 6, 9, 10 (eval), 12, ... of 10 batches per epoch: the 3rd is in epoch 1,
+# the 6th in epoch 2
+@pytest.mark.parametrize("case,interrupt_at", [("blocked_hmm", 6), ("blocked_hmm_bptt", 3), ("rank_hmm", 3),
+                                               ("rank_hmm", 6)])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, case, interrupt_at):
+    family = case.removesuffix("_bptt")
+    kw = {"data": [tiny_corpus(tmp_path)], "epochs": 2, "batch": 16, "lr": 0.02, "eval_every": 5,
+          "checkpoint_every": 3, "patience": 3, **FAMILIES[case]}
+
+    def run(name, resume=False):
+        return neural.train(resolve_settings(train_args(tmp_path, family, name=name, resume=resume, **kw)))
+
+    _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at, mid_epoch=True)
+
+
+def _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at: int, mid_epoch: bool) -> None:
+    run("whole")
+    with monkeypatch.context() as m:
+        interrupt_after_checkpoint(m, interrupt_at)
+        with pytest.raises(Interrupted):
+            run("cut")
+    state = json.loads((common.checkpoint_dir(tmp_path, "cut") / "state.json").read_text())
+    assert (state["batch"] > 0) == mid_epoch  # where the interruption is
+    run("cut", resume=True)
+    (pa, aa, ha), (pb, ab, hb) = _final(tmp_path, "whole"), _final(tmp_path, "cut")
+    assert pa and pa.keys() == pb.keys() and aa.keys() == ab.keys()
+    for key in pa:
+        assert torch.equal(pa[key], pb[key]), key
+    for key in aa:
+        assert torch.equal(aa[key], ab[key]), key
+    assert ha == hb
+
+
+# EM with 10 E-step batches per iteration, checkpoints at batches 4 and 8 and at each iteration's end:
+# the 2nd checkpoint is inside iteration 1, the 5th inside iteration 2, the 3rd at the end of iteration 1
+@pytest.mark.parametrize("family,fit,interrupt_at,mid", [("hmm", "em", 2, True), ("hmm", "em", 5, True),
+                                                         ("densehmm", "em", 5, True), ("densehmm", "em", 3, False),
+                                                         ("densehmm", "cooc", 2, False)])
+def test_em_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, family, fit, interrupt_at, mid):
+    trainer = baum_welch.train if family == "hmm" else densehmm.train
+    kw = {"data": [tiny_corpus(tmp_path)], "states": 8, "epochs": 3, "batch": 16, "checkpoint_every": 4,
+          "patience": 3, "fit": fit, "hidden": 4, "lr": 0.05, "smoothing": 0.01}
+
+    def run(name, resume=False):
+        return trainer(resolve_settings(train_args(tmp_path, family, name=name, resume=resume, **kw)))
+
+    _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at, mid_epoch=mid)
+
+
+def test_checkpoint_every_writes_position_and_generators(tmp_path):
+    ns = resolve_settings(train_args(tmp_path, "rank_hmm", data=[tiny_corpus(tmp_path)], states=8, rank=4,
+                                     hidden=8, epochs=1, batch=16, checkpoint_every=2,
+                                     max_steps=2))
+    neural.train(ns)
+    ck = common.checkpoint_dir(tmp_path, ns.name)
+    state = json.loads((ck / "state.json").read_text())
+    assert (state["epoch"], state["batch"], state["step"]) == (0, 2, 2)
+    tensors = load_file(str(ck / "tensors.safetensors"))
+    assert tensors["rng"].dtype == tensors["torch_rng"].dtype == torch.uint8
