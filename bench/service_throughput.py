@@ -172,7 +172,7 @@ def main() -> None:
         "# /v1/score throughput and latency vs in-process batched inference",
         "",
         f"- date: {dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()} "
-        f"{os.cpu_count()}-core CPU sandbox (shared with other jobs; ~30% run-to-run noise), "
+        f"{os.cpu_count()}-core CPU sandbox (no other jobs during the run; ~10-30% run-to-run noise), "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         f"- model: `{model}` ({d['family']}, {d['num_states']} states, V = {V}); {args.tokens}-token requests "
         f"(token ids), one sequence per request; server defaults (max_queue_delay 2 ms, waited only while other "
@@ -191,11 +191,12 @@ def main() -> None:
         "",
         "Reading: the batcher merges concurrent requests (histogram below), so the model compute per request "
         "is the in-process batched cost; what the service adds is HTTP parsing, validation, JSON and "
-        "scheduling per request (a fraction of a millisecond of CPU, on cores shared with the client and "
-        "other jobs). With one 50-token sequence per request that per-request cost exceeds the compute of a "
+        "scheduling per request (a fraction of a millisecond of CPU, on the 2 cores the client also uses). "
+        "With one 50-token sequence per request that per-request cost exceeds the compute of a "
         f"{d['num_states']}-state model, so concurrency 64 stays well below the in-process rate; several inputs per "
         "request amortise it (last row). Results are identical to single-request calls up to float32 rounding "
-        "(batched GEMMs round differently: max relative logprob difference ~2e-7 measured; Viterbi paths equal).",
+        "(batches sum in a different order: max relative logprob difference ~2e-7 measured; Viterbi paths "
+        "equal).",
         "",
         "Batch-size histogram after the run (requests merged per batch):",
         "",
