@@ -3,18 +3,7 @@
 # Usage: bench/train_ptb_runs.sh STORE   (then: python bench/train_ptb_table.py STORE)
 set -u
 STORE=${1:-/tmp/ptb-results}
-mkdir -p "$STORE/logs"
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-run() {  # name, args...
-  local name=$1; shift
-  echo "== $name $(date -u +%FT%TZ)" >> "$STORE/logs/runs.txt"
-  /usr/bin/time -f "%e s wall %U s user" -o "$STORE/logs/$name.time" \
-    nice -n 10 latentlm train --name "$name" --store "$STORE" --data ptb --no-progress "$@" \
-    > "$STORE/logs/$name.log" 2>&1
-  for split in valid test; do
-    nice -n 10 latentlm eval --model "$name" --data "ptb:$split" --store "$STORE" >> "$STORE/logs/$name.eval" 2>&1
-  done
-}
+source "$(dirname "$0")/train_ptb_lib.sh"
 run ptb-blocked-1k --family blocked_hmm --states 1024 --clusters 128 --hidden 128 --epochs 3 --batch 64 \
     --lr 0.01 --eval-every 300
 run ptb-rank-1k --family rank_hmm --states 1024 --rank 256 --hidden 128 --epochs 3 --batch 64 --lr 0.01 \

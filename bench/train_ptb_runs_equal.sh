@@ -10,18 +10,7 @@
 set -u
 STORE=${1:-/tmp/ptb-results}
 STAGE=${2:-all}
-mkdir -p "$STORE/logs"
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-run() {  # name, args...
-  local name=$1; shift
-  echo "== $name $(date -u +%FT%TZ)" >> "$STORE/logs/runs.txt"
-  /usr/bin/time -f "%e s wall %U s user" -o "$STORE/logs/$name.time" \
-    nice -n 10 latentlm train --name "$name" --store "$STORE" --data ptb --no-progress "$@" \
-    > "$STORE/logs/$name.log" 2>&1
-  for split in valid test; do
-    nice -n 10 latentlm eval --model "$name" --data "ptb:$split" --store "$STORE" >> "$STORE/logs/$name.eval" 2>&1
-  done
-}
+source "$(dirname "$0")/train_ptb_lib.sh"
 if [ "$STAGE" = all ] || [ "$STAGE" = 1 ]; then
 run ptb-hmm-1k --family hmm --states 1024 --epochs 12 --batch 512 --init-noise 3
 # 32 clusters x 8 states: state dropout 0.5 keeps 4 states per cluster (128 x 2 would keep 1, i.e. train a

@@ -2,17 +2,7 @@
 # Second batch of PTB runs (larger state counts, longer schedules) after bench/train_ptb_runs.sh.
 set -u
 STORE=${1:-/tmp/ptb-results}
-export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-run() {
-  local name=$1; shift
-  echo "== $name $(date -u +%FT%TZ)" >> "$STORE/logs/runs.txt"
-  /usr/bin/time -f "%e s wall %U s user" -o "$STORE/logs/$name.time" \
-    nice -n 10 latentlm train --name "$name" --store "$STORE" --data ptb --no-progress "$@" \
-    > "$STORE/logs/$name.log" 2>&1
-  for split in valid test; do
-    nice -n 10 latentlm eval --model "$name" --data "ptb:$split" --store "$STORE" >> "$STORE/logs/$name.eval" 2>&1
-  done
-}
+source "$(dirname "$0")/train_ptb_lib.sh"
 run ptb-rank-4k --family rank_hmm --states 4096 --rank 256 --hidden 128 --epochs 8 --batch 64 --lr 0.01 \
     --eval-every 330
 run ptb-blocked-4k --family blocked_hmm --states 4096 --clusters 128 --hidden 128 --epochs 6 --batch 128 \

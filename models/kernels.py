@@ -239,6 +239,16 @@ if HAVE_NUMBA:
                 o2[j] += a2 * q
                 o3[j] += a3 * q
 
+    @njit(nogil=True, inline="always", cache=True)
+    def _group(g, B, lengths, order):  # pragma: no cover - compiled
+        """Group g of ROWS sequences: (first row in `order`, rows in the group, longest length)."""
+        g0 = g * ROWS
+        n = min(ROWS, B - g0)
+        t_max = 0
+        for r in range(n):
+            t_max = max(t_max, lengths[order[g0 + r]])
+        return g0, n, t_max
+
     @njit(nogil=True, fastmath=_FM, cache=True)
     def forward_groups(init, table, rows, trans, lengths, order, log_cond, alphas, keep,  # pragma: no cover
                        first, stride):
@@ -253,11 +263,7 @@ if HAVE_NUMBA:
         x = np.zeros((ROWS, K), dtype=table.dtype)
         y = np.zeros((ROWS, K), dtype=table.dtype)
         for g in range(first, (B + ROWS - 1) // ROWS, stride):
-            g0 = g * ROWS
-            n = min(ROWS, B - g0)
-            t_max = 0
-            for r in range(n):
-                t_max = max(t_max, lengths[order[g0 + r]])
+            g0, n, t_max = _group(g, B, lengths, order)
             x[:] = 0.0
             for t in range(t_max):
                 if t > 0 and n == 1:  # a lone sequence (e.g. one long input): a matrix-vector product
@@ -302,11 +308,7 @@ if HAVE_NUMBA:
         v = np.zeros((ROWS, K), dtype=table.dtype)
         y = np.zeros((ROWS, K), dtype=table.dtype)
         for g in range(first, (B + ROWS - 1) // ROWS, stride):
-            g0 = g * ROWS
-            n = min(ROWS, B - g0)
-            t_max = 0
-            for r in range(n):
-                t_max = max(t_max, lengths[order[g0 + r]])
+            g0, n, t_max = _group(g, B, lengths, order)
             x[:] = 1.0
             v[:] = 0.0
             for t in range(T - 1, -1, -1):
