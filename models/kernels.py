@@ -537,7 +537,11 @@ def emission_rows(table: Tensor, rows: Tensor | None) -> tuple[np.ndarray, np.nd
     if rows is None:
         B, T, K = table.shape
         return _np(table).reshape(B * T, K), np.arange(B * T, dtype=np.int64).reshape(B, T)
-    return _np(table), np.ascontiguousarray(rows.numpy(), dtype=np.int64)
+    r = np.ascontiguousarray(rows.numpy(), dtype=np.int64)
+    if r.size and (r.min() < 0 or r.max() >= table.shape[0]):  # compiled code does not bounds-check
+        raise IndexError(f"emission row index out of range: rows span [{r.min()}, {r.max()}], table has "
+                         f"{table.shape[0]} rows")
+    return _np(table), r
 
 
 def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, *,

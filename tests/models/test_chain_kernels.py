@@ -139,3 +139,14 @@ def test_row_lookup_equals_the_gathered_tensor(B, T, K, N, threads, seed):
     one, _ = kernels.forward_cpu(init[:1], table, rows[:1], trans, lengths[:1], keep_alphas=False, threads=threads)
     ref, _ = kernels.forward_cpu(init[:1], gathered[:1], None, trans, lengths[:1], keep_alphas=False, threads=threads)
     assert torch.equal(one, ref)
+
+
+def test_row_lookup_out_of_range_is_an_error_not_a_read():
+    init, _, trans, lengths = random_chain(2, 3, 4, seed=0)
+    table = torch.rand(5, 4, dtype=torch.float64)
+    for bad in (5, -1):
+        rows = torch.tensor([[0, 1, 2], [3, 4, bad]])
+        with pytest.raises(IndexError):
+            chain.forward(init, chain.RowLookup(table, rows), trans, lengths)
+        with pytest.raises(IndexError):
+            chain.posterior(init, chain.RowLookup(table, rows), trans, lengths)
