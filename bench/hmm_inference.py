@@ -34,7 +34,7 @@ from models.synthetic import random_hmm
 V = 10_000
 
 
-def timed(fn: Callable[[], object], min_time: float = 0.5, max_reps: int = 5) -> float:
+def timed(fn: Callable[[], object], min_time: float = 1.0, max_reps: int = 15) -> float:
     """Median seconds per call after one warm-up call (repeats until min_time or max_reps)."""
     fn()
     times: list[float] = []
@@ -67,9 +67,9 @@ def ours(Z: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     r = {
         "score/batch": 3200 / timed(lambda: m.score(b)),
-        "score/long": 10_000 / timed(lambda: m.score(lg), 0, 2),
+        "score/long": 10_000 / timed(lambda: m.score(lg), 0, 5),
         "posterior/batch": 3200 / timed(lambda: m.posterior(b)),
-        "posterior/long": 10_000 / timed(lambda: m.posterior(lg), 0, 2),
+        "posterior/long": 10_000 / timed(lambda: m.posterior(lg), 0, 3),
         "viterbi/batch": 3200 / timed(lambda: m.viterbi(b), 0, 2),
         "viterbi/long": 10_000 / timed(lambda: m.viterbi(lg), 0, 1),
         "sample/64x50": 3200 / timed(lambda: m.sample(64, 50, g)),

@@ -453,8 +453,9 @@ if HAVE_NUMBA:
         thread streams only its half of the matrix, which stays in its own core's cache), publishes its
         slice of the new unnormalised alpha and its partial normaliser, and waits for the other thread's
         (release/acquire step counters; after SPINS_BEFORE_YIELD polls it yields the core). shared (2, K)
-        and partial (2, 2) float64 are double-buffered by step parity; flags (32,) int64 holds the two
-        counters on separate cache lines. Both threads form the same total c_t; thread 0 writes log_cond.
+        and partial (2, 16) float64 (the two sums 64 bytes apart) are double-buffered by step parity;
+        flags (32,) int64 holds the two counters on separate cache lines. Both threads form the same total
+        c_t; thread 0 writes log_cond.
         Same result as `forward_one` up to float rounding. O(T K^2 / 2) per thread."""
         T = rows.shape[0]
         K = table.shape[1]
@@ -475,7 +476,7 @@ if HAVE_NUMBA:
                 v = src[j] * scale * e[j]
                 buf[j] = v
                 c += v
-            partial[t % 2, tid] = c
+            partial[t % 2, tid * 8] = c
             _store_release(flags, tid * 16, t + 1)
             spins = 0
             while _load_acquire(flags, other * 16) < t + 1:
@@ -483,7 +484,7 @@ if HAVE_NUMBA:
                 if spins >= SPINS_BEFORE_YIELD:
                     _yield_core()
                     spins = 0
-            total = partial[t % 2, 0] + partial[t % 2, 1]
+            total = partial[t % 2, 0] + partial[t % 2, 8]
             if not total > 0.0:
                 if tid == 0:
                     log_cond[t:] = -np.inf
@@ -575,7 +576,7 @@ def _forward_one_np(init: np.ndarray, table: np.ndarray, rows: np.ndarray, trans
         return
     half = (K // 2 + 15) // 16 * 16  # 64-byte aligned column split
     shared = np.zeros((2, K), dtype=table.dtype)
-    partial = np.zeros((2, 2), dtype=np.float64)
+    partial = np.zeros((2, 16), dtype=np.float64)
     flags = np.zeros(32, dtype=np.int64)
     helper = threading.Thread(target=forward_one_split,
                               args=(init, table, rows, trans, log_cond, shared, partial, flags, 1, half, K))
@@ -624,7 +625,7 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
         e, r = emission_rows(table, rows)
         out = np.zeros(T)
         forward_one(_np(init[0]), e, r[0], _np(trans), out)
-        shared, partial, flags = np.zeros((2, K), dtype=e.dtype), np.zeros((2, 2)), np.zeros(32, np.int64)
+        shared, partial, flags = np.zeros((2, K), dtype=e.dtype), np.zeros((2, 16)), np.zeros(32, np.int64)
         flags[16] = T  # the other thread's step counter reads "finished": thread 0 runs every column alone
         forward_one_split(_np(init[0]), e, r[0], _np(trans), out, shared, partial, flags, 0, 0, K)
     log_trans = trans.log()
