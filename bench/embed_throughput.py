@@ -14,27 +14,19 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.base import Batch  # noqa: E402
 from models.hmm import DenseHMM  # noqa: E402
-from models.lds import LDS, kalman_tensors  # noqa: E402
+from models.lds import LDS  # noqa: E402
 from models.synthetic import random_hmm  # noqa: E402
-from training.lds import noise_from_moment, stabilise  # noqa: E402
+from training.lds import random_lds_tensors  # noqa: E402
 
 
 def random_lds(V: int, h: int, seed: int = 0) -> LDS:
-    rng = np.random.default_rng(seed)
-    mu = rng.dirichlet(np.ones(V))
-    s = np.sqrt(mu)
-    A = stabilise(rng.standard_normal((h, h)) / np.sqrt(h), 0.9)
-    C = rng.standard_normal((V, h)) * 0.05
-    C -= np.outer(s, s @ C)
-    U, Lam = noise_from_moment(C, np.eye(h) * 0.5)
-    t = kalman_tensors(A, C, U, Lam, mu)
+    t = random_lds_tensors(V, h, seed, emission_scale=0.05)
     return LDS.from_tensors({k: torch.from_numpy(v) for k, v in t.items()}, {"dim": h})
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from models.errors import InputError
+from models.errors import InputError, read_text_file
 from models.store import check_name, default_store, save_artifact
 from models.vocab import Preprocessing, Vocabulary
 
@@ -197,12 +197,7 @@ def _check_start(rules: list[Rule], kinds: dict[str, str], start: str, first_lin
 def import_pcfg(path: Path, name: str, store: Path, *, start: str | None = None, force: bool = False) -> Path:
     """Validate a grammar file and write it as a `dense_pcfg` artifact; nothing is written on error."""
     check_name(name)
-    if not path.is_file():
-        raise InputError(f"{path}: no such file", param="FILE")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text ({e})", param="FILE") from None
+    text = read_text_file(path, param="FILE")
     try:
         tensors, config, words = read_grammar(text, start)
     except InputError as e:

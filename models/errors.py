@@ -1,6 +1,9 @@
 """Exceptions shared by the model layer; the CLI and the service map them to exit codes / HTTP statuses."""
 
 
+from pathlib import Path
+
+
 class LatentLMError(Exception):
     """Base class. `param` names the offending field or file when there is one."""
 
@@ -28,3 +31,14 @@ class UnsupportedOperation(LatentLMError):
 
 class LimitExceeded(LatentLMError):
     """A request is too large (tokens, states x states matrix, ...)."""
+
+
+def read_text_file(path: Path, *, param: str, prefix: str = "") -> str:
+    """The UTF-8 text of a user-supplied file, or an InputError naming `param`: "<prefix><path>: no such
+    file" / "... not UTF-8 text"."""
+    if not path.is_file():
+        raise InputError(f"{prefix}{path}: no such file", param=param)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{prefix}{path}: not UTF-8 text ({e})", param=param) from None

@@ -20,7 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from models.errors import InputError
+from models.errors import InputError, read_text_file
 from models.store import check_name, default_store
 
 FAMILIES = ("hmm", "densehmm", "blocked_hmm", "rank_hmm", "pcfg", "lds")
@@ -103,9 +103,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # -- settings -----------------------------------------------------------------------------------------
 def read_config(path: Path) -> dict[str, Any]:
     """YAML (.yaml/.yml) or TOML (.toml) mapping of settings; keys may use '-' or '_'."""
-    if not path.is_file():
-        raise InputError(f"--config: {path}: no such file", param="config")
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file(path, param="config", prefix="--config: ")
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)

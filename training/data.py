@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from models.errors import InputError
+from models.errors import InputError, read_text_file
 from models.vocab import Preprocessing, Vocabulary
 
 PTB_SPLITS = ("train", "valid", "test")
@@ -73,14 +73,7 @@ def read_text_files(paths: Sequence[str | Path], lowercase: bool = False) -> lis
     """One sentence (or paragraph) per line from each file, whitespace-tokenised, blank lines skipped."""
     out: list[list[str]] = []
     for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise InputError(f"data: {path}: no such file", param="data")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise InputError(f"data: {path}: not UTF-8 text ({e})", param="data") from None
-        out.extend(split_lines(text, lowercase))
+        out.extend(split_lines(read_text_file(Path(p), param="data", prefix="data: "), lowercase))
     if not out:
         raise InputError(f"data: no sentences in {', '.join(str(p) for p in paths)}", param="data")
     return out

@@ -172,6 +172,19 @@ def noise_from_moment(C: np.ndarray, moment: np.ndarray) -> tuple[np.ndarray, np
     return U, sym((E * np.clip(w, 0.0, LAM_CEIL)) @ E.T)
 
 
+def random_lds_tensors(V: int, h: int, seed: int = 0, emission_scale: float = 0.4) -> dict[str, np.ndarray]:
+    """A random stable LDS in the artifact's whitened parameterisation (C orthogonal to sqrt(mu)), for
+    tests and benchmarks: the `lds` artifact's tensors (see `models.lds.kalman_tensors`)."""
+    rng = np.random.default_rng(seed)
+    mu = rng.dirichlet(np.ones(V))
+    s = np.sqrt(mu)
+    A = stabilise(rng.standard_normal((h, h)) / np.sqrt(h), 0.9)
+    C = rng.standard_normal((V, h)) * emission_scale
+    C -= np.outer(s, s @ C)
+    U, Lam = noise_from_moment(C, np.eye(h) * 0.5)
+    return kalman_tensors(A, C, U, Lam, mu)
+
+
 def to_unit_Q(A: np.ndarray, C: np.ndarray, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Change latent coordinates so the state noise is I: x' = Q^-1/2 x (likelihood unchanged)."""
     T, Ti = spd_power(Q, 0.5), spd_power(Q, -0.5)

@@ -23,13 +23,7 @@ from tests.models.tree_brute import brute, tree_string
 V = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(seed: int, nt: int = 2, pt: int = 2, dtype=torch.float64, **kw) -> DensePCFG:

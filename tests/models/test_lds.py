@@ -11,22 +11,12 @@ from hypothesis import strategies as st
 
 from models.base import Batch
 from models.errors import ArtifactError
-from models.lds import LDS, kalman_tensors, spd_power, sym
+from models.lds import LDS, spd_power, sym
 from models.store import load_artifact, save_artifact
 from models.vocab import Vocabulary
-from training.lds import noise_from_moment, stabilise
+from training.lds import random_lds_tensors
 
-
-def random_lds(V: int, h: int, seed: int) -> dict[str, np.ndarray]:
-    """A random stable LDS in the artifact's whitened parameterisation (C orthogonal to sqrt(mu))."""
-    rng = np.random.default_rng(seed)
-    mu = rng.dirichlet(np.ones(V))
-    s = np.sqrt(mu)
-    A = stabilise(rng.standard_normal((h, h)) / np.sqrt(h), 0.9)
-    C = rng.standard_normal((V, h)) * 0.4
-    C -= np.outer(s, s @ C)
-    U, Lam = noise_from_moment(C, np.eye(h) * 0.5)
-    return kalman_tensors(A, C, U, Lam, mu)
+random_lds = random_lds_tensors
 
 
 def exact_smoother(A: np.ndarray, C: np.ndarray, D: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

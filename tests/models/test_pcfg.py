@@ -23,13 +23,7 @@ from tests.models.tree_brute import brute
 V = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add contention on the shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make(seed: int, nt=3, pt=2, r=2, dtype=torch.float64, vocab=V) -> tuple[RankPCFG, DensePCFG]:
