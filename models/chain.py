@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -107,14 +108,15 @@ def _compiled(emit: Emit, trans: Trans, *more: Tensor, any_size: bool = False) -
 @contextmanager
 def plain_torch() -> Iterator[None]:
     """Within this block the engine runs its plain PyTorch recursion (one GEMM per step), never the compiled
-    kernels: the baseline for benchmarks and the reference for the kernels' tests. Not thread-safe."""
-    global _compiled
-    saved = _compiled
-    _compiled = lambda *args, **kwargs: False  # noqa: E731
+    kernels nor chunked long sequences: the baseline for benchmarks and the reference for the kernels' tests.
+    Not thread-safe."""
+    global _compiled, _chunking_enabled
+    saved = _compiled, _chunking_enabled
+    _compiled, _chunking_enabled = (lambda *args, **kwargs: False), False
     try:
         yield
     finally:
-        _compiled = saved
+        _compiled, _chunking_enabled = saved
 
 
 def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:
@@ -124,23 +126,41 @@ def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:
     return emit.transpose(0, 1).masked_fill(~mask.T.unsqueeze(-1), 1.0).contiguous()
 
 
-def forward(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, keep_alphas: bool = False
-            ) -> tuple[Tensor, Tensor | None]:
+def forward(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, keep_alphas: bool = False,
+            out_last: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Scaled forward pass.
 
     Returns `log_cond` (B, T): log p(x_t | x_<t) at real positions and 0 at padding (so
     `log_cond.sum(1)` is log p(x); -inf once a sequence has probability 0), and, with `keep_alphas`,
-    the filtered marginals p(z_t | x_<=t) (B, T, K). O(B T K^2) time; four tensor ops per step."""
+    the filtered marginals p(z_t | x_<=t) (B, T, K). With `out_last` (B, K), each sequence's filtered
+    marginal at its last real position is written there (0 for an impossible sequence).
+    O(B T K^2) time; four tensor ops per step. One sequence of at least LONG_MIN_TOKENS positions with
+    a shared matrix runs as a batch of chunks (`forward_chunked`)."""
+    B, T, K = emit.shape
+    if (B == 1 and T >= LONG_MIN_TOKENS and not keep_alphas and out_last is None and isinstance(trans, Tensor)
+            and int(lengths[0]) == T and _chunking_enabled
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in (init, emit, trans)))):
+        return forward_chunked(init, emit, trans), None
+    return _forward_steps(init, emit, trans, lengths, keep_alphas, out_last)
+
+
+def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep_alphas: bool,
+                   out_last: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """`forward` by the step-by-step recursion (compiled kernels where they apply), never chunked."""
     B, T, K = emit.shape
     if _compiled(emit, trans, init, any_size=B == 1 and not keep_alphas):
         from models import kernels
 
         return kernels.forward_cpu(init, *_table_rows(emit), trans, lengths, keep_alphas=keep_alphas,
-                                   threads=torch.get_num_threads())
+                                   threads=torch.get_num_threads(), out_last=out_last)
     emit = dense(emit)
     emit_t = _pad_emit(emit, lengths)  # (T, B, K)
     scales = emit.new_empty(T, B, 1)
     alphas = emit.new_empty(T, B, K) if keep_alphas else emit.new_empty(2, B, K)
+    ends: dict[int, list[int]] = {}
+    if out_last is not None:
+        for b, n in enumerate(lengths.tolist()):
+            ends.setdefault(n - 1, []).append(b)
     alpha = torch.mul(init, emit_t[0], out=alphas[0])
     for t in range(T):
         if t > 0:
@@ -148,14 +168,158 @@ def forward(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, keep_alp
             alpha.mul_(emit_t[t])
         torch.sum(alpha, -1, keepdim=True, out=scales[t])
         alpha.div_(scales[t])  # a zero scale (impossible sequence) gives NaN from here on: see below
+        if t in ends:
+            idx = torch.tensor(ends[t], device=alpha.device)
+            out_last[idx] = alpha[idx]  # type: ignore[index]
     log_scales = scales.squeeze(-1).T.log()  # (B, T)
     mask = valid_mask(lengths, T)
     impossible = (log_scales == -math.inf) & mask
     if bool(impossible.any()):  # after a zero-probability step every later conditional is undefined: -inf
         dead = impossible.cumsum(1) > 0
         log_scales = log_scales.masked_fill(dead, -math.inf)
+        if out_last is not None:
+            out_last.masked_fill_(dead.any(1, keepdim=True), 0.0)
     log_cond = log_scales.masked_fill(~mask, 0.0)
     return log_cond, (alphas.transpose(0, 1) if keep_alphas else None)
+
+
+# One long sequence, scored as a batch of chunks. The forward recursion of a single sequence is a chain of
+# matrix-vector products: bound by streaming the matrix, one product at a time. Cut the sequence into C
+# chunks and run them together as a batch (matrix-matrix products, the arithmetic rate of GEMM):
+#   1. guess: every chunk but the first starts from the uniform distribution;
+#   2. restart: chunk c >= 1 is run again for its first `window` positions from the exact prior for its first
+#      position, the guessed run's filtered marginal at the end of chunk c - 1 pushed through `trans`;
+#   3. where the restart's filtered marginal after `window` positions equals the guess's within `tol` in
+#      Hilbert's projective metric d(u, v) = max_i log(u_i / v_i) - min_i log(u_i / v_i) (same support), the
+#      guess's conditionals are kept for the rest of the chunk. For normalised u, v every later conditional
+#      log p(x_t | x_<t) and every later total differ by at most d(u, v), and a nonnegative matrix never
+#      increases d (Birkhoff). So log p(x) is off by at most the distances left at the chunk boundaries:
+#      about (C - 1) tol when `trans` contracts (any strictly positive matrix over chunks hundreds of
+#      positions long), C^2 tol / 2 at worst; tol is a few hundred ulps, and the sequential float32 recursion
+#      itself drifts by more over thousands of steps (bench/results/hmm_inference.md compares both with a
+#      float64 reference).
+#   4. from the first chunk whose restart has not met its guess (a model that mixes slowly, sparse
+#      transitions), the rest of the sequence runs sequentially from that chunk's exact prior.
+# Mixing HMMs meet within 5-20 positions; the extra work is 2 (C - 1) window positions.
+LONG_MIN_TOKENS = 4096  # one sequence at least this long is scored in chunks (forward_chunked)
+CHUNK_WINDOW = 32  # positions a chunk's restart runs before it must meet the guessed run
+CHUNK_MIN_LEN = 8 * CHUNK_WINDOW  # shortest chunk (float32)
+MAX_CHUNKS = 64  # rows of the per-step GEMM when the chunks run on BLAS (K > COMPILED_MAX_K, GPU)
+_chunking_enabled = True
+
+
+def meet_tolerance(dtype: torch.dtype) -> float:
+    """Projective distance below which a restarted chunk counts as having met its guess: 2^-17 in float32,
+    2^-46 in float64 (a few hundred ulps; rounding alone keeps two runs ~1e-7 resp. 1e-16 apart)."""
+    return 2.0**-17 if torch.finfo(dtype).bits <= 32 else 2.0**-46
+
+
+def projective_distance(u: Tensor, v: Tensor) -> Tensor:
+    """Hilbert's projective metric between the rows of nonnegative u, v (N, K) -> (N,) float64: max minus min
+    of log(u_i / v_i) over the common support, +inf where the supports differ or are empty. (On CPU in
+    numpy: tiny torch ops between kernel calls can start torch's thread pool, see `_times`.)"""
+    if u.device.type == "cpu":
+        a, b = u.detach().double().numpy(), v.detach().double().numpy()
+        su, sv = a > 0, b > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.log(np.where(su, a, 1.0)) - np.log(np.where(sv, b, 1.0))
+        hi = np.where(su, ratio, -np.inf).max(-1)
+        lo = np.where(su, ratio, np.inf).min(-1)
+        same = (su == sv).all(-1) & su.any(-1)
+        return torch.from_numpy(np.where(same, hi - lo, np.inf))
+    su, sv = u > 0, v > 0
+    ratio = u.double().log() - v.double().log()
+    hi = ratio.masked_fill(~su, -math.inf).amax(-1)
+    lo = ratio.masked_fill(~su, math.inf).amin(-1)
+    same = (su == sv).all(-1) & su.any(-1)
+    return torch.where(same, hi - lo, torch.full_like(hi, math.inf))
+
+
+def _times(x: Tensor, trans: Tensor) -> Tensor:
+    """x @ trans for a few rows x (N, K). Where the compiled kernels run, also in compiled code on the calling
+    thread: a BLAS call between two kernel calls wakes BLAS's thread pool, which then spins for milliseconds
+    on the cores the next kernel needs."""
+    if not _compiled(x, trans):
+        return x @ trans
+    from models import kernels
+
+    out = torch.empty_like(x)
+    kernels.rows_matmul(kernels._np(x), kernels._np(trans), out.numpy())
+    return out
+
+
+def _positions(emit: Emit, starts: Tensor, width: int) -> Emit:
+    """Rows of one sequence's emissions (1, T, K) at positions starts[c] + [0, width) -> (C, width, K)
+    (positions past T repeat the last one; callers mark them as padding). Gathered in numpy on CPU."""
+    T = emit.shape[1]
+    idx = (starts[:, None] + torch.arange(width, device=starts.device)[None, :]).clamp_(max=T - 1)
+    src = emit.rows if isinstance(emit, RowLookup) else emit
+    if src.device.type == "cpu":
+        picked = torch.from_numpy(np.ascontiguousarray(src.detach().numpy()[0][idx.numpy()]))
+    else:
+        picked = src[0, idx]
+    return RowLookup(emit.table, picked) if isinstance(emit, RowLookup) else picked
+
+
+def _default_chunks(emit: Emit, trans: Tensor) -> int:
+    """Chunks per long sequence: two ROWS-sequence groups per thread for the compiled kernels (they run
+    groups independently, so more chunks only add restarts); MAX_CHUNKS rows for a BLAS GEMM per step."""
+    if _compiled(emit, trans):
+        from models import kernels
+
+        return 2 * kernels.ROWS * max(1, torch.get_num_threads())
+    return MAX_CHUNKS
+
+
+def forward_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | None = None,
+                    window: int | None = None) -> Tensor:
+    """`forward`'s log_cond (1, T) for one sequence (init (1, K), emit (1, T, K), trans (K, K) shared), computed
+    as a batch of chunks as described above (error bound there). `window` defaults to CHUNK_WINDOW
+    positions in float32 and twice that in float64 (whose tolerance is 2^29 times smaller).
+    O(T K^2 + C window K^2) work in batched products."""
+    T, K = emit.shape[1], trans.shape[0]
+    device, dtype = trans.device, emit.dtype
+    window = window or (CHUNK_WINDOW if torch.finfo(dtype).bits <= 32 else 2 * CHUNK_WINDOW)
+    C = max(1, min(chunks or _default_chunks(emit, trans), T // CHUNK_MIN_LEN))
+    L = T // C
+    if C < 2 or L < 2 * window:
+        return _forward_sequential(init, emit, trans, T)
+    starts = torch.tensor([0] + [T - (C - c) * L for c in range(1, C)], device=device)
+    lens = torch.tensor([T - (C - 1) * L] + [L] * (C - 1), device=device)
+    win = torch.full((C,), window, device=device)
+    # 1. guessed runs: first `window` positions, then the rest of each chunk from there
+    head_last = trans.new_empty(C, K)
+    guess_init = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
+    guess_init[0] = init[0]
+    head, _ = forward(guess_init, _positions(emit, starts, window), trans, win, out_last=head_last)
+    tail_last = trans.new_empty(C, K)
+    tail, _ = forward(_times(head_last, trans), _positions(emit, starts + window, int(lens[0]) - window), trans,
+                      lens - window, out_last=tail_last)
+    # 2. restarts of chunks 1.. from the exact prior of their first position
+    prior = _times(tail_last[:-1], trans)
+    met_last = trans.new_empty(C - 1, K)
+    restart, _ = forward(prior, _positions(emit, starts[1:], window), trans, win[1:], out_last=met_last)
+    met = (projective_distance(met_last, head_last[1:]) <= meet_tolerance(dtype)).tolist()
+    # 3. assemble: the restart's head, then the guess's tail, chunk by chunk until one has not met
+    log_cond = torch.empty(1, T, dtype=dtype, device=device)
+    log_cond[0, :window] = head[0]
+    log_cond[0, window : int(lens[0])] = tail[0, : int(lens[0]) - window]
+    for c in range(1, C):
+        s = int(starts[c])
+        if not met[c - 1]:  # 4. the rest runs sequentially from this chunk's exact prior
+            rest = T - s
+            log_cond[0, s:] = _forward_sequential(prior[c - 1 : c], _positions(emit, starts[c : c + 1], rest),
+                                                  trans, rest)[0]
+            break
+        log_cond[0, s : s + window] = restart[c - 1]
+        log_cond[0, s + window : s + L] = tail[c, : L - window]
+    dead = torch.isneginf(log_cond).cumsum(1) > 0  # an impossible position makes every later one -inf
+    return log_cond.masked_fill(dead, -math.inf)
+
+
+def _forward_sequential(init: Tensor, emit: Emit, trans: Tensor, T: int) -> Tensor:
+    """log_cond (1, T) of one sequence by the step-by-step recursion (never chunked)."""
+    return _forward_steps(init, emit, trans, torch.tensor([T], device=trans.device), False, None)[0]
 
 
 def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alphas: Tensor | None = None

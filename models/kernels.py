@@ -239,6 +239,16 @@ if HAVE_NUMBA:
                 o2[j] += a2 * q
                 o3[j] += a3 * q
 
+    @njit(nogil=True, fastmath=_FM, cache=True)
+    def rows_matmul(x, mat, out):  # pragma: no cover - compiled
+        """out = x @ mat for x, out (N, K), mat (K, K), on the calling thread: ROWS rows at a time."""
+        N = x.shape[0]
+        N4 = N - N % ROWS
+        for i in range(0, N4, ROWS):
+            _rows_matmul(x[i : i + ROWS], mat, out[i : i + ROWS])
+        for i in range(N4, N):
+            _vec_matmul_cols(x[i], mat, out[i], 0, mat.shape[1])
+
     @njit(nogil=True, inline="always", cache=True)
     def _group(g, B, lengths, order):  # pragma: no cover - compiled
         """Group g of ROWS sequences: (first row in `order`, rows in the group, longest length)."""
@@ -250,14 +260,15 @@ if HAVE_NUMBA:
         return g0, n, t_max
 
     @njit(nogil=True, fastmath=_FM, cache=True)
-    def forward_groups(init, table, rows, trans, lengths, order, log_cond, alphas, keep,  # pragma: no cover
+    def forward_groups(init, table, rows, trans, lengths, order, log_cond, alphas, keep, last,  # pragma: no cover
                        first, stride):
         """Scaled forward of groups first, first + stride, ... of ROWS sequences (rows `order[4g:4g+4]`).
 
         init (B, K); emissions as table (N, K) rows: p(x_t | z_t = k) = table[rows[b, t], k], rows (B, T);
         trans (K, K), lengths (B,) -> log_cond (B, T) float64 (log p(x_t | x_<t); left untouched at padding;
         -inf from an impossible step on) and, when `keep`, the filtered marginals into alphas (B, T, K) (left
-        untouched at padding). O(B T K^2)."""
+        untouched at padding); when last is (B, K), each sequence's filtered marginal at its last position (0
+        if impossible). O(B T K^2)."""
         B, T = rows.shape
         K = table.shape[1]
         x = np.zeros((ROWS, K), dtype=table.dtype)
@@ -292,6 +303,8 @@ if HAVE_NUMBA:
                         xr[:] = 0.0
                     if keep:
                         alphas[b, t] = xr
+                    if t == lengths[b] - 1 and last.shape[0] == B:
+                        last[b] = xr
 
     @njit(nogil=True, fastmath=_FM, cache=True)
     def backward_groups(table, rows, trans_t, lengths, order, log_cond, out, to_gamma,  # pragma: no cover
@@ -546,10 +559,11 @@ def emission_rows(table: Tensor, rows: Tensor | None) -> tuple[np.ndarray, np.nd
 
 
 def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, *,
-                keep_alphas: bool, threads: int) -> tuple[Tensor, Tensor | None]:
+                keep_alphas: bool, threads: int, out_last: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Scaled forward on CPU in compiled code: init (B, K), emissions table[rows[b, t]] (table (N, K), rows
     (B, T); or a dense (B, T, K) table with rows None), trans (K, K), lengths (B,) -> log_cond (B, T) in
     the table's dtype (0 at padding) and, with `keep_alphas`, filtered marginals (B, T, K) (0 at padding).
+    With `out_last` (B, K), also writes there each sequence's filtered marginal at its last position.
     One sequence runs `forward_one` (split over two threads when large); a batch runs `forward_groups`
     with groups spread over `threads`. O(B T K^2)."""
     e, r = emission_rows(table, rows)
@@ -557,13 +571,16 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
     B, T = r.shape
     K = e.shape[1]
     log_cond = np.zeros((B, T), dtype=np.float64)
-    if B == 1 and not keep_alphas:
+    if B == 1 and not keep_alphas and out_last is None:
         n = int(L[0])
         _forward_one_np(_np(init[0]), e, r[0, :n], a, log_cond[0, :n], threads)
     else:
         alphas = np.zeros((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
-        run_groups(forward_groups, B, (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas),
-                   threads)
+        last = np.zeros((B, K) if out_last is not None else (0, K), dtype=e.dtype)
+        run_groups(forward_groups, B, (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas,
+                                       last), threads)
+        if out_last is not None:
+            out_last.copy_(torch.from_numpy(last))
     out = torch.from_numpy(log_cond).to(table.dtype)
     return out, (torch.from_numpy(alphas) if keep_alphas else None)
 

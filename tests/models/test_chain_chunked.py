@@ -1,0 +1,158 @@
+"""One long sequence scored as a batch of chunks (`models.chain.forward_chunked`) against the sequential
+recursion: mixing models (the guessed runs are kept), models whose restarts never meet their guesses (the
+sequential fallback), impossible positions anywhere, both dtypes, both emission layouts, and the dispatch
+from `chain.forward`. Also `forward(out_last=...)` on every path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from models import chain
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def mixing_chain(T: int, K: int, N: int, seed: int, dtype=torch.float64):
+    """init (1, K), emission table (N, K), rows (1, T), trans (K, K): a dense random HMM."""
+    g = torch.Generator().manual_seed(seed)
+    trans = torch.rand(K, K, generator=g, dtype=dtype) ** 2 + 1e-3
+    trans /= trans.sum(1, keepdim=True)
+    init = torch.rand(1, K, generator=g, dtype=dtype)
+    init /= init.sum()
+    table = torch.rand(N, K, generator=g, dtype=dtype)
+    rows = torch.randint(0, N, (1, T), generator=g)
+    return init, table, rows, trans
+
+
+def sequential(init, emit, trans, T):
+    return chain._forward_sequential(init, emit, trans, T)
+
+
+def assert_close_logprob(chunked, seq, chunks, dtype):
+    """Per position within the meeting tolerance (plus rounding); the total within (C - 1) tolerances."""
+    tol = chain.meet_tolerance(dtype)
+    rounding = 1e-5 if dtype == torch.float32 else 1e-11
+    assert torch.equal(torch.isneginf(chunked), torch.isneginf(seq))
+    live = ~torch.isneginf(seq)
+    c, s = chunked[live].double(), seq[live].double()
+    assert (c - s).abs().max().item() <= tol + rounding if live.any() else True
+    assert abs(c.sum() - s.sum()).item() <= (chunks - 1) * tol + rounding * max(1.0, abs(s.sum().item()))
+
+
+@settings(max_examples=20, deadline=None)
+@given(T=st.integers(64, 400), K=st.integers(1, 24), chunks=st.integers(2, 6), window=st.integers(2, 12),
+       single=st.booleans(), dense=st.booleans(), seed=st.integers(0, 10_000))
+def test_chunked_matches_sequential(T, K, chunks, window, single, dense, seed):
+    dtype = torch.float32 if single else torch.float64
+    init, table, rows, trans = mixing_chain(T, K, 7, seed, dtype)
+    emit = table[rows] if dense else chain.RowLookup(table, rows)
+    got = chain.forward_chunked(init, emit, trans, chunks=chunks, window=window)
+    assert got.shape == (1, T) and got.dtype == dtype
+    assert_close_logprob(got, sequential(init, emit, trans, T), chunks, dtype)
+
+
+def test_guesses_are_kept_when_the_model_mixes(monkeypatch):
+    """A mixing model: every restart meets its guess, so the sequential fallback never runs."""
+    init, table, rows, trans = mixing_chain(2000, 16, 50, 0)
+    monkeypatch.setattr(chain, "_forward_sequential", lambda *a: pytest.fail("fell back to sequential"))
+    got = chain.forward_chunked(init, chain.RowLookup(table, rows), trans, chunks=8, window=32)
+    monkeypatch.undo()
+    assert_close_logprob(got, sequential(init, chain.RowLookup(table, rows), trans, 2000), 8, torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["cycle", "sparse"])
+def test_restarts_that_never_meet_fall_back_to_sequential(kind):
+    """A deterministic cycle with uninformative emissions never forgets its start, and a chain whose
+    transitions keep the support small never reaches the uniform guess's support: the chunks after the
+    first run sequentially, and the result is the sequential one."""
+    K, T = 6, 900
+    if kind == "cycle":
+        trans = torch.roll(torch.eye(K, dtype=torch.float64), 1, dims=1)
+        init = torch.zeros(1, K, dtype=torch.float64)
+        init[0, 2] = 1.0
+    else:
+        trans = torch.zeros(K, K, dtype=torch.float64)
+        trans[:, :2] = 0.5  # only states 0 and 1 are ever reached after the first step
+        init = torch.full((1, K), 1.0 / K, dtype=torch.float64)
+    table = torch.full((3, K), 0.5, dtype=torch.float64)
+    rows = torch.randint(0, 3, (1, T), generator=torch.Generator().manual_seed(1))
+    emit = chain.RowLookup(table, rows)
+    got = chain.forward_chunked(init, emit, trans, chunks=5, window=8)
+    assert torch.allclose(got, sequential(init, emit, trans, T), rtol=0, atol=1e-12)
+    assert torch.allclose(got.sum(), torch.tensor(T * math.log(0.5), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("where", [0, 5, 199, 200, 203, 450, 899])
+def test_impossible_position_anywhere(where):
+    """A token no state can emit makes that position and every later one -inf, whichever chunk, restart
+    window or guessed tail it falls in (chunks of 180 positions, windows of 8)."""
+    init, table, rows, trans = mixing_chain(900, 5, 4, 3)
+    table = torch.cat([table, torch.zeros(1, 5, dtype=table.dtype)])
+    rows = rows.clone()
+    rows[0, where] = 4
+    emit = chain.RowLookup(table, rows)
+    got = chain.forward_chunked(init, emit, trans, chunks=5, window=8)
+    seq = sequential(init, emit, trans, 900)
+    assert torch.isneginf(got[0, where:]).all() and torch.isfinite(got[0, :where]).all()
+    assert torch.allclose(got[0, :where], seq[0, :where], rtol=0, atol=1e-12)
+
+
+def test_forward_dispatches_long_single_sequences(monkeypatch):
+    init, table, rows, trans = mixing_chain(700, 8, 20, 5, torch.float32)
+    emit = chain.RowLookup(table, rows)
+    lengths = torch.tensor([700])
+    calls = []
+    real = chain.forward_chunked
+    monkeypatch.setattr(chain, "forward_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
+    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
+    got, _ = chain.forward(init, emit, trans, lengths)
+    assert calls == [1]
+    assert_close_logprob(got, sequential(init, emit, trans, 700), 7, torch.float32)
+    chain.forward(init, emit, trans, lengths, keep_alphas=True)  # marginals wanted: sequential
+    with chain.plain_torch():  # the baseline never chunks
+        chain.forward(init, emit, trans, lengths)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_out_last_is_the_filtered_marginal_at_each_last_position(compiled):
+    g = torch.Generator().manual_seed(2)
+    B, T, K = 6, 9, 5
+    init, table, _, trans = mixing_chain(T, K, 7, 4)
+    init = init.expand(B, K).contiguous()
+    rows = torch.randint(0, 8, (B, T), generator=g)
+    table = torch.cat([table, torch.zeros(1, K, dtype=table.dtype)])  # row 7: impossible
+    rows[rows == 7] = 0
+    rows[2, 1] = 7  # sequence 2 dies at position 1
+    lengths = torch.tensor([9, 1, 5, 9, 3, 7])
+    emit = chain.RowLookup(table, rows)
+
+    def run():
+        last = torch.full((B, K), -1.0, dtype=table.dtype)
+        _, alphas = chain.forward(init, emit, trans, lengths, keep_alphas=True)
+        chain.forward(init, emit, trans, lengths, out_last=last)
+        return last, alphas
+
+    if compiled:
+        last, alphas = run()
+    else:
+        with chain.plain_torch():
+            last, alphas = run()
+    for b in range(B):
+        want = torch.zeros(K, dtype=table.dtype) if b == 2 else alphas[b, lengths[b] - 1]
+        assert torch.allclose(last[b], want, atol=1e-12), b
+
+
+def test_projective_distance():
+    u = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+    v = torch.tensor([[0.25, 0.75, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 0.0], [0.5, 0.25, 0.25]])
+    d = chain.projective_distance(u, v)
+    assert d[0].item() == pytest.approx(math.log(2) - math.log(2 / 3))
+    assert d[1].item() == 0.0
+    assert math.isinf(d[2].item()) and math.isinf(d[3].item())  # empty support; different supports
