@@ -68,7 +68,7 @@ def dense(emit: Emit) -> Tensor:
 def _table_rows(emit: Emit) -> tuple[Tensor, Tensor | None]:
     return (emit, None) if isinstance(emit, Tensor) else (emit.table, emit.rows)
 NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B*K*K (batches) or T*K*K (one sequence) above which compiled CPU code pays off
-COMPILED_MAX_K = 512  # largest shared matrix for the compiled sum-product kernels (beyond it BLAS GEMMs win)
+COMPILED_MAX_K = 512  # largest shared matrix for the compiled ROWS-group kernels (beyond it BLAS GEMMs win)
 
 
 def valid_mask(lengths: Tensor, T: int) -> Tensor:
@@ -92,17 +92,18 @@ def _step_back(vec: Tensor, trans: Trans, t: int, out: Tensor) -> Tensor:
 
 def _compiled(emit: Emit, trans: Trans, *more: Tensor, any_size: bool = False) -> bool:
     """Whether the compiled CPU sum-product kernels (`models.kernels.forward_cpu` / `backward_cpu`) run
-    this call: a shared matrix on CPU in float32/float64, no autograd, and at most COMPILED_MAX_K states
-    unless `any_size` (one sequence: there is no GEMM to hand to BLAS, only per-step dispatch)."""
+    this call: a shared matrix on CPU in float32/float64, no autograd, and, unless their GEMM steps are
+    available (`kernels.HAVE_GEMM`) or `any_size` (one sequence: there is no GEMM to hand to BLAS, only
+    per-step dispatch), at most COMPILED_MAX_K states."""
     if not (isinstance(trans, Tensor) and emit.device.type == "cpu" and trans.device.type == "cpu"
-            and emit.dtype in (torch.float32, torch.float64) and trans.dtype == emit.dtype
-            and (any_size or trans.shape[-1] <= COMPILED_MAX_K)):
+            and emit.dtype in (torch.float32, torch.float64) and trans.dtype == emit.dtype):
         return False
     if torch.is_grad_enabled() and any(x.requires_grad for x in (emit, trans, *more)):
         return False
     from models import kernels
 
-    return kernels.HAVE_NUMBA
+    return kernels.HAVE_NUMBA and (any_size or trans.shape[-1] <= COMPILED_MAX_K
+                                   or (kernels.HAVE_GEMM and kernels.USE_GEMM))
 
 
 @contextmanager
@@ -204,7 +205,7 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
 LONG_MIN_TOKENS = 4096  # one sequence at least this long is scored in chunks (forward_chunked)
 CHUNK_WINDOW = 32  # positions a chunk's restart runs before it must meet the guessed run
 CHUNK_MIN_LEN = 8 * CHUNK_WINDOW  # shortest chunk (float32)
-MAX_CHUNKS = 64  # rows of the per-step GEMM when the chunks run on BLAS (K > COMPILED_MAX_K, GPU)
+MAX_CHUNKS = 64  # rows of the per-step GEMM when the chunks run on torch ops (GPU, no compiled kernels)
 _chunking_enabled = True
 
 
@@ -262,12 +263,12 @@ def _positions(emit: Emit, starts: Tensor, width: int) -> Emit:
 
 
 def _default_chunks(emit: Emit, trans: Tensor) -> int:
-    """Chunks per long sequence: two ROWS-sequence groups per thread for the compiled kernels (they run
-    groups independently, so more chunks only add restarts); MAX_CHUNKS rows for a BLAS GEMM per step."""
+    """Chunks per long sequence (measured, bench/results/hmm_inference.md): with the compiled kernels 8 rows
+    per thread, 16 once `trans` outgrows a core's cache (K > COMPILED_MAX_K: each GEMM step streams it, so
+    more rows per pass pay); MAX_CHUNKS rows for one BLAS GEMM per step elsewhere."""
     if _compiled(emit, trans):
-        from models import kernels
-
-        return 2 * kernels.ROWS * max(1, torch.get_num_threads())
+        per_thread = 8 if trans.shape[0] <= COMPILED_MAX_K else 16
+        return per_thread * max(1, torch.get_num_threads())
     return MAX_CHUNKS
 
 

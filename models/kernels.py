@@ -507,6 +507,242 @@ if HAVE_NUMBA:
             inv_prev = 1.0 / total
 
 
+# -- lockstep kernels: one BLAS GEMM per step --------------------------------------------------------------
+# For a batch, each thread advances all of its sequences together (every `threads`-th in length order, so the
+# threads' work is balanced and the sequences still running at step t are a prefix of the thread's list).
+# A step is one GEMM over those rows, by the BLAS that torch links, run single-threaded on this thread (so
+# the threads never wait on each other or on a BLAS thread pool), then the emission product, normaliser and
+# log of the scale in one compiled sweep per row. BLAS packs and blocks the GEMM better than any loop here
+# (single-threaded MKL runs these (rows x K) x (K x K) steps at 75-100% of a core's peak).
+
+
+def _torch_blas():
+    """The BLAS inside torch's CPU library (MKL in x86 wheels), or None where that library does not export it
+    (then the batch kernels above run instead): sgemm, dgemm (Fortran interface), set_local_threads, and
+    MKL's packed-matrix float32 API (pack_get_size, pack, compute) or None."""
+    import ctypes
+    import os
+
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        gemms = [getattr(lib, name) for name in ("sgemm_", "dgemm_")]
+        local = lib.MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+    for f in gemms:  # Fortran interface: every argument by reference
+        f.restype, f.argtypes = None, [vp] * 13
+    local.restype, local.argtypes = ci, [ci]
+    try:
+        size, pack, compute = lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack, lib.cblas_sgemm_compute
+    except AttributeError:
+        return gemms[0], gemms[1], local, None
+    size.restype, size.argtypes = ctypes.c_size_t, [ci] * 4
+    pack.restype, pack.argtypes = None, [ci] * 6 + [ctypes.c_float, vp, ci, vp]
+    compute.restype, compute.argtypes = None, [ci] * 6 + [vp, ci, vp, ci, ctypes.c_float, vp, ci]
+    return gemms[0], gemms[1], local, (size, pack, compute)
+
+
+_BLAS = _torch_blas() if HAVE_NUMBA else None
+HAVE_GEMM = _BLAS is not None
+
+
+def _address(fn) -> int:
+    """The address of a ctypes function (what the lockstep kernels call)."""
+    import ctypes
+
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+LOCKSTEP_MIN_ROWS = 4  # fewer rows per thread than this: use fewer threads
+PACK_MIN_K = 512  # float32 matrices this large are packed once per call (MKL's gemm_pack) rather than per step
+PACK_MIN_STEPS = 16  # ... when the call runs at least this many steps
+USE_GEMM = True  # switch for tests and benchmarks: False runs the ROWS-group kernels even where GEMM is available
+
+
+if HAVE_GEMM:
+
+    @intrinsic
+    def _fortran_gemm(typingctx, addr, op, dims, coef, a, b, c):  # pragma: no cover - compiled
+        """Call the Fortran ?gemm_ at address `addr` (int64): c = op(a) op(b), column-major, both transposes
+        op[0], (M, N, K, lda, ldb, ldc) = dims, (alpha, beta) = coef. The address is an argument, not a
+        constant, so the calling kernels stay in numba's on-disk cache."""
+        def codegen(context, builder, sig, args):
+            i8p = ir.IntType(8).as_pointer()
+
+            def at(i, k):  # pointer to element k of array argument i
+                data = context.make_array(sig.args[i])(context, builder, args[i]).data
+                return builder.bitcast(builder.gep(data, [ir.Constant(ir.IntType(64), k)]), i8p)
+
+            argv = [at(1, 0), at(1, 0), at(2, 0), at(2, 1), at(2, 2), at(3, 0), at(4, 0), at(2, 3), at(5, 0),
+                    at(2, 4), at(3, 1), at(6, 0), at(2, 5)]
+            fn = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [i8p] * 13).as_pointer())
+            builder.call(fn, argv)
+            return context.get_dummy_value()
+        return types.void(addr, op, dims, coef, a, b, c), codegen
+
+    @intrinsic
+    def _packed_sgemm(typingctx, addr, m, k, a, packed, c):  # pragma: no cover - compiled
+        """Call MKL's cblas_sgemm_compute at address `addr`: c[:m] = a[:m] @ B, row-major float32 with B
+        (k x k) packed by cblas_sgemm_pack into `packed`."""
+        def codegen(context, builder, sig, args):
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+
+            def ptr(i):
+                return builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, i8p)
+
+            m32, k32 = builder.trunc(args[1], i32), builder.trunc(args[2], i32)
+            row_major, no_trans, packed_b = (ir.Constant(i32, v) for v in (101, 111, 151))
+            argv = [row_major, no_trans, packed_b, m32, k32, k32, ptr(3), k32, ptr(4), k32,
+                    ir.Constant(ir.FloatType(), 0.0), ptr(5), k32]
+            fnty = ir.FunctionType(ir.VoidType(), [i32] * 6 + [i8p, i32, i8p, i32, ir.FloatType(), i8p, i32])
+            builder.call(builder.inttoptr(args[0], fnty.as_pointer()), argv)
+            return context.get_dummy_value()
+        return types.void(addr, m, k, a, packed, c), codegen
+
+    @njit(nogil=True, inline="always", cache=True)
+    def _gemm_rows(gemm, compute, packed, x, mat, out, n, dims, coef, op):  # pragma: no cover - compiled
+        """out[:n] = x[:n] @ mat (row-major; x, out (m, K), mat (K, K)); gemm, compute: function addresses.
+        With `packed` non-empty, by MKL's gemm_compute on `mat` packed once; otherwise by Fortran GEMM: in
+        column-major terms out^T = mat^T x^T, and a row-major matrix read column-major is its transpose."""
+        if packed.shape[0] > 0:
+            _packed_sgemm(compute, n, mat.shape[0], x, packed, out)
+            return
+        dims[1] = n
+        _fortran_gemm(gemm, op, dims, coef, mat, x, out)
+
+    @njit(nogil=True, inline="always", cache=True)
+    def _gemm_args(K, m, dtype):  # pragma: no cover - compiled
+        dims = np.array([K, m, K, K, K, K], dtype=np.int32)  # M, N, K, lda, ldb, ldc
+        coef = np.array([1.0, 0.0], dtype=dtype)  # alpha, beta
+        return dims, coef, np.array([78], dtype=np.uint8)  # 'N': no transpose
+
+    @njit(nogil=True, fastmath=_FM, cache=True)
+    def forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, order, log_cond, alphas, keep, last,
+                         first, stride):  # pragma: no cover - compiled
+        """`forward_groups` for the sequences order[first::stride], advanced together: per step one GEMM over
+        the rows still running, then per row the emission product, normaliser and log. Same arguments and
+        outputs as `forward_groups`, plus `gemm` (sgemm_/dgemm_ matching the dtype) and, when `packed` is not
+        empty, MKL's `compute` on `trans` packed there. O(B T K^2)."""
+        B, T = rows.shape
+        K = table.shape[1]
+        mine = order[first::stride]
+        m = mine.shape[0]
+        if m == 0:
+            return
+        x = np.zeros((m, K), dtype=table.dtype)
+        y = np.zeros((m, K), dtype=table.dtype)
+        dims, coef, op = _gemm_args(K, m, table.dtype)
+        active = m
+        for t in range(lengths[mine[0]]):
+            while active > 0 and lengths[mine[active - 1]] <= t:
+                active -= 1
+            if t > 0:
+                _gemm_rows(gemm, compute, packed, x, trans, y, active, dims, coef, op)
+            for i in range(active):
+                b = mine[i]
+                src = init[b] if t == 0 else y[i]
+                e = table[rows[b, t]]
+                xr = x[i]
+                c = 0.0
+                for j in range(K):
+                    v = src[j] * e[j]
+                    xr[j] = v
+                    c += v
+                if c > 0.0 and (t == 0 or log_cond[b, t - 1] > -np.inf):
+                    log_cond[b, t] = np.log(c)
+                    inv = xr.dtype.type(1.0 / c)
+                    for j in range(K):
+                        xr[j] *= inv
+                else:  # impossible from here on
+                    log_cond[b, t] = -np.inf
+                    xr[:] = 0.0
+                if keep:
+                    alphas[b, t] = xr
+                if t == lengths[b] - 1 and last.shape[0] == B:
+                    last[b] = xr
+
+    @njit(nogil=True, fastmath=_FM, cache=True)
+    def backward_lockstep(gemm, compute, packed, table, rows, trans_t, lengths, order, log_cond, out, to_gamma,
+                          first, stride):  # pragma: no cover - compiled
+        """`backward_groups` for the sequences order[first::stride], stepped back together: per step the
+        per-row sweep (posterior or beta out, next vector v = emit_t * beta_t / c_t), then one GEMM
+        v @ trans^T over the rows that have started. Same arguments and outputs as `backward_groups`, plus
+        `gemm`, `compute` and `packed` as in `forward_lockstep` (packed: trans_t). O(B T K^2)."""
+        B, T = rows.shape
+        K = table.shape[1]
+        mine = order[first::stride]
+        m = mine.shape[0]
+        if m == 0:
+            return
+        x = np.ones((m, K), dtype=table.dtype)
+        v = np.zeros((m, K), dtype=table.dtype)
+        dims, coef, op = _gemm_args(K, m, table.dtype)
+        active = 0  # rows with t < length: a prefix, growing as t falls
+        for t in range(T - 1, -1, -1):
+            while active < m and lengths[mine[active]] > t:
+                active += 1
+            for i in range(active, m):
+                out[mine[i], t] = 0.0 if to_gamma else 1.0
+            for i in range(active):
+                b = mine[i]
+                xr = x[i]
+                o = out[b, t]
+                vr = v[i]
+                e = table[rows[b, t]]
+                lc = log_cond[b, t]
+                inv_c = vr.dtype.type(np.exp(-lc) if lc > -np.inf else 0.0)
+                if to_gamma:
+                    s = 0.0
+                    for j in range(K):
+                        xj = xr[j]
+                        w = o[j] * xj
+                        o[j] = w
+                        s += w
+                        vr[j] = e[j] * xj * inv_c
+                    if s > 0.0:
+                        inv = o.dtype.type(1.0 / s)
+                        for j in range(K):
+                            o[j] *= inv
+                    else:
+                        o[:] = 0.0
+                else:
+                    for j in range(K):
+                        xj = xr[j]
+                        o[j] = xj
+                        vr[j] = e[j] * xj * inv_c
+            if t > 0 and active > 0:
+                _gemm_rows(gemm, compute, packed, v, trans_t, x, active, dims, coef, op)
+
+
+def run_lockstep(kernel, mat: np.ndarray, num_rows: int, num_steps: int, args: tuple, threads: int) -> None:
+    """Run `kernel(gemm, compute, packed, *args, k, threads)` for k < threads (a lockstep kernel whose step
+    matrix is `mat`), each thread with BLAS held to one thread of its own; fewer threads when they would get
+    under LOCKSTEP_MIN_ROWS rows each. A large float32 `mat` is packed once for every step and thread."""
+    assert _BLAS is not None
+    sgemm, dgemm, local, packing = _BLAS
+    threads = max(1, min(threads, num_rows // LOCKSTEP_MIN_ROWS))
+    K = mat.shape[0]
+    packed = np.empty(0, dtype=mat.dtype)
+    compute = _address(packing[2]) if packing is not None else 0
+    if packing is not None and mat.dtype == np.float32 and K >= PACK_MIN_K and num_steps >= PACK_MIN_STEPS:
+        rows = (num_rows + threads - 1) // threads
+        packed = np.empty(packing[0](162, rows, K, K) // 4 + 16, dtype=np.float32)  # B operand, row-major
+        packing[1](101, 162, 111, rows, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
+
+    def part(k: int) -> None:
+        before = local(1 if threads > 1 else 0)  # one lockstep thread: BLAS may use every torch thread
+        try:
+            kernel(_address(sgemm if mat.dtype == np.float32 else dgemm), compute, packed, *args, k, threads)
+        finally:
+            local(before)
+
+    futures = [_pool(threads - 1).submit(part, k) for k in range(1, threads)] if threads > 1 else []
+    part(0)
+    for f in futures:
+        f.result()
+
+
 _POOL: list = []
 _POOL_LOCK = threading.Lock()
 SPLIT_MIN_K = 128  # below this a step is too short to amortise two threads meeting every step
@@ -575,12 +811,20 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
         n = int(L[0])
         _forward_one_np(_np(init[0]), e, r[0, :n], a, log_cond[0, :n], threads)
     else:
-        alphas = np.zeros((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
+        # np.empty, not np.zeros: calloc maps fresh zero pages on every call, and first-touch page faults
+        # then cost more than the recursion (in a VM, ~20 ms for 13 MB); malloc reuses the freed heap
+        alphas = np.empty((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
         last = np.zeros((B, K) if out_last is not None else (0, K), dtype=e.dtype)
-        run_groups(forward_groups, B, (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas,
-                                       last), threads)
+        args = (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas, last)
+        if HAVE_GEMM and USE_GEMM:
+            run_lockstep(forward_lockstep, a, B, int(L.max(initial=0)), args, threads)
+        else:
+            run_groups(forward_groups, B, args, threads)
         if out_last is not None:
             out_last.copy_(torch.from_numpy(last))
+        if keep_alphas:
+            for b in np.flatnonzero(L < T):
+                alphas[b, L[b]:] = 0.0
     out = torch.from_numpy(log_cond).to(table.dtype)
     return out, (torch.from_numpy(alphas) if keep_alphas else None)
 
@@ -616,7 +860,11 @@ def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Ten
     trans_t = np.ascontiguousarray(trans.detach().numpy().T)
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
     out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
-    run_groups(backward_groups, B, (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None), threads)
+    args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None)
+    if HAVE_GEMM and USE_GEMM:
+        run_lockstep(backward_lockstep, trans_t, B, int(L.max(initial=0)), args, threads)
+    else:
+        run_groups(backward_groups, B, args, threads)
     return alphas if alphas is not None else torch.from_numpy(out)
 
 

@@ -16,6 +16,17 @@ from models import chain, kernels
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba unavailable")
 
 
+@pytest.fixture(scope="module", autouse=True, params=["gemm", "groups"])
+def kernel_family(request):
+    """Every test runs on both batch kernel families: lockstep (a BLAS GEMM per step) and ROWS groups."""
+    if request.param == "gemm" and not kernels.HAVE_GEMM:
+        pytest.skip("torch's BLAS is not callable here")
+    saved = kernels.USE_GEMM
+    kernels.USE_GEMM = request.param == "gemm"
+    yield request.param
+    kernels.USE_GEMM = saved
+
+
 def random_chain(B: int, T: int, K: int, seed: int, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     trans = torch.rand(K, K, generator=g, dtype=dtype) ** 3
@@ -45,13 +56,34 @@ def test_forward_backward_posterior_match_plain(B, T, K, threads, seed):
     torch.testing.assert_close(cond, ref_cond, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(alpha[mask], ref_alpha[mask], rtol=1e-10, atol=1e-12)
     assert (alpha[~mask] == 0).all()
-    cond1, _ = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=False, threads=threads)
+    last = torch.full((B, K), -1.0, dtype=emit.dtype)
+    cond1, _ = kernels.forward_cpu(init, emit, None, trans, lengths, keep_alphas=False, threads=threads,
+                                   out_last=last)
     torch.testing.assert_close(cond1, ref_cond, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(last, ref_alpha[torch.arange(B), lengths - 1], rtol=1e-10, atol=1e-12)
     betas = kernels.backward_cpu(emit, None, trans, lengths, cond, threads=threads)
     torch.testing.assert_close(betas, plain(chain.backward, emit, trans, lengths, ref_cond), rtol=1e-9, atol=1e-12)
     gamma = kernels.backward_cpu(emit, None, trans, lengths, cond, threads=threads, alphas=alpha)
     ref_gamma, _ = plain(chain.posterior, init, emit, trans, lengths)
     torch.testing.assert_close(gamma, ref_gamma, rtol=1e-9, atol=1e-12)
+
+
+def test_large_float32_matrix_is_packed_once(monkeypatch):
+    """float32 with K >= PACK_MIN_K and enough steps runs the lockstep kernels on MKL's packed matrix (when
+    there is one): same results as the plain recursion, variable lengths included."""
+    init, emit, trans, lengths = random_chain(6, kernels.PACK_MIN_STEPS + 4, kernels.PACK_MIN_K + 8, seed=5,
+                                              dtype=torch.float32)
+    packs = []
+    if kernels.HAVE_GEMM and kernels._BLAS[3] is not None:
+        size, pack, compute = kernels._BLAS[3]
+        monkeypatch.setattr(kernels, "_BLAS", (*kernels._BLAS[:3], (size, lambda *a: packs.append(1) or pack(*a),
+                                                                      compute)))
+    gamma, cond = chain.posterior(init, emit, trans, lengths)
+    ref_gamma, ref_cond = plain(chain.posterior, init, emit, trans, lengths)
+    torch.testing.assert_close(cond, ref_cond, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gamma, ref_gamma, rtol=1e-4, atol=1e-6)
+    if kernels.USE_GEMM and kernels.HAVE_GEMM and kernels._BLAS[3] is not None:
+        assert len(packs) == 2  # forward and backward each pack once
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
@@ -110,8 +142,9 @@ def test_autograd_and_other_devices_take_the_plain_path():
         assert chain._compiled(emit, trans, init)
     assert not chain._compiled(emit, lambda t: trans)
     assert not chain._compiled(emit.float(), trans.detach())  # mixed dtypes
-    assert not chain._compiled(emit, torch.eye(chain.COMPILED_MAX_K + 1, dtype=emit.dtype))
-    assert chain._compiled(emit, torch.eye(chain.COMPILED_MAX_K + 1, dtype=emit.dtype), any_size=True)
+    big = torch.eye(chain.COMPILED_MAX_K + 1, dtype=emit.dtype)
+    assert chain._compiled(emit, big) == (kernels.HAVE_GEMM and kernels.USE_GEMM)  # groups stop at COMPILED_MAX_K
+    assert chain._compiled(emit, big, any_size=True)
 
 
 @settings(max_examples=15, deadline=None)
