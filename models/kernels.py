@@ -564,9 +564,9 @@ if HAVE_GEMM:
 
     @intrinsic
     def _fortran_gemm(typingctx, addr, op, dims, coef, a, b, c):  # pragma: no cover - compiled
-        """Call the Fortran ?gemm_ at address `addr` (int64): c = op(a) op(b), column-major, both transposes
-        op[0], (M, N, K, lda, ldb, ldc) = dims, (alpha, beta) = coef. The address is an argument, not a
-        constant, so the calling kernels stay in numba's on-disk cache."""
+        """Call the Fortran ?gemm_ at address `addr` (int64): c = op(a) op(b), column-major, transposes op[0]
+        and op[1] ('N' or 'T'), (M, N, K, lda, ldb, ldc) = dims, (alpha, beta) = coef. The address is an
+        argument, not a constant, so the calling kernels stay in numba's on-disk cache."""
         def codegen(context, builder, sig, args):
             i8p = ir.IntType(8).as_pointer()
 
@@ -574,7 +574,7 @@ if HAVE_GEMM:
                 data = context.make_array(sig.args[i])(context, builder, args[i]).data
                 return builder.bitcast(builder.gep(data, [ir.Constant(ir.IntType(64), k)]), i8p)
 
-            argv = [at(1, 0), at(1, 0), at(2, 0), at(2, 1), at(2, 2), at(3, 0), at(4, 0), at(2, 3), at(5, 0),
+            argv = [at(1, 0), at(1, 1), at(2, 0), at(2, 1), at(2, 2), at(3, 0), at(4, 0), at(2, 3), at(5, 0),
                     at(2, 4), at(3, 1), at(6, 0), at(2, 5)]
             fn = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [i8p] * 13).as_pointer())
             builder.call(fn, argv)
@@ -602,9 +602,10 @@ if HAVE_GEMM:
 
     @njit(nogil=True, inline="always", cache=True)
     def _gemm_rows(gemm, compute, packed, x, mat, out, n, dims, coef, op):  # pragma: no cover - compiled
-        """out[:n] = x[:n] @ mat (row-major; x, out (m, K), mat (K, K)); gemm, compute: function addresses.
-        With `packed` non-empty, by MKL's gemm_compute on `mat` packed once; otherwise by Fortran GEMM: in
-        column-major terms out^T = mat^T x^T, and a row-major matrix read column-major is its transpose."""
+        """out[:n] = x[:n] @ mat, or x[:n] @ mat^T when op[0] is 'T' (row-major; x, out (m, K), mat (K, K));
+        gemm, compute: function addresses. With `packed` non-empty, by MKL's gemm_compute on the operand
+        packed once; otherwise by Fortran GEMM: in column-major terms out^T = op(mat^T) x^T, as a row-major
+        matrix read column-major is its transpose."""
         if packed.shape[0] > 0:
             _packed_sgemm(compute, n, mat.shape[0], x, packed, out)
             return
@@ -612,10 +613,10 @@ if HAVE_GEMM:
         _fortran_gemm(gemm, op, dims, coef, mat, x, out)
 
     @njit(nogil=True, inline="always", cache=True)
-    def _gemm_args(K, m, dtype):  # pragma: no cover - compiled
+    def _gemm_args(K, m, dtype, transpose):  # pragma: no cover - compiled
         dims = np.array([K, m, K, K, K, K], dtype=np.int32)  # M, N, K, lda, ldb, ldc
         coef = np.array([1.0, 0.0], dtype=dtype)  # alpha, beta
-        return dims, coef, np.array([78], dtype=np.uint8)  # 'N': no transpose
+        return dims, coef, np.array([84 if transpose else 78, 78], dtype=np.uint8)  # 'T' / 'N'
 
     @njit(nogil=True, fastmath=_FM, cache=True)
     def forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, order, log_cond, alphas, keep, last,
@@ -632,7 +633,7 @@ if HAVE_GEMM:
             return
         x = np.zeros((m, K), dtype=table.dtype)
         y = np.zeros((m, K), dtype=table.dtype)
-        dims, coef, op = _gemm_args(K, m, table.dtype)
+        dims, coef, op = _gemm_args(K, m, table.dtype, False)
         active = m
         for t in range(lengths[mine[0]]):
             while active > 0 and lengths[mine[active - 1]] <= t:
@@ -663,12 +664,13 @@ if HAVE_GEMM:
                     last[b] = xr
 
     @njit(nogil=True, fastmath=_FM, cache=True)
-    def backward_lockstep(gemm, compute, packed, table, rows, trans_t, lengths, order, log_cond, out, to_gamma,
-                          first, stride):  # pragma: no cover - compiled
+    def backward_lockstep(gemm, compute, packed, table, rows, mat, lengths, order, log_cond, out, to_gamma,
+                          mat_is_trans, first, stride):  # pragma: no cover - compiled
         """`backward_groups` for the sequences order[first::stride], stepped back together: per step the
         per-row sweep (posterior or beta out, next vector v = emit_t * beta_t / c_t), then one GEMM
-        v @ trans^T over the rows that have started. Same arguments and outputs as `backward_groups`, plus
-        `gemm`, `compute` and `packed` as in `forward_lockstep` (packed: trans_t). O(B T K^2)."""
+        v @ trans^T over the rows that have started. Same arguments and outputs as `backward_groups`, but
+        `mat` is trans itself when `mat_is_trans` (no transposed copy; the GEMM transposes), else trans^T;
+        plus `gemm`, `compute` and `packed` as in `forward_lockstep` (packed: trans^T). O(B T K^2)."""
         B, T = rows.shape
         K = table.shape[1]
         mine = order[first::stride]
@@ -677,7 +679,7 @@ if HAVE_GEMM:
             return
         x = np.ones((m, K), dtype=table.dtype)
         v = np.zeros((m, K), dtype=table.dtype)
-        dims, coef, op = _gemm_args(K, m, table.dtype)
+        dims, coef, op = _gemm_args(K, m, table.dtype, mat_is_trans)
         active = 0  # rows with t < length: a prefix, growing as t falls
         for t in range(T - 1, -1, -1):
             while active < m and lengths[mine[active]] > t:
@@ -712,23 +714,31 @@ if HAVE_GEMM:
                         o[j] = xj
                         vr[j] = e[j] * xj * inv_c
             if t > 0 and active > 0:
-                _gemm_rows(gemm, compute, packed, v, trans_t, x, active, dims, coef, op)
+                _gemm_rows(gemm, compute, packed, v, mat, x, active, dims, coef, op)
 
 
-def run_lockstep(kernel, mat: np.ndarray, num_rows: int, num_steps: int, args: tuple, threads: int) -> None:
+def _packs(dtype, K: int, num_steps: int) -> bool:
+    """Whether a lockstep call packs its matrix once (MKL's packed API, float32, large K, enough steps)."""
+    return (_BLAS is not None and _BLAS[3] is not None and dtype in (np.float32, torch.float32)
+            and K >= PACK_MIN_K and num_steps >= PACK_MIN_STEPS)
+
+
+def run_lockstep(kernel, mat: np.ndarray, num_rows: int, num_steps: int, args: tuple, threads: int, *,
+                 transpose: bool = False) -> None:
     """Run `kernel(gemm, compute, packed, *args, k, threads)` for k < threads (a lockstep kernel whose step
-    matrix is `mat`), each thread with BLAS held to one thread of its own; fewer threads when they would get
-    under LOCKSTEP_MIN_ROWS rows each. A large float32 `mat` is packed once for every step and thread."""
+    multiplies by `mat`, or by `mat`^T with `transpose`), each thread with BLAS held to one thread of its own;
+    fewer threads when they would get under LOCKSTEP_MIN_ROWS rows each. A large float32 `mat` is packed
+    once for every step and thread."""
     assert _BLAS is not None
     sgemm, dgemm, local, packing = _BLAS
     threads = max(1, min(threads, num_rows // LOCKSTEP_MIN_ROWS))
     K = mat.shape[0]
     packed = np.empty(0, dtype=mat.dtype)
     compute = _address(packing[2]) if packing is not None else 0
-    if packing is not None and mat.dtype == np.float32 and K >= PACK_MIN_K and num_steps >= PACK_MIN_STEPS:
+    if _packs(mat.dtype, K, num_steps):
         rows = (num_rows + threads - 1) // threads
         packed = np.empty(packing[0](162, rows, K, K) // 4 + 16, dtype=np.float32)  # B operand, row-major
-        packing[1](101, 162, 111, rows, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
+        packing[1](101, 162, 112 if transpose else 111, rows, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
 
     def part(k: int) -> None:
         before = local(1 if threads > 1 else 0)  # one lockstep thread: BLAS may use every torch thread
@@ -857,14 +867,19 @@ def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Ten
     e, r = emission_rows(table, rows)
     B, T = r.shape
     L = lengths.numpy().astype(np.int64)
-    trans_t = np.ascontiguousarray(trans.detach().numpy().T)
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
     out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
-    args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None)
+    steps = int(L.max(initial=0))
+    if HAVE_GEMM and USE_GEMM and _packs(trans.dtype, trans.shape[0], steps):  # pack trans^T, no copy
+        args = (e, r, _np(trans), L, _length_order(L), lc, out, alphas is not None, True)
+        run_lockstep(backward_lockstep, args[2], B, steps, args, threads, transpose=True)
+        return alphas if alphas is not None else torch.from_numpy(out)
+    trans_t = np.ascontiguousarray(trans.detach().numpy().T)  # small: a copy is cheaper than GEMM on 'T'
     if HAVE_GEMM and USE_GEMM:
-        run_lockstep(backward_lockstep, trans_t, B, int(L.max(initial=0)), args, threads)
+        args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None, False)
+        run_lockstep(backward_lockstep, trans_t, B, steps, args, threads)
     else:
-        run_groups(backward_groups, B, args, threads)
+        run_groups(backward_groups, B, (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None), threads)
     return alphas if alphas is not None else torch.from_numpy(out)
 
 
