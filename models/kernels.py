@@ -249,6 +249,57 @@ if HAVE_NUMBA:
         for i in range(N4, N):
             _vec_matmul_cols(x[i], mat, out[i], 0, mat.shape[1])
 
+    @njit(nogil=True, fastmath=_FM, inline="always", cache=True)
+    def _forward_row(src, e, xr, b, t, lengths, log_cond, alphas, keep, last):  # pragma: no cover - compiled
+        """One forward position of sequence b: xr = src * e normalised, log_cond[b, t] = log of the normaliser
+        (-inf and xr = 0 from an impossible step on); xr also to alphas[b, t] when `keep` and to last[b] at
+        the sequence's last position when `last` has a row per sequence."""
+        K = xr.shape[0]
+        c = 0.0
+        for j in range(K):
+            v = src[j] * e[j]
+            xr[j] = v
+            c += v
+        if c > 0.0 and (t == 0 or log_cond[b, t - 1] > -np.inf):
+            log_cond[b, t] = np.log(c)
+            inv = xr.dtype.type(1.0 / c)
+            for j in range(K):
+                xr[j] *= inv
+        else:  # impossible from here on
+            log_cond[b, t] = -np.inf
+            xr[:] = 0.0
+        if keep:
+            alphas[b, t] = xr
+        if t == lengths[b] - 1 and last.shape[0] == log_cond.shape[0]:
+            last[b] = xr
+
+    @njit(nogil=True, fastmath=_FM, inline="always", cache=True)
+    def _backward_row(beta, o, v, e, lc, to_gamma):  # pragma: no cover - compiled
+        """One backward position of one sequence, with beta = beta_t: o (the alpha_t row of the output) becomes
+        the posterior alpha_t beta_t / sum when `to_gamma` (0 if impossible), else beta_t; v becomes the vector
+        for the next step back, emit_t * beta_t / c_t (0 once impossible), in the same sweep."""
+        K = beta.shape[0]
+        inv_c = v.dtype.type(np.exp(-lc) if lc > -np.inf else 0.0)
+        if to_gamma:
+            s = 0.0
+            for j in range(K):
+                bj = beta[j]
+                w = o[j] * bj
+                o[j] = w
+                s += w
+                v[j] = e[j] * bj * inv_c
+            if s > 0.0:
+                inv = o.dtype.type(1.0 / s)
+                for j in range(K):
+                    o[j] *= inv
+            else:
+                o[:] = 0.0
+        else:
+            for j in range(K):
+                bj = beta[j]
+                o[j] = bj
+                v[j] = e[j] * bj * inv_c
+
     @njit(nogil=True, inline="always", cache=True)
     def _group(g, B, lengths, order):  # pragma: no cover - compiled
         """Group g of ROWS sequences: (first row in `order`, rows in the group, longest length)."""
@@ -283,28 +334,9 @@ if HAVE_NUMBA:
                     _rows_matmul(x, trans, y)
                 for r in range(n):
                     b = order[g0 + r]
-                    if t >= lengths[b]:
-                        continue
-                    src = init[b] if t == 0 else y[r]
-                    e = table[rows[b, t]]
-                    xr = x[r]
-                    c = 0.0
-                    for j in range(K):
-                        v = src[j] * e[j]
-                        xr[j] = v
-                        c += v
-                    if c > 0.0 and (t == 0 or log_cond[b, t - 1] > -np.inf):
-                        log_cond[b, t] = np.log(c)
-                        inv = xr.dtype.type(1.0 / c)
-                        for j in range(K):
-                            xr[j] *= inv
-                    else:  # impossible from here on
-                        log_cond[b, t] = -np.inf
-                        xr[:] = 0.0
-                    if keep:
-                        alphas[b, t] = xr
-                    if t == lengths[b] - 1 and last.shape[0] == B:
-                        last[b] = xr
+                    if t < lengths[b]:
+                        _forward_row(init[b] if t == 0 else y[r], table[rows[b, t]], x[r], b, t, lengths,
+                                     log_cond, alphas, keep, last)
 
     @njit(nogil=True, fastmath=_FM, cache=True)
     def backward_groups(table, rows, trans_t, lengths, order, log_cond, out, to_gamma,  # pragma: no cover
@@ -327,37 +359,10 @@ if HAVE_NUMBA:
             for t in range(T - 1, -1, -1):
                 for r in range(n):
                     b = order[g0 + r]
-                    L = lengths[b]
-                    xr = x[r]
-                    o = out[b, t]
-                    if t >= L:
-                        o[:] = 0.0 if to_gamma else 1.0
-                        continue
-                    # the vector for the next step back, v = emit_t * beta_t / c_t (0 once impossible), is
-                    # formed in the same sweep as alpha_t * beta_t
-                    vr = v[r]
-                    e = table[rows[b, t]]
-                    lc = log_cond[b, t]
-                    inv_c = vr.dtype.type(np.exp(-lc) if lc > -np.inf else 0.0)
-                    if to_gamma:
-                        s = 0.0
-                        for j in range(K):
-                            xj = xr[j]
-                            w = o[j] * xj
-                            o[j] = w
-                            s += w
-                            vr[j] = e[j] * xj * inv_c
-                        if s > 0.0:
-                            inv = o.dtype.type(1.0 / s)
-                            for j in range(K):
-                                o[j] *= inv
-                        else:
-                            o[:] = 0.0
+                    if t >= lengths[b]:
+                        out[b, t] = 0.0 if to_gamma else 1.0
                     else:
-                        for j in range(K):
-                            xj = xr[j]
-                            o[j] = xj
-                            vr[j] = e[j] * xj * inv_c
+                        _backward_row(x[r], out[b, t], v[r], table[rows[b, t]], log_cond[b, t], to_gamma)
                 if t == 0 or t >= t_max:
                     continue
                 if n == 1:
@@ -613,10 +618,13 @@ if HAVE_GEMM:
         _fortran_gemm(gemm, op, dims, coef, mat, x, out)
 
     @njit(nogil=True, inline="always", cache=True)
-    def _gemm_args(K, m, dtype, transpose):  # pragma: no cover - compiled
-        dims = np.array([K, m, K, K, K, K], dtype=np.int32)  # M, N, K, lda, ldb, ldc
-        coef = np.array([1.0, 0.0], dtype=dtype)  # alpha, beta
-        return dims, coef, np.array([84 if transpose else 78, 78], dtype=np.uint8)  # 'T' / 'N'
+    def _lockstep_rows(order, first, stride, K, dtype, transpose):  # pragma: no cover - compiled
+        """This thread's sequences order[first::stride] and the GEMM arguments for its (rows x K) x (K x K)
+        steps: dims (M, N, K, lda, ldb, ldc), coef (alpha, beta), op (transposes, 'T' / 'N')."""
+        mine = order[first::stride]
+        dims = np.array([K, mine.shape[0], K, K, K, K], dtype=np.int32)
+        coef = np.array([1.0, 0.0], dtype=dtype)
+        return mine, dims, coef, np.array([84 if transpose else 78, 78], dtype=np.uint8)
 
     @njit(nogil=True, fastmath=_FM, cache=True)
     def forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, order, log_cond, alphas, keep, last,
@@ -625,16 +633,13 @@ if HAVE_GEMM:
         the rows still running, then per row the emission product, normaliser and log. Same arguments and
         outputs as `forward_groups`, plus `gemm` (sgemm_/dgemm_ matching the dtype) and, when `packed` is not
         empty, MKL's `compute` on `trans` packed there. O(B T K^2)."""
-        B, T = rows.shape
         K = table.shape[1]
-        mine = order[first::stride]
-        m = mine.shape[0]
+        mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, False)
+        active = m = mine.shape[0]
         if m == 0:
             return
         x = np.zeros((m, K), dtype=table.dtype)
         y = np.zeros((m, K), dtype=table.dtype)
-        dims, coef, op = _gemm_args(K, m, table.dtype, False)
-        active = m
         for t in range(lengths[mine[0]]):
             while active > 0 and lengths[mine[active - 1]] <= t:
                 active -= 1
@@ -642,26 +647,8 @@ if HAVE_GEMM:
                 _gemm_rows(gemm, compute, packed, x, trans, y, active, dims, coef, op)
             for i in range(active):
                 b = mine[i]
-                src = init[b] if t == 0 else y[i]
-                e = table[rows[b, t]]
-                xr = x[i]
-                c = 0.0
-                for j in range(K):
-                    v = src[j] * e[j]
-                    xr[j] = v
-                    c += v
-                if c > 0.0 and (t == 0 or log_cond[b, t - 1] > -np.inf):
-                    log_cond[b, t] = np.log(c)
-                    inv = xr.dtype.type(1.0 / c)
-                    for j in range(K):
-                        xr[j] *= inv
-                else:  # impossible from here on
-                    log_cond[b, t] = -np.inf
-                    xr[:] = 0.0
-                if keep:
-                    alphas[b, t] = xr
-                if t == lengths[b] - 1 and last.shape[0] == B:
-                    last[b] = xr
+                _forward_row(init[b] if t == 0 else y[i], table[rows[b, t]], x[i], b, t, lengths, log_cond,
+                             alphas, keep, last)
 
     @njit(nogil=True, fastmath=_FM, cache=True)
     def backward_lockstep(gemm, compute, packed, table, rows, mat, lengths, order, log_cond, out, to_gamma,
@@ -671,15 +658,11 @@ if HAVE_GEMM:
         v @ trans^T over the rows that have started. Same arguments and outputs as `backward_groups`, but
         `mat` is trans itself when `mat_is_trans` (no transposed copy; the GEMM transposes), else trans^T;
         plus `gemm`, `compute` and `packed` as in `forward_lockstep` (packed: trans^T). O(B T K^2)."""
-        B, T = rows.shape
-        K = table.shape[1]
-        mine = order[first::stride]
+        T, K = rows.shape[1], table.shape[1]
+        mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, mat_is_trans)
         m = mine.shape[0]
-        if m == 0:
-            return
         x = np.ones((m, K), dtype=table.dtype)
         v = np.zeros((m, K), dtype=table.dtype)
-        dims, coef, op = _gemm_args(K, m, table.dtype, mat_is_trans)
         active = 0  # rows with t < length: a prefix, growing as t falls
         for t in range(T - 1, -1, -1):
             while active < m and lengths[mine[active]] > t:
@@ -688,31 +671,7 @@ if HAVE_GEMM:
                 out[mine[i], t] = 0.0 if to_gamma else 1.0
             for i in range(active):
                 b = mine[i]
-                xr = x[i]
-                o = out[b, t]
-                vr = v[i]
-                e = table[rows[b, t]]
-                lc = log_cond[b, t]
-                inv_c = vr.dtype.type(np.exp(-lc) if lc > -np.inf else 0.0)
-                if to_gamma:
-                    s = 0.0
-                    for j in range(K):
-                        xj = xr[j]
-                        w = o[j] * xj
-                        o[j] = w
-                        s += w
-                        vr[j] = e[j] * xj * inv_c
-                    if s > 0.0:
-                        inv = o.dtype.type(1.0 / s)
-                        for j in range(K):
-                            o[j] *= inv
-                    else:
-                        o[:] = 0.0
-                else:
-                    for j in range(K):
-                        xj = xr[j]
-                        o[j] = xj
-                        vr[j] = e[j] * xj * inv_c
+                _backward_row(x[i], out[b, t], v[i], table[rows[b, t]], log_cond[b, t], to_gamma)
             if t > 0 and active > 0:
                 _gemm_rows(gemm, compute, packed, v, mat, x, active, dims, coef, op)
 
