@@ -135,14 +135,45 @@ def forward(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, keep_alp
     `log_cond.sum(1)` is log p(x); -inf once a sequence has probability 0), and, with `keep_alphas`,
     the filtered marginals p(z_t | x_<=t) (B, T, K). With `out_last` (B, K), each sequence's filtered
     marginal at its last real position is written there (0 for an impossible sequence).
-    O(B T K^2) time; four tensor ops per step. One sequence of at least LONG_MIN_TOKENS positions with
-    a shared matrix runs as a batch of chunks (`forward_chunked`)."""
-    B, T, K = emit.shape
-    if (B == 1 and T >= LONG_MIN_TOKENS and not keep_alphas and out_last is None and isinstance(trans, Tensor)
-            and int(lengths[0]) == T and _chunking_enabled
-            and not (torch.is_grad_enabled() and any(x.requires_grad for x in (init, emit, trans)))):
-        return forward_chunked(init, emit, trans), None
+    O(B T K^2) time; four tensor ops per step. With a shared matrix and neither output, each sequence of
+    at least LONG_MIN_TOKENS positions runs as a batch of its own chunks (`forward_chunked`), the others as
+    one batch."""
+    if (long := _long_rows(lengths, trans, keep_alphas or out_last is not None, init, emit)) is not None:
+        return _forward_with_long(init, emit, trans, lengths, long), None  # type: ignore[arg-type]
     return _forward_steps(init, emit, trans, lengths, keep_alphas, out_last)
+
+
+def _long_rows(lengths: Tensor, trans: Trans, wants_states: bool, *tensors: Tensor | RowLookup) -> Tensor | None:
+    """(B,) bool of the sequences `forward` scores in chunks, or None when it chunks none."""
+    if wants_states or not isinstance(trans, Tensor) or not _chunking_enabled:
+        return None
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (trans, *tensors)):
+        return None
+    long = lengths >= LONG_MIN_TOKENS
+    return long if bool(long.any()) else None
+
+
+def _rows(emit: Emit, idx: Tensor, T: int) -> Emit:
+    """Sequences idx of `emit`, first T positions."""
+    if isinstance(emit, RowLookup):
+        return RowLookup(emit.table, emit.rows[idx, :T])
+    return emit[idx, :T]
+
+
+def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor, long: Tensor) -> Tensor:
+    """`forward`'s log_cond (B, T) with the `long` sequences chunked one by one and the rest as one batch."""
+    B, T = lengths.shape[0], emit.shape[1]
+    log_cond = torch.zeros(B, T, dtype=emit.dtype, device=emit.device)
+    short = (~long).nonzero().squeeze(1)
+    if short.numel():
+        width = int(lengths[short].max())
+        log_cond[short, :width] = _forward_steps(init[short], _rows(emit, short, width), trans, lengths[short],
+                                                 False, None)[0]
+    for b in long.nonzero().squeeze(1).tolist():
+        n = int(lengths[b])
+        one = torch.tensor([b], device=lengths.device)
+        log_cond[b, :n] = forward_chunked(init[b : b + 1], _rows(emit, one, n), trans)[0]
+    return log_cond
 
 
 def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep_alphas: bool,

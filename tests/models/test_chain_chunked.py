@@ -120,6 +120,27 @@ def test_forward_dispatches_long_single_sequences(monkeypatch):
     assert calls == [1]
 
 
+def test_long_sequences_in_a_batch_are_chunked_one_by_one(monkeypatch):
+    """A batch mixing long and short sequences: each long one as its own chunks, the short ones as one batch;
+    every row as when scored alone step by step, zeros at padding."""
+    g = torch.Generator().manual_seed(7)
+    init, table, _, trans = mixing_chain(1, 8, 20, 6, torch.float64)
+    lengths = torch.tensor([700, 50, 650, 3])
+    rows = torch.randint(0, 20, (4, 700), generator=g)
+    init = init.expand(4, -1)
+    calls = []
+    real = chain.forward_chunked
+    monkeypatch.setattr(chain, "forward_chunked", lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
+    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
+    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
+    got, _ = chain.forward(init, chain.RowLookup(table, rows), trans, lengths)
+    assert sorted(calls) == [650, 700]
+    for b, n in enumerate(lengths.tolist()):
+        ref = sequential(init[b : b + 1], chain.RowLookup(table, rows[b : b + 1, :n]), trans, n)
+        assert_close_logprob(got[b : b + 1, :n], ref, 7, torch.float64)
+        assert (got[b, n:] == 0).all()
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_out_last_is_the_filtered_marginal_at_each_last_position(compiled):
     g = torch.Generator().manual_seed(2)
