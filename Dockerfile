@@ -1,7 +1,9 @@
 # latentlm API / worker image (CPU). Build: docker build -t latentlm .
 FROM python:3.11-slim
 
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 LATENTLM_STORE=/data/artifacts LATENTLM_STATE_DIR=/data/state
+# numba's compiled kernels are cached on the volume, so a restarted container does not compile them again
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 LATENTLM_STORE=/data/artifacts LATENTLM_STATE_DIR=/data/state \
+    NUMBA_CACHE_DIR=/data/numba-cache
 WORKDIR /app
 
 # CPU wheels of torch keep the image small; the pin matches pyproject.toml
