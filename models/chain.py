@@ -147,17 +147,26 @@ def _long_rows(lengths: Tensor, trans: Trans, wants_states: bool, *tensors: Tens
     """(B,) bool of the sequences `forward` scores in chunks, or None when it chunks none."""
     if wants_states or not isinstance(trans, Tensor) or not _chunking_enabled:
         return None
+    if trans.device.type == "cpu" and trans.shape[0] < CHUNK_MIN_STATES:
+        return None
     if torch.is_grad_enabled() and any(x.requires_grad for x in (trans, *tensors)):
         return None
     long = lengths >= LONG_MIN_TOKENS
     return long if bool(long.any()) else None
 
 
+def _take(x: Tensor, idx: Tensor) -> Tensor:
+    """x[idx] along the first dimension; on CPU by numpy (see `projective_distance` for why)."""
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.ascontiguousarray(x.detach().numpy()[idx.numpy()]))
+    return x[idx]
+
+
 def _rows(emit: Emit, idx: Tensor, T: int) -> Emit:
     """Sequences idx of `emit`, first T positions."""
     if isinstance(emit, RowLookup):
-        return RowLookup(emit.table, emit.rows[idx, :T])
-    return emit[idx, :T]
+        return RowLookup(emit.table, _take(emit.rows[:, :T], idx))
+    return _take(emit[:, :T], idx)
 
 
 def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor, long: Tensor) -> Tensor:
@@ -171,8 +180,8 @@ def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor,
                                                  False, None)[0]
     for b in long.nonzero().squeeze(1).tolist():
         n = int(lengths[b])
-        one = torch.tensor([b], device=lengths.device)
-        log_cond[b, :n] = forward_chunked(init[b : b + 1], _rows(emit, one, n), trans)[0]
+        one = RowLookup(emit.table, emit.rows[b : b + 1, :n]) if isinstance(emit, RowLookup) else emit[b : b + 1, :n]
+        log_cond[b, :n] = forward_chunked(init[b : b + 1], one, trans)[0]
     return log_cond
 
 
@@ -234,6 +243,7 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
 #      transitions), the rest of the sequence runs sequentially from that chunk's exact prior.
 # Mixing HMMs meet within 5-20 positions; the extra work is 2 (C - 1) window positions.
 LONG_MIN_TOKENS = 4096  # one sequence at least this long is scored in chunks (forward_chunked)
+CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
 CHUNK_WINDOW = 32  # positions a chunk's restart runs before it must meet the guessed run
 CHUNK_MIN_LEN = 8 * CHUNK_WINDOW  # shortest chunk (float32)
 MAX_CHUNKS = 64  # rows of the per-step GEMM when the chunks run on torch ops (GPU, no compiled kernels)
@@ -249,7 +259,8 @@ def meet_tolerance(dtype: torch.dtype) -> float:
 def projective_distance(u: Tensor, v: Tensor) -> Tensor:
     """Hilbert's projective metric between the rows of nonnegative u, v (N, K) -> (N,) float64: max minus min
     of log(u_i / v_i) over the common support, +inf where the supports differ or are empty. (On CPU in
-    numpy: tiny torch ops between kernel calls can start torch's thread pool, see `_times`.)"""
+    numpy: even small torch ops can wake torch's thread pool, which then spins on the cores the next
+    compiled kernel needs; see `_times`.)"""
     if u.device.type == "cpu":
         a, b = u.detach().double().numpy(), v.detach().double().numpy()
         su, sv = a > 0, b > 0
@@ -282,14 +293,10 @@ def _times(x: Tensor, trans: Tensor) -> Tensor:
 
 def _positions(emit: Emit, starts: Tensor, width: int) -> Emit:
     """Rows of one sequence's emissions (1, T, K) at positions starts[c] + [0, width) -> (C, width, K)
-    (positions past T repeat the last one; callers mark them as padding). Gathered in numpy on CPU."""
+    (positions past T repeat the last one; callers mark them as padding)."""
     T = emit.shape[1]
     idx = (starts[:, None] + torch.arange(width, device=starts.device)[None, :]).clamp_(max=T - 1)
-    src = emit.rows if isinstance(emit, RowLookup) else emit
-    if src.device.type == "cpu":
-        picked = torch.from_numpy(np.ascontiguousarray(src.detach().numpy()[0][idx.numpy()]))
-    else:
-        picked = src[0, idx]
+    picked = _take((emit.rows if isinstance(emit, RowLookup) else emit)[0], idx)
     return RowLookup(emit.table, picked) if isinstance(emit, RowLookup) else picked
 
 

@@ -111,6 +111,7 @@ def test_forward_dispatches_long_single_sequences(monkeypatch):
     monkeypatch.setattr(chain, "forward_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
     monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
+    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
     got, _ = chain.forward(init, emit, trans, lengths)
     assert calls == [1]
     assert_close_logprob(got, sequential(init, emit, trans, 700), 7, torch.float32)
@@ -133,6 +134,7 @@ def test_long_sequences_in_a_batch_are_chunked_one_by_one(monkeypatch):
     monkeypatch.setattr(chain, "forward_chunked", lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
     monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
     monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
+    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
     got, _ = chain.forward(init, chain.RowLookup(table, rows), trans, lengths)
     assert sorted(calls) == [650, 700]
     for b, n in enumerate(lengths.tolist()):
