@@ -559,7 +559,8 @@ def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value or 0
 
 
-LOCKSTEP_MIN_ROWS = 4  # fewer rows per thread than this: use fewer threads
+LOCKSTEP_MIN_ROWS = 4  # fewer rows per thread than this: use fewer threads (fewer rows in all: ROWS groups)
+GROUPS_MAX_K = 512  # = models.chain.COMPILED_MAX_K: beyond it the ROWS groups lose to any GEMM
 PACK_MIN_K = 512  # float32 matrices this large are packed once per call (MKL's gemm_pack) rather than per step
 PACK_MIN_STEPS = 16  # ... when the call runs at least this many steps
 USE_GEMM = True  # switch for tests and benchmarks: False runs the ROWS-group kernels even where GEMM is available
@@ -676,6 +677,12 @@ if HAVE_GEMM:
                 _gemm_rows(gemm, compute, packed, v, mat, x, active, dims, coef, op)
 
 
+def _lockstep(B: int, K: int) -> bool:
+    """Whether a batch of B sequences over K states runs the lockstep kernels: GEMM available and enabled, and
+    enough rows for a GEMM to pay (a few sequences on a cache-sized matrix run faster in the ROWS groups)."""
+    return HAVE_GEMM and USE_GEMM and (B >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K)
+
+
 def _packs(dtype, K: int, num_steps: int) -> bool:
     """Whether a lockstep call packs its matrix once (MKL's packed API, float32, large K, enough steps)."""
     return (_BLAS is not None and _BLAS[3] is not None and dtype in (np.float32, torch.float32)
@@ -785,7 +792,7 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
         alphas = np.empty((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
         last = np.zeros((B, K) if out_last is not None else (0, K), dtype=e.dtype)
         args = (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas, last)
-        if HAVE_GEMM and USE_GEMM:
+        if _lockstep(B, K):
             run_lockstep(forward_lockstep, a, B, int(L.max(initial=0)), args, threads)
         else:
             run_groups(forward_groups, B, args, threads)
@@ -829,12 +836,13 @@ def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Ten
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
     out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
     steps = int(L.max(initial=0))
-    if HAVE_GEMM and USE_GEMM and _packs(trans.dtype, trans.shape[0], steps):  # pack trans^T, no copy
+    use_gemm = _lockstep(B, trans.shape[0])
+    if use_gemm and _packs(trans.dtype, trans.shape[0], steps):  # pack trans^T, no copy
         args = (e, r, _np(trans), L, _length_order(L), lc, out, alphas is not None, True)
         run_lockstep(backward_lockstep, args[2], B, steps, args, threads, transpose=True)
         return alphas if alphas is not None else torch.from_numpy(out)
     trans_t = np.ascontiguousarray(trans.detach().numpy().T)  # small: a copy is cheaper than GEMM on 'T'
-    if HAVE_GEMM and USE_GEMM:
+    if use_gemm:
         args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None, False)
         run_lockstep(backward_lockstep, trans_t, B, steps, args, threads)
     else:
