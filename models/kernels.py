@@ -561,8 +561,7 @@ def _address(fn) -> int:
 
 LOCKSTEP_MIN_ROWS = 4  # fewer rows per thread than this: use fewer threads (fewer rows in all: ROWS groups)
 GROUPS_MAX_K = 512  # = models.chain.COMPILED_MAX_K: beyond it the ROWS groups lose to any GEMM
-PACK_MIN_K = 512  # float32 matrices this large are packed once per call (MKL's gemm_pack) rather than per step
-PACK_MIN_STEPS = 16  # ... when the call runs at least this many steps
+PACK_MIN_K = 512  # float32 matrices this large are packed once (MKL's gemm_pack, cached) rather than per GEMM
 USE_GEMM = True  # switch for tests and benchmarks: False runs the ROWS-group kernels even where GEMM is available
 
 
@@ -683,33 +682,52 @@ def _lockstep(B: int, K: int) -> bool:
     return HAVE_GEMM and USE_GEMM and (B >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K)
 
 
-def _packs(dtype, K: int, num_steps: int) -> bool:
-    """Whether a lockstep call packs its matrix once (MKL's packed API, float32, large K, enough steps)."""
+def _packs(dtype, K: int) -> bool:
+    """Whether lockstep calls use MKL's packed matrix (float32, K >= PACK_MIN_K, packed API available)."""
     return (_BLAS is not None and _BLAS[3] is not None and dtype in (np.float32, torch.float32)
-            and K >= PACK_MIN_K and num_steps >= PACK_MIN_STEPS)
+            and K >= PACK_MIN_K)
 
 
-def run_lockstep(kernel, mat: np.ndarray, num_rows: int, num_steps: int, args: tuple, threads: int, *,
-                 transpose: bool = False) -> None:
-    """Run `kernel(gemm, compute, packed, *args, k, threads)` for k < threads (a lockstep kernel whose step
-    multiplies by `mat`, or by `mat`^T with `transpose`), each thread with BLAS held to one thread of its own;
-    fewer threads when they would get under LOCKSTEP_MIN_ROWS rows each. A large float32 `mat` is packed
-    once for every step and thread."""
+_PACKED: dict = {}  # (id(trans), transpose) -> (weakref to trans, its version counter, packed buffer)
+
+
+def packed_matrix(trans: Tensor, transpose: bool) -> np.ndarray:
+    """trans (K, K) float32 (or trans^T) packed by MKL as the B operand of row-major GEMMs. Cached while the
+    tensor lives and is not modified in place (torch's version counter), so a model's matrix is packed once,
+    not on every call (packing a 4 MiB matrix costs as much as several steps)."""
+    import weakref
+
+    key = (id(trans), transpose)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is trans and hit[1] == trans._version:
+        return hit[2]
+    assert _BLAS is not None and _BLAS[3] is not None
+    size, pack, _ = _BLAS[3]
+    K = trans.shape[0]
+    mat = _np(trans)
+    packed = np.empty(size(162, 32, K, K) // 4 + 16, dtype=np.float32)  # 162: B operand; 32 rows: a hint
+    pack(101, 162, 112 if transpose else 111, 32, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
+    _PACKED[key] = (weakref.ref(trans, lambda _ref: _PACKED.pop(key, None)), trans._version, packed)
+    return packed
+
+
+def run_lockstep(kernel, args: tuple, dtype: np.dtype, num_rows: int, threads: int,
+                 packed: np.ndarray | None = None) -> None:
+    """Run `kernel(gemm, compute, packed, *args, k, threads)` for k < threads (a lockstep kernel over `dtype`
+    data: sgemm_ or dgemm_), each thread with BLAS held to one thread of its own; fewer threads when they would
+    get under LOCKSTEP_MIN_ROWS rows each. With `packed` (from `packed_matrix`), the steps run MKL's compute
+    on it."""
     assert _BLAS is not None
     sgemm, dgemm, local, packing = _BLAS
     threads = max(1, min(threads, num_rows // LOCKSTEP_MIN_ROWS))
-    K = mat.shape[0]
-    packed = np.empty(0, dtype=mat.dtype)
     compute = _address(packing[2]) if packing is not None else 0
-    if _packs(mat.dtype, K, num_steps):
-        rows = (num_rows + threads - 1) // threads
-        packed = np.empty(packing[0](162, rows, K, K) // 4 + 16, dtype=np.float32)  # B operand, row-major
-        packing[1](101, 162, 112 if transpose else 111, rows, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
+    if packed is None:
+        packed = np.empty(0, dtype=dtype)
 
     def part(k: int) -> None:
         before = local(1 if threads > 1 else 0)  # one lockstep thread: BLAS may use every torch thread
         try:
-            kernel(_address(sgemm if mat.dtype == np.float32 else dgemm), compute, packed, *args, k, threads)
+            kernel(_address(sgemm if dtype == np.float32 else dgemm), compute, packed, *args, k, threads)
         finally:
             local(before)
 
@@ -793,7 +811,8 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
         last = np.zeros((B, K) if out_last is not None else (0, K), dtype=e.dtype)
         args = (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas, last)
         if _lockstep(B, K):
-            run_lockstep(forward_lockstep, a, B, int(L.max(initial=0)), args, threads)
+            run_lockstep(forward_lockstep, args, e.dtype, B, threads,
+                         packed_matrix(trans, False) if _packs(trans.dtype, K) else None)
         else:
             run_groups(forward_groups, B, args, threads)
         if out_last is not None:
@@ -835,18 +854,17 @@ def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Ten
     L = lengths.numpy().astype(np.int64)
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
     out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
-    steps = int(L.max(initial=0))
-    use_gemm = _lockstep(B, trans.shape[0])
-    if use_gemm and _packs(trans.dtype, trans.shape[0], steps):  # pack trans^T, no copy
+    K = trans.shape[0]
+    if _lockstep(B, K) and _packs(trans.dtype, K):  # trans^T packed: no transposed copy
         args = (e, r, _np(trans), L, _length_order(L), lc, out, alphas is not None, True)
-        run_lockstep(backward_lockstep, args[2], B, steps, args, threads, transpose=True)
+        run_lockstep(backward_lockstep, args, e.dtype, B, threads, packed_matrix(trans, True))
         return alphas if alphas is not None else torch.from_numpy(out)
     trans_t = np.ascontiguousarray(trans.detach().numpy().T)  # small: a copy is cheaper than GEMM on 'T'
-    if use_gemm:
-        args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None, False)
-        run_lockstep(backward_lockstep, trans_t, B, steps, args, threads)
+    args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None)
+    if _lockstep(B, K):
+        run_lockstep(backward_lockstep, (*args, False), e.dtype, B, threads)
     else:
-        run_groups(backward_groups, B, (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None), threads)
+        run_groups(backward_groups, B, args, threads)
     return alphas if alphas is not None else torch.from_numpy(out)
 
 
@@ -858,23 +876,27 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
     real request does not pay seconds of JIT. Idempotent per process and dtype; no-op without numba."""
     if not HAVE_NUMBA or dtype in _WARM:
         return
-    K, T = 8, 5
+    K, T, B = 8, 5, LOCKSTEP_MIN_ROWS  # B rows: the lockstep kernels; their first 2: the ROWS groups
     g = torch.Generator().manual_seed(0)
     trans = torch.rand(K, K, generator=g, dtype=dtype)
     trans /= trans.sum(1, keepdim=True)
-    emit = torch.rand(2, T, K, generator=g, dtype=dtype)
-    init = torch.full((2, K), 1.0 / K, dtype=dtype)
-    lengths = torch.tensor([T, T - 2])
-    for table, rows in ((emit, None), (emit[0], torch.tensor([[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]]))):
-        cond, alphas = forward_cpu(init, table, rows, trans, lengths, keep_alphas=True, threads=1)
-        backward_cpu(table, rows, trans, lengths, cond, threads=1)
-        backward_cpu(table, rows, trans, lengths, cond, threads=1, alphas=alphas)
+    emit = torch.rand(B, T, K, generator=g, dtype=dtype)
+    init = torch.full((B, K), 1.0 / K, dtype=dtype)
+    lengths = torch.tensor([T, T - 2] * (B // 2))
+    ids = torch.randint(0, T, (B, T), generator=g)
+    for table, rows in ((emit, None), (emit[0], ids)):
+        for n in (2, B):
+            sub = (table if rows is not None else table[:n]), (rows[:n] if rows is not None else None)
+            cond, alphas = forward_cpu(init[:n], *sub, trans, lengths[:n], keep_alphas=True, threads=1)
+            backward_cpu(*sub, trans, lengths[:n], cond, threads=1)
+            backward_cpu(*sub, trans, lengths[:n], cond, threads=1, alphas=alphas)
         e, r = emission_rows(table, rows)
         out = np.zeros(T)
         forward_one(_np(init[0]), e, r[0], _np(trans), out)
         shared, partial, flags = np.zeros((2, K), dtype=e.dtype), np.zeros((2, 16)), np.zeros(32, np.int64)
         flags[16] = T  # the other thread's step counter reads "finished": thread 0 runs every column alone
         forward_one_split(_np(init[0]), e, r[0], _np(trans), out, shared, partial, flags, 0, 0, K)
+        rows_matmul(e[:3], _np(trans), np.empty_like(e[:3]))
     log_trans = trans.log()
     maxplus_cpu(emit[:, 0].log(), log_trans)
     viterbi_one_cpu(init[0].log(), emit[0].log(), log_trans, log_trans.amax(0))

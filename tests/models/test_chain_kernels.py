@@ -69,21 +69,27 @@ def test_forward_backward_posterior_match_plain(B, T, K, threads, seed):
 
 
 def test_large_float32_matrix_is_packed_once(monkeypatch):
-    """float32 with K >= PACK_MIN_K and enough steps runs the lockstep kernels on MKL's packed matrix (when
-    there is one): same results as the plain recursion, variable lengths included."""
-    init, emit, trans, lengths = random_chain(6, kernels.PACK_MIN_STEPS + 4, kernels.PACK_MIN_K + 8, seed=5,
-                                              dtype=torch.float32)
+    """float32 with K >= PACK_MIN_K runs the lockstep kernels on MKL's packed matrix (where there is one): same
+    results as the plain recursion, variable lengths included; packed once per direction while the matrix
+    lives unchanged, packed again after an in-place change."""
+    init, emit, trans, lengths = random_chain(6, 20, kernels.PACK_MIN_K + 8, seed=5, dtype=torch.float32)
     packs = []
-    if kernels.HAVE_GEMM and kernels._BLAS[3] is not None:
+    can_pack = kernels.HAVE_GEMM and kernels._BLAS[3] is not None
+    if can_pack:
         size, pack, compute = kernels._BLAS[3]
         monkeypatch.setattr(kernels, "_BLAS", (*kernels._BLAS[:3], (size, lambda *a: packs.append(1) or pack(*a),
                                                                       compute)))
-    gamma, cond = chain.posterior(init, emit, trans, lengths)
-    ref_gamma, ref_cond = plain(chain.posterior, init, emit, trans, lengths)
-    torch.testing.assert_close(cond, ref_cond, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(gamma, ref_gamma, rtol=1e-4, atol=1e-6)
-    if kernels.USE_GEMM and kernels.HAVE_GEMM and kernels._BLAS[3] is not None:
-        assert len(packs) == 2  # forward and backward each pack once
+    for _ in range(2):
+        gamma, cond = chain.posterior(init, emit, trans, lengths)
+        ref_gamma, ref_cond = plain(chain.posterior, init, emit, trans, lengths)
+        torch.testing.assert_close(cond, ref_cond, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gamma, ref_gamma, rtol=1e-4, atol=1e-6)
+    gemm = kernels.USE_GEMM and can_pack
+    assert len(packs) == (2 if gemm else 0)  # forward and backward once each, then from the cache
+    trans.copy_(trans.flip(0))  # in place: still row-stochastic, a new version
+    cond, _ = chain.forward(init, emit, trans, lengths)
+    torch.testing.assert_close(cond, plain(chain.forward, init, emit, trans, lengths)[0], rtol=1e-5, atol=1e-5)
+    assert len(packs) == (3 if gemm else 0)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float64, 1e-12)])
