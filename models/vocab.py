@@ -80,6 +80,8 @@ class Vocabulary:
         if len(ids) == 0:
             raise InputError(f"{where}: empty sequence", param=where)
         v = len(self.tokens)
+        if set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < v:  # the usual case, at C speed
+            return ids
         for pos, i in enumerate(ids):
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < v:
                 raise InputError(

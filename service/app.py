@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.routing import Route
 
 from latentlm import ops
+from models.errors import LatentLMError
 from service import errors, execute, jobs
 from service.batcher import Batcher, QueueFull
 from service.cache import CACHED_OPS, ResponseCache
@@ -36,6 +37,8 @@ log = logging.getLogger("latentlm.service")
 JSON = "application/json"
 BIG_RESPONSE_TOKENS = 2048
 FAST_PATHS = frozenset(f"/v1/{op}" for op in REQUESTS)  # serialise bigger responses off the event loop
+BATCHED_PATHS = {f"/v1/{op}": op for op in REQUESTS if op != "sample"}  # served by the raw ASGI path
+JSON_HEADERS = [(b"content-type", JSON.encode())]
 
 
 class CreateBatch(BaseModel):
@@ -86,45 +89,17 @@ class Guard:
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or (scope["path"] if scope["path"] in FAST_PATHS else "unmatched")
-            self.metrics.request_duration.labels(label, scope["method"], str(status[0])).observe(
-                time.perf_counter() - start)
+            self.metrics.observe_request(label, scope["method"], status[0], time.perf_counter() - start)
 
     def _auth(self, scope) -> APIError | None:
-        """Every /v1 route needs `Authorization: Bearer <key>` when LATENTLM_API_KEYS is set (checked before
-        the body is read)."""
-        value = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
-        scheme, _, token = value.decode("latin-1").partition(" ")
-        hdr = {"WWW-Authenticate": "Bearer"}
-        if scheme.lower() != "bearer" or not token.strip():
-            return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                            code="missing_api_key", headers=hdr)
-        if not any(hmac.compare_digest(token.strip().encode(), k.encode()) for k in self.settings.keys):
-            return APIError(401, "invalid API key", code="invalid_api_key", headers=hdr)
-        return None
+        return check_auth(scope, self.settings.keys)
 
     @staticmethod
     async def _buffer(scope, receive, limit: int):
         """Read the whole body (<= limit bytes) and replay it; None when it is too big."""
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                try:
-                    if int(v) > limit:
-                        return None
-                except ValueError:
-                    pass
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                break
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
+        body = await read_body(scope, receive, limit)
+        if body is None:
+            return None
         sent = False
 
         async def replay():
@@ -135,6 +110,63 @@ class Guard:
             return await receive()
 
         return replay
+
+
+def check_auth(scope, keys: list[str]) -> APIError | None:
+    """Every /v1 route needs `Authorization: Bearer <key>` when LATENTLM_API_KEYS is set (checked before
+    the body is read)."""
+    value = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+    scheme, _, token = value.decode("latin-1").partition(" ")
+    hdr = {"WWW-Authenticate": "Bearer"}
+    if scheme.lower() != "bearer" or not token.strip():
+        return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                        code="missing_api_key", headers=hdr)
+    if not any(hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys):
+        return APIError(401, "invalid API key", code="invalid_api_key", headers=hdr)
+    return None
+
+
+async def read_body(scope, receive, limit: int) -> bytes | None:
+    """The whole request body, or None as soon as it is known to exceed `limit` bytes (Content-Length first,
+    then while reading). A client that disconnects leaves what was received."""
+    for k, v in scope.get("headers", []):
+        if k == b"content-length":
+            try:
+                if int(v) > limit:
+                    return None
+            except ValueError:
+                pass
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False) or msg["type"] == "http.disconnect":  # the usual case: one message
+        return body if len(body) <= limit else None
+    chunks, size = [body], len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+class LatentLMApp(FastAPI):
+    """FastAPI, except that POST /v1/{score,posterior,decode,embed} go straight to `fast_ops` (a plain ASGI
+    callable): the middleware stack, routing and Request/Response objects cost more CPU per request than
+    a batched 256-state forward pass. Everything else (and the OpenAPI schema) is the FastAPI app."""
+
+    fast_ops: Any = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.fast_ops is not None and scope["type"] == "http" and scope["method"] == "POST" and (
+                scope["path"] in BATCHED_PATHS):
+            return await self.fast_ops(scope, receive, send)
+        return await super().__call__(scope, receive, send)
 
 
 def _json_content_type(scope):
@@ -188,9 +220,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await state["cache"].close()
             loader.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="latentlm", version="0.1.0", lifespan=lifespan,
-                  description="Exact inference for latent-variable language models (HMMs, VL-HMMs, rank-space "
-                              "HMMs) with dynamic batching, a Redis response cache and OpenAI-style batch jobs.")
+    app = LatentLMApp(title="latentlm", version="0.1.0", lifespan=lifespan,
+                      description="Exact inference for latent-variable language models (HMMs, VL-HMMs, rank-space "
+                                  "HMMs) with dynamic batching, a Redis response cache and OpenAI-style batch jobs.")
     app.state.settings, app.state.registry, app.state.batcher, app.state.metrics = settings, registry, batcher, metrics
     errors.install(app, on_error=metrics.error)
     app.add_middleware(Guard, settings=settings, metrics=metrics)
@@ -246,7 +278,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"object": "list", "data": [m.describe() for m in registry.list()], **out}
 
     # -- operations ---------------------------------------------------------------------------------
-    async def handle(op: str, req: BaseModel, ticket: list[bool] | None = None) -> Response:
+    async def run_op(op: str, req: BaseModel, ticket: list[bool] | None = None) -> tuple[bytes, str | None]:
+        """-> (JSON body, X-Cache header value or None when there is no cache)."""
         ensure_ready()
         prep = execute.prepare(registry.get(req.model), op, req, settings.max_request_tokens)
         cache, key = state["cache"], None
@@ -254,7 +287,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             key = execute.cache_key(prep)
             hit = await cache.get(key, op)
             if hit is not None:
-                return Response(hit, media_type=JSON, headers={"X-Cache": "hit"})
+                return hit, "hit"
         try:
             results = await batcher.submit(prep.model, op, prep.opts, prep.seqs, ticket)
         except QueueFull as e:
@@ -264,7 +297,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         payload = await anyio.to_thread.run_sync(execute.dumps, data) if big else execute.dumps(data)
         if key is not None:
             await cache.set(key, payload)
-        return Response(payload, media_type=JSON, headers={"X-Cache": "miss"} if key else None)
+            return payload, "miss"
+        return payload, None
+
+    async def handle(op: str, req: BaseModel, ticket: list[bool] | None = None) -> Response:
+        payload, x_cache = await run_op(op, req, ticket)
+        return Response(payload, media_type=JSON, headers={"X-Cache": x_cache} if x_cache else None)
 
     @v1.post("/score", tags=["operations"])
     async def score(req: ScoreRequest) -> Response:
@@ -363,24 +401,59 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(v1)
 
-    # Fast path: the operation routes above define the OpenAPI schema; requests are served by these plain
-    # Starlette routes (matched first), which validate with pydantic-core straight from the JSON bytes and
-    # skip FastAPI's per-request parameter machinery (about half of the per-request CPU at high concurrency).
-    async def fast(request: Request) -> Response:
-        op = request.url.path.rsplit("/", 1)[1]
-        ticket = batcher.announce()  # lets the batcher know company is coming (see Batcher._company_coming)
+    # Fast paths. The operation routes above define the OpenAPI schema; requests are served elsewhere:
+    # score/posterior/decode/embed by `serve_op`, a plain ASGI callable that LatentLMApp calls before the
+    # middleware stack (it does Guard's work itself: auth, payload limit, request metrics; and the error
+    # handlers' work: the same error bodies and error counts); sample by a plain Starlette route (matched
+    # first). Both validate with pydantic-core straight from the JSON bytes.
+    api_keys = settings.keys  # parsed once
+
+    async def serve_op(scope, receive, send) -> None:
+        start = time.perf_counter()
+        op = BATCHED_PATHS[scope["path"]]
+        ticket, status = None, 500
         try:
-            req = parse_json(op, await request.body())
-            if op == "sample":
-                batcher.retract(ticket)
-                return await sample(req)
-            return await handle(op, req, ticket)
+            try:
+                if api_keys and (denied := check_auth(scope, api_keys)) is not None:
+                    raise denied
+                raw = await read_body(scope, receive, settings.max_payload_bytes)
+                if raw is None:
+                    raise APIError(413, f"request body exceeds the limit of {settings.max_payload_bytes} bytes",
+                                   param="body", code="payload_too_large")
+                ticket = batcher.announce()  # lets the batcher know company is coming (Batcher._company_coming)
+                payload, x_cache = await run_op(op, parse_json(op, raw), ticket)
+                status, headers = 200, JSON_HEADERS if x_cache is None else [(b"x-cache", x_cache.encode()),
+                                                                              *JSON_HEADERS]
+            except Exception as exc:
+                e = as_api_error(exc, scope)
+                metrics.error(e.status, e.code or e.type)
+                status, payload = e.status, errors.error_body(e)
+                headers = [*((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in e.headers.items()),
+                           *JSON_HEADERS]
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-length", b"%d" % len(payload)), *headers]})
+            await send({"type": "http.response.body", "body": payload})
         finally:
             batcher.retract(ticket)
+            metrics.observe_request(scope["path"], "POST", status, time.perf_counter() - start)
 
-    for op in REQUESTS:
-        app.router.routes.insert(0, Route(f"/v1/{op}", fast, methods=["POST"]))
+    app.fast_ops = serve_op
+
+    async def fast_sample(request: Request) -> Response:
+        return await sample(parse_json("sample", await request.body()))
+
+    app.router.routes.insert(0, Route("/v1/sample", fast_sample, methods=["POST"]))
     return app
+
+
+def as_api_error(e: Exception, scope) -> APIError:
+    """What the app's exception handlers answer for `e` (a 500 is logged with its traceback)."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, LatentLMError):
+        return errors.from_model_error(e)
+    log.error("internal error on %s %s", scope["method"], scope["path"], exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
 
 
 def parse_json(op: str, raw: bytes) -> BaseModel:

@@ -2,25 +2,30 @@
 into one `ops.run` call over their concatenated sequences (length-sorted, padded size bounded by
 `max_batch_tokens`) and the results are split back per request.
 
-One dispatcher task on the event loop forms batches; one inference thread runs them, so the event loop
-(and /health) stays responsive while a batch computes. A batch is dispatched when its oldest request has
-waited `max_queue_delay`, or earlier when it holds `max_batch_tokens` tokens; while the inference thread
-is busy, new requests accumulate and are merged. More than `max_queue` waiting requests -> QueueFull."""
+One inference thread forms and runs the batches, so the event loop (and /health) stays responsive while a
+batch computes. The event loop only queues requests; the thread takes the next batch the moment it is
+free (no hand-off through the event loop, which under load is busy with HTTP work) and posts each batch's
+results back with one loop callback. A batch is taken when its oldest request has waited
+`max_queue_delay`, or earlier when it holds `max_batch_tokens` tokens or no other request is on its way
+(see `announce`); while the thread is busy, new requests accumulate and are merged. More than `max_queue`
+waiting requests -> QueueFull."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from latentlm import ops
 from service.metrics import Metrics
+
+log = logging.getLogger("latentlm.service")
 
 
 class QueueFull(Exception):
@@ -33,10 +38,7 @@ class _Item:
     future: asyncio.Future
     enqueued: float
     call: Callable[[], Any] | None = None  # unmergeable work (sampling): run as is
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s) for s in self.seqs)
+    tokens: int = 0
 
 
 @dataclass
@@ -56,42 +58,53 @@ class Batcher:
         self.metrics = metrics
         self.max_batch_tokens, self.max_queue = max_batch_tokens, max_queue
         self.delay = max_queue_delay_ms / 1000
-        self.queues: dict[tuple, _Queue] = {}
+        self.queues: dict[tuple, _Queue] = {}  # guarded by _cv (event loop puts, inference thread takes)
         self.depth = 0
         self.arriving = 0  # requests announced by the HTTP layer and not yet queued (or given up)
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="latentlm-infer")
         self._counter = itertools.count()
-        self._task: asyncio.Task | None = None
-        self._has_items: asyncio.Event | None = None
-        self._full: asyncio.Event | None = None
+        self._cv = threading.Condition(threading.Lock())
+        self._idle = True  # the inference thread waits for work without a deadline
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wait_children: dict[str, Any] = {}
+        metrics.queue_depth.set_function(lambda: self.depth)  # read at scrape time, not set per request
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self._has_items, self._full = asyncio.Event(), asyncio.Event()
-        self._task = asyncio.create_task(self._dispatch_loop(), name="latentlm-batcher")
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._worker, name="latentlm-infer", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Stop taking batches; queued requests fail (a batch in flight finishes, its results are dropped)."""
+        with self._cv:
+            self._stopping = True
+            left = [it for q in self.queues.values() for it in q.items]
+            self.queues.clear()
+            self.depth = 0
+            self._cv.notify()
+        for it in left:
+            if not it.future.done():
+                it.future.set_exception(RuntimeError("the batcher stopped"))
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 1.0)
 
-    # -- submitting ---------------------------------------------------------------------------------
+    # -- submitting (event loop) ----------------------------------------------------------------------
     def _enqueue(self, key: tuple, make_queue: Callable[[], _Queue], item: _Item) -> None:
-        if self.depth >= self.max_queue:
-            raise QueueFull(f"{self.depth} requests are queued (limit {self.max_queue}); retry later")
-        q = self.queues.get(key)
-        if q is None:
-            q = self.queues[key] = make_queue()
-        q.items.append(item)
-        q.tokens += item.tokens
-        self.depth += 1
-        self.metrics.queue_depth.set(self.depth)
-        assert self._has_items is not None and self._full is not None
-        self._has_items.set()
-        if q.tokens >= self.max_batch_tokens:
-            self._full.set()
+        with self._cv:
+            if self.depth >= self.max_queue:
+                raise QueueFull(f"{self.depth} requests are queued (limit {self.max_queue}); retry later")
+            q = self.queues.get(key)
+            if q is None:
+                q = self.queues[key] = make_queue()
+            q.items.append(item)
+            q.tokens += item.tokens
+            self.depth += 1
+            # wake the thread when it sleeps without a deadline, or when waiting for company is over
+            if self._idle or q.tokens >= self.max_batch_tokens or self.arriving == 0:
+                self._cv.notify()
 
     async def submit(self, model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]],
                      ticket: list[bool] | None = None) -> list[dict]:
@@ -99,7 +112,8 @@ class Batcher:
         key = (id(model), model.content_hash, op, tuple(sorted(opts.items())))
         fut = asyncio.get_running_loop().create_future()
         self.retract(ticket)
-        self._enqueue(key, lambda: _Queue(model, op, dict(opts)), _Item(seqs, fut, time.perf_counter()))
+        item = _Item(seqs, fut, time.perf_counter(), tokens=sum(len(s) for s in seqs))
+        self._enqueue(key, lambda: _Queue(model, op, dict(opts)), item)
         return await fut
 
     async def call(self, model: ops.LoadedModel, op: str, fn: Callable[[], Any]) -> Any:
@@ -108,66 +122,6 @@ class Batcher:
         fut = asyncio.get_running_loop().create_future()
         self._enqueue(key, lambda: _Queue(model, op, {}), _Item([], fut, time.perf_counter(), call=fn))
         return await fut
-
-    # -- dispatching --------------------------------------------------------------------------------
-    def _take(self, key: tuple) -> list[_Item]:
-        """Pop the oldest requests of one queue up to max_batch_tokens (always at least one)."""
-        q = self.queues[key]
-        items: list[_Item] = []
-        tokens = 0
-        while q.items and (not items or tokens + q.items[0].tokens <= self.max_batch_tokens):
-            it = q.items.popleft()
-            q.tokens -= it.tokens
-            self.depth -= 1
-            if it.future.done():  # the client went away
-                continue
-            items.append(it)
-            tokens += it.tokens
-        if not q.items:
-            del self.queues[key]
-        self.metrics.queue_depth.set(self.depth)
-        return items
-
-    async def _dispatch_loop(self) -> None:
-        assert self._has_items is not None and self._full is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            if not self.queues:
-                self._has_items.clear()
-                await self._has_items.wait()
-                continue
-            key = min(self.queues, key=lambda k: self.queues[k].items[0].enqueued)
-            q = self.queues[key]
-            wait = q.items[0].enqueued + self.delay - time.perf_counter()
-            if wait > 0 and q.tokens < self.max_batch_tokens and q.items[0].call is None and self._company_coming():
-                self._full.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._full.wait(), wait)
-                continue
-            self._full.clear()
-            items = self._take(key)
-            if not items:
-                continue
-            start = time.perf_counter()
-            for it in items:
-                self.metrics.queue_wait.labels(q.op).observe(start - it.enqueued)
-            try:
-                outcomes = await loop.run_in_executor(self.executor, self._run, q, items)
-            except BaseException as e:  # cancelled or executor shut down
-                for it in items:
-                    if not it.future.done():
-                        it.future.set_exception(e if isinstance(e, Exception) else RuntimeError("stopped"))
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-                continue
-            self.metrics.batch_seconds.labels(q.op).observe(time.perf_counter() - start)
-            for it, (ok, value) in zip(items, outcomes, strict=True):
-                if it.future.done():
-                    continue
-                if ok:
-                    it.future.set_result(value)
-                else:
-                    it.future.set_exception(value)
 
     def _company_coming(self) -> bool:
         """Worth waiting for the queue delay: other requests are on their way to the queue. A lone request
@@ -184,8 +138,69 @@ class Batcher:
             ticket[0] = False
             self.arriving -= 1
 
+    # -- the inference thread ---------------------------------------------------------------------------
+    def _next(self) -> tuple[_Queue, list[_Item]] | None:
+        """Block until a batch is due; pop it (None when stopping). Holds _cv only while not computing."""
+        with self._cv:
+            while True:
+                if self._stopping:
+                    return None
+                if not self.queues:
+                    self._idle = True
+                    self._cv.wait()
+                    continue
+                self._idle = False
+                key = min(self.queues, key=lambda k: self.queues[k].items[0].enqueued)
+                q = self.queues[key]
+                wait = q.items[0].enqueued + self.delay - time.perf_counter()
+                if wait > 0 and q.tokens < self.max_batch_tokens and q.items[0].call is None and (
+                        self._company_coming()):
+                    self._cv.wait(wait)
+                    continue
+                items = self._take(key)
+                if items:
+                    return q, items
+
+    def _take(self, key: tuple) -> list[_Item]:
+        """Pop the oldest requests of one queue up to max_batch_tokens (always at least one); holds _cv."""
+        q = self.queues[key]
+        items: list[_Item] = []
+        tokens = 0
+        while q.items and (not items or tokens + q.items[0].tokens <= self.max_batch_tokens):
+            it = q.items.popleft()
+            q.tokens -= it.tokens
+            self.depth -= 1
+            if it.future.done():  # the client went away
+                continue
+            items.append(it)
+            tokens += it.tokens
+        if not q.items:
+            del self.queues[key]
+        return items
+
+    def _worker(self) -> None:
+        assert self._loop is not None
+        while (batch := self._next()) is not None:
+            q, items = batch
+            try:
+                start = time.perf_counter()
+                wait = self._wait_children.get(q.op)
+                if wait is None:
+                    wait = self._wait_children[q.op] = self.metrics.queue_wait.labels(q.op)
+                for it in items:
+                    wait.observe(start - it.enqueued)
+                outcomes = self._run(q, items)
+                self.metrics.batch_seconds.labels(q.op).observe(time.perf_counter() - start)
+            except Exception as e:  # a bug outside the model call: fail this batch, keep serving
+                log.exception("batch failed")
+                outcomes = [(False, e)] * len(items)
+            try:
+                self._loop.call_soon_threadsafe(_deliver, items, outcomes)
+            except RuntimeError:  # the event loop is closed
+                return
+
     def _run(self, q: _Queue, items: list[_Item]) -> list[tuple[bool, Any]]:
-        """Inference thread: one merged call; on a model error, each request alone (errors stay per request)."""
+        """One merged call; on a model error, each request alone (errors stay per request)."""
         if items[0].call is not None:
             try:
                 return [(True, items[0].call())]
@@ -193,7 +208,7 @@ class Batcher:
                 return [(False, e)]
         m = self.metrics
         seqs = [s for it in items for s in it.seqs]
-        ntok = sum(len(s) for s in seqs)
+        ntok = sum(it.tokens for it in items)
         m.batch_requests.labels(q.op).observe(len(items))
         m.batch_sequences.labels(q.op).observe(len(seqs))
         m.batch_tokens.labels(q.op).observe(ntok)
@@ -208,5 +223,18 @@ class Batcher:
         for it in items:
             part = results[pos : pos + len(it.seqs)]
             pos += len(it.seqs)
-            out.append((True, [{**r, "index": j} for j, r in enumerate(part)]))
+            for j, r in enumerate(part):  # fresh dicts from ops.run: renumber within the request in place
+                r["index"] = j
+            out.append((True, part))
         return out
+
+
+def _deliver(items: list[_Item], outcomes: list[tuple[bool, Any]]) -> None:
+    """Event loop: resolve the futures of one batch (a request whose client went away is skipped)."""
+    for it, (ok, value) in zip(items, outcomes, strict=True):
+        if it.future.done():
+            continue
+        if ok:
+            it.future.set_result(value)
+        else:
+            it.future.set_exception(value)

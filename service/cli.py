@@ -50,13 +50,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from latentlm import ops
     from service.app import create_app
     from service.settings import Settings
+    from service.transport import CoalescingHttpToolsProtocol
 
     settings = Settings.from_env(store=args.store, device=args.device)
     ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
     ensure_default_model(settings.store)
     set_threads(settings.torch_threads)
+    if settings.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    # httptools with each response's head and body in one write (service.transport); access lines are INFO
+    # records, so below that level they are not formatted per request at all
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
+                http=CoalescingHttpToolsProtocol, access_log=args.log_level in ("info", "debug"),
+                server_header=False)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:

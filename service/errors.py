@@ -63,9 +63,12 @@ def error_payload(e: APIError) -> dict[str, Any]:
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
 
 
+def error_body(e: APIError) -> bytes:
+    return json.dumps(error_payload(e)).encode()
+
+
 def error_response(e: APIError) -> Response:
-    return Response(json.dumps(error_payload(e)), status_code=e.status, media_type="application/json",
-                    headers=e.headers)
+    return Response(error_body(e), status_code=e.status, media_type="application/json", headers=e.headers)
 
 
 def describe_validation(errors: list[dict]) -> APIError:

@@ -33,6 +33,15 @@ class Metrics:
         self.cache_misses = Counter("latentlm_cache_misses", "response cache misses", ["operation"], registry=r)
         self.cache_errors = Counter("latentlm_cache_errors", "cache reads/writes that failed", registry=r)
         self.models_loaded = Gauge("latentlm_models_loaded", "models currently served", registry=r)
+        self._durations: dict[tuple[str, str, int], Histogram] = {}
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        """request_duration.labels(route, method, status).observe(seconds), with the child looked up once."""
+        key = (route, method, status)
+        child = self._durations.get(key)
+        if child is None:
+            child = self._durations[key] = self.request_duration.labels(route, method, str(status))
+        child.observe(seconds)
 
     def error(self, status: int, kind: str) -> None:
         self.errors.labels(str(status), kind).inc()

@@ -17,6 +17,7 @@ INPUT_SCHEMA = {
                "items": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]}}],
 }
 InputField = Annotated[Any, WithJsonSchema(INPUT_SCHEMA)]
+_INT = {int}
 
 
 def check_input(v: Any) -> Any:
@@ -28,7 +29,7 @@ def check_input(v: Any) -> Any:
     if not v:
         raise ValueError("empty list: give at least one input")
     for i, item in enumerate(v):
-        if isinstance(item, str):
+        if isinstance(item, str) or (type(item) is list and set(map(type, item)) <= _INT):  # fast path
             continue
         if not isinstance(item, list):
             raise ValueError(f"item {i} is {type(item).__name__}; expected a string or a list of token ids")

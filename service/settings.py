@@ -38,6 +38,8 @@ class Settings:
     job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
     job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
     retry_after_s: int = 1
+    gil_switch_interval_ms: float = 0.1  # `serve`: how soon a busy event loop hands the GIL to the inference
+                                         # thread (Python's default, 5 ms, stalls each batch several times)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:

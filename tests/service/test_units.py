@@ -212,3 +212,39 @@ def test_batcher_waits_only_when_company_is_coming(base_store):
     assert asyncio.run(go(True)) == 1  # the first request waited for the announced second: one batch
     # nobody announced: the lone first request went at once (two batches of one)
     assert asyncio.run(go(False)) == 2
+
+
+def test_coalescing_transport_sends_head_and_body_together():
+    from service.transport import CoalescingTransport
+
+    class Fake:
+        def __init__(self):
+            self.writes, self.closed = [], False
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def close(self):
+            self.closed = True
+
+        def is_closing(self):
+            return self.closed
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        fake = Fake()
+        t = CoalescingTransport(fake, loop)
+        t.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+        t.write(b"{}")
+        assert fake.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"]  # one write
+        t.write(b"HTTP/1.1 204 No Content\r\n\r\n")  # a response without a body: flushed on the next turn
+        assert len(fake.writes) == 1
+        await asyncio.sleep(0)
+        assert fake.writes[-1] == b"HTTP/1.1 204 No Content\r\n\r\n"
+        t.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        t.close()  # held bytes go out before the close
+        assert fake.writes[-1] == b"HTTP/1.1 200 OK\r\n\r\n" and fake.closed and t.is_closing()
+        await asyncio.sleep(0)
+        assert len(fake.writes) == 3  # the scheduled flush finds nothing held
+
+    asyncio.run(go())
