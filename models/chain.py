@@ -401,9 +401,108 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
 
 def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
     """Per-position marginals p(z_t | x) (B, T, K) (zeros at padding) and `log_cond` (B, T).
-    One (B, T, K) tensor: the filtered marginals are turned into posteriors in place. O(B T K^2)."""
-    log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
-    return backward(emit, trans, lengths, log_cond, alphas=alphas), log_cond
+    One (B, T, K) tensor: the filtered marginals are turned into posteriors in place. O(B T K^2).
+    With a shared matrix, each sequence of at least LONG_MIN_TOKENS positions runs as a batch of its own
+    chunks in both directions (`posterior_chunked`), the others as one batch."""
+    if (long := _long_rows(lengths, trans, False, init, emit)) is None:
+        log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
+        return backward(emit, trans, lengths, log_cond, alphas=alphas), log_cond
+    B, T, K = emit.shape
+    gamma = torch.zeros(B, T, K, dtype=emit.dtype, device=emit.device)
+    log_cond = torch.zeros(B, T, dtype=emit.dtype, device=emit.device)
+    short = (~long).nonzero().squeeze(1)
+    if short.numel():
+        width = int(lengths[short].max())
+        g, c = posterior(init[short], _rows(emit, short, width), trans, lengths[short])
+        gamma[short, :width], log_cond[short, :width] = g, c
+    for b in long.nonzero().squeeze(1).tolist():
+        n = int(lengths[b])
+        one = RowLookup(emit.table, emit.rows[b : b + 1, :n]) if isinstance(emit, RowLookup) else emit[b : b + 1, :n]
+        g, c = posterior_chunked(init[b : b + 1], one, trans)  # type: ignore[arg-type]
+        gamma[b, :n], log_cond[b, :n] = g[0], c[0]
+    return gamma, log_cond
+
+
+def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | None = None,
+                      window: int | None = None) -> tuple[Tensor, Tensor]:
+    """`posterior` of one sequence (init (1, K), emit (1, T, K), trans (K, K) shared) as a batch of chunks in
+    both directions: the forward of `forward_chunked`, keeping the filtered marginals; then the backward the
+    same way from each chunk's end (guess: beta = 1; restart: the chunk's last `window` positions from the
+    exact beta, pushed back from the next chunk's guess through one extra position whose emission row is
+    that chunk's first emission times its beta; kept where the restart meets the guess in Hilbert's metric).
+    Every marginal is alpha_t beta_t normalised, so each side's scale does not matter and each is off by at
+    most the distances left at the boundaries (see the comment above `forward_chunked`). Chunks that do not
+    meet fall back to the step-by-step recursion. O(T K^2 + C window K^2) work; about 4 T K floats of
+    memory at the peak, against T K for the step-by-step posterior."""
+    T, K = emit.shape[1], trans.shape[0]
+    device, dtype = trans.device, emit.dtype
+    window = window or (CHUNK_WINDOW if torch.finfo(dtype).bits <= 32 else 2 * CHUNK_WINDOW)
+    C = max(1, min(chunks or _default_chunks(emit, trans), T // CHUNK_MIN_LEN))
+    L = T // C
+    if C < 2 or L < 2 * window:
+        log_cond, alphas = _forward_steps(init, emit, trans, torch.tensor([T], device=device), True, None)
+        return backward(emit, trans, torch.tensor([T], device=device), log_cond, alphas=alphas), log_cond
+    starts = torch.tensor([0] + [T - (C - c) * L for c in range(1, C)], device=device)
+    ends = torch.cat([starts[1:], torch.tensor([T], device=device)])
+    lens = ends - starts
+    win = torch.full((C,), window, device=device)
+    tol = meet_tolerance(dtype)
+    # forward: guessed heads and tails, exact restarts (as in forward_chunked), filtered marginals kept
+    head_last, tail_last, met_last = trans.new_empty(C, K), trans.new_empty(C, K), trans.new_empty(C - 1, K)
+    guess_init = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
+    guess_init[0] = init[0]
+    head_lc, head_a = forward(guess_init, _positions(emit, starts, window), trans, win, keep_alphas=True,
+                              out_last=head_last)
+    tail_lc, tail_a = forward(_times(head_last, trans), _positions(emit, starts + window, int(lens[0]) - window),
+                              trans, lens - window, keep_alphas=True, out_last=tail_last)
+    prior = _times(tail_last[:-1], trans)
+    re_lc, re_a = forward(prior, _positions(emit, starts[1:], window), trans, win[1:], keep_alphas=True,
+                          out_last=met_last)
+    met = (projective_distance(met_last, head_last[1:]) <= tol).tolist()
+    log_cond = torch.empty(1, T, dtype=dtype, device=device)
+    alphas = torch.empty(1, T, K, dtype=dtype, device=device)
+    log_cond[0, :window], alphas[0, :window] = head_lc[0], head_a[0]  # type: ignore[index]
+    for c in range(C):
+        s, e = int(starts[c]), int(ends[c])
+        if c > 0 and not met[c - 1]:  # the rest step by step from this chunk's exact prior
+            lc, a = _forward_steps(prior[c - 1 : c], _positions(emit, starts[c : c + 1], T - s), trans,
+                                   torch.tensor([T - s], device=device), True, None)
+            log_cond[0, s:], alphas[0, s:] = lc[0], a[0]  # type: ignore[index]
+            break
+        if c > 0:
+            log_cond[0, s : s + window], alphas[0, s : s + window] = re_lc[c - 1], re_a[c - 1]  # type: ignore[index]
+        n = e - s - window
+        log_cond[0, s + window : e], alphas[0, s + window : e] = tail_lc[c, :n], tail_a[c, :n]  # type: ignore[index]
+    del head_a, tail_a, re_a
+    if bool(torch.isneginf(log_cond).any()):  # an impossible sequence has no posterior: zeros, as step by step
+        return torch.zeros_like(alphas), log_cond.masked_fill(torch.isneginf(log_cond).cumsum(1) > 0, -math.inf)
+    # backward: guessed from each chunk's end (beta = 1 there), then exact restarts of each chunk's last window
+    width = int(lens.max())
+    lc_rows = _take(log_cond[0], (starts[:, None] + torch.arange(width, device=device)).clamp_(max=T - 1))
+    guess = backward(_positions(emit, starts, width), trans, lens, lc_rows)  # (C, width, K)
+    first_emit = dense(_positions(emit, starts[1:], 1))[:, 0]  # (C - 1, K): each next chunk's first emission
+    virtual = (first_emit * guess[1:, 0])[:, None]  # its emission row times its guessed beta
+    tail_start = ends[:-1] - window
+    re_emit = torch.cat([dense(_positions(emit, tail_start, window)), virtual], 1)  # (C - 1, window + 1, K)
+    re_lc = torch.cat([_take(log_cond[0], tail_start[:, None] + torch.arange(window, device=device)),
+                       log_cond[0, starts[1:]][:, None]], 1)
+    restart = backward(re_emit, trans, torch.full((C - 1,), window + 1, device=device), re_lc)
+    met_b = (projective_distance(restart[:, 0], guess[torch.arange(C - 1), lens[:-1] - window]) <= tol).tolist()
+    betas = torch.empty(1, T, K, dtype=dtype, device=device)
+    s_last = int(starts[C - 1])
+    betas[0, s_last:] = guess[C - 1, : T - s_last]
+    for c in range(C - 2, -1, -1):
+        s, e = int(starts[c]), int(ends[c])
+        if not met_b[c]:  # positions [0, e) step by step from the exact beta at e - 1
+            rows = torch.cat([dense(_positions(emit, starts[:1], e)), virtual[c][None]], 1)
+            lc = torch.cat([log_cond[:, :e], log_cond[:, e : e + 1]], 1)
+            betas[0, :e] = backward(rows, trans, torch.tensor([e + 1], device=device), lc)[0, :e]
+            break
+        betas[0, s : e - window] = guess[c, : e - s - window]
+        betas[0, e - window : e] = restart[c, :window]
+    del guess, restart
+    gamma = alphas.mul_(betas)
+    return gamma.div_(gamma.sum(-1, keepdim=True).clamp_min_(torch.finfo(dtype).tiny)), log_cond
 
 
 def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_max: Tensor | None = None

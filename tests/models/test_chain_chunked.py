@@ -179,3 +179,76 @@ def test_projective_distance():
     assert d[0].item() == pytest.approx(math.log(2) - math.log(2 / 3))
     assert d[1].item() == 0.0
     assert math.isinf(d[2].item()) and math.isinf(d[3].item())  # empty support; different supports
+
+
+def sequential_posterior(init, emit, trans, T):
+    lengths = torch.tensor([T])
+    cond, alphas = chain._forward_steps(init, emit, trans, lengths, True, None)
+    return chain.backward(emit, trans, lengths, cond, alphas=alphas), cond
+
+
+@settings(max_examples=15, deadline=None)
+@given(T=st.integers(64, 300), K=st.integers(1, 16), chunks=st.integers(2, 6), window=st.integers(2, 10),
+       dense=st.booleans(), seed=st.integers(0, 10_000))
+def test_chunked_posterior_matches_sequential(T, K, chunks, window, dense, seed):
+    init, table, rows, trans = mixing_chain(T, K, 7, seed)
+    emit = table[rows] if dense else chain.RowLookup(table, rows)
+    gamma, cond = chain.posterior_chunked(init, emit, trans, chunks=chunks, window=window)
+    ref_gamma, ref_cond = sequential_posterior(init, emit, trans, T)
+    assert_close_logprob(cond, ref_cond, chunks, torch.float64)
+    torch.testing.assert_close(gamma, ref_gamma, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["cycle", "sparse"])
+def test_chunked_posterior_falls_back_where_restarts_never_meet(kind):
+    K, T = 6, 900
+    if kind == "cycle":
+        trans = torch.roll(torch.eye(K, dtype=torch.float64), 1, dims=1)
+        init = torch.zeros(1, K, dtype=torch.float64)
+        init[0, 2] = 1.0
+    else:
+        trans = torch.zeros(K, K, dtype=torch.float64)
+        trans[:, :2] = 0.5
+        init = torch.full((1, K), 1.0 / K, dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    table = torch.rand(3, K, generator=g, dtype=torch.float64)
+    rows = torch.randint(0, 3, (1, T), generator=g)
+    emit = chain.RowLookup(table, rows)
+    gamma, cond = chain.posterior_chunked(init, emit, trans, chunks=5, window=8)
+    ref_gamma, ref_cond = sequential_posterior(init, emit, trans, T)
+    torch.testing.assert_close(cond, ref_cond, rtol=0, atol=1e-12)
+    torch.testing.assert_close(gamma, ref_gamma, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("where", [0, 190, 450, 899])
+def test_chunked_posterior_of_an_impossible_sequence(where):
+    init, table, rows, trans = mixing_chain(900, 5, 4, 3)
+    table = torch.cat([table, torch.zeros(1, 5, dtype=table.dtype)])
+    rows = rows.clone()
+    rows[0, where] = 4
+    emit = chain.RowLookup(table, rows)
+    gamma, cond = chain.posterior_chunked(init, emit, trans, chunks=5, window=8)
+    ref_gamma, ref_cond = sequential_posterior(init, emit, trans, 900)
+    assert torch.equal(torch.isneginf(cond), torch.isneginf(ref_cond))
+    torch.testing.assert_close(gamma, ref_gamma)
+
+
+def test_posterior_chunks_long_sequences_in_a_batch(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    init, table, _, trans = mixing_chain(1, 6, 12, 8, torch.float64)
+    lengths = torch.tensor([40, 700, 650])
+    rows = torch.randint(0, 12, (3, 700), generator=g)
+    init = init.expand(3, -1)
+    calls = []
+    real = chain.posterior_chunked
+    monkeypatch.setattr(chain, "posterior_chunked", lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
+    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
+    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
+    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
+    gamma, cond = chain.posterior(init, chain.RowLookup(table, rows), trans, lengths)
+    assert sorted(calls) == [650, 700]
+    for b, n in enumerate(lengths.tolist()):
+        ref_gamma, ref_cond = sequential_posterior(init[b : b + 1], chain.RowLookup(table, rows[b : b + 1, :n]),
+                                                   trans, n)
+        torch.testing.assert_close(gamma[b : b + 1, :n], ref_gamma, rtol=1e-9, atol=1e-12)
+        assert (gamma[b, n:] == 0).all() and (cond[b, n:] == 0).all()
