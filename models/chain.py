@@ -405,6 +405,12 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor) -> tuple[
     With a shared matrix, each sequence of at least LONG_MIN_TOKENS positions runs as a batch of its own
     chunks in both directions (`posterior_chunked`), the others as one batch."""
     if (long := _long_rows(lengths, trans, False, init, emit)) is None:
+        if _compiled(emit, trans, init):
+            from models import kernels
+
+            if kernels.lockstep(*emit.shape[::2]):  # both passes in one kernel call per thread
+                return kernels.posterior_cpu(init, *_table_rows(emit), trans, lengths,  # type: ignore[arg-type]
+                                             threads=torch.get_num_threads())
         log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
         return backward(emit, trans, lengths, log_cond, alphas=alphas), log_cond
     B, T, K = emit.shape

@@ -675,8 +675,21 @@ if HAVE_GEMM:
             if t > 0 and active > 0:
                 _gemm_rows(gemm, compute, packed, v, mat, x, active, dims, coef, op)
 
+    @njit(nogil=True, fastmath=_FM, cache=True)
+    def posterior_lockstep(gemm, compute, packed, packed_b, init, table, rows, trans, mat_b, lengths, order,
+                           log_cond, out, mat_is_trans, first, stride):  # pragma: no cover - compiled
+        """`forward_lockstep` keeping the filtered marginals, then `backward_lockstep` turning them into
+        posteriors, for the same sequences on the same thread: no meeting between the passes, and the
+        thread's marginals are still in its cache for the backward. packed / packed_b: trans / trans^T
+        packed (or empty); mat_b: trans (mat_is_trans) or trans^T. O(B T K^2)."""
+        no_last = np.empty((0, table.shape[1]), dtype=table.dtype)
+        forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, order, log_cond, out, True,
+                         no_last, first, stride)
+        backward_lockstep(gemm, compute, packed_b, table, rows, mat_b, lengths, order, log_cond, out, True,
+                          mat_is_trans, first, stride)
 
-def _lockstep(B: int, K: int) -> bool:
+
+def lockstep(B: int, K: int) -> bool:
     """Whether a batch of B sequences over K states runs the lockstep kernels: GEMM available and enabled, and
     enough rows for a GEMM to pay (a few sequences on a cache-sized matrix run faster in the ROWS groups)."""
     return HAVE_GEMM and USE_GEMM and (B >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K)
@@ -688,27 +701,41 @@ def _packs(dtype, K: int) -> bool:
             and K >= PACK_MIN_K)
 
 
-_PACKED: dict = {}  # (id(trans), transpose) -> (weakref to trans, its version counter, packed buffer)
+_DERIVED: dict = {}  # (id(trans), kind) -> (weakref to trans, its version counter, derived array)
+
+
+def _derived(trans: Tensor, kind: str, build) -> np.ndarray:
+    """`build()`, an array derived from `trans`, cached while the tensor lives and is not modified in place
+    (torch's version counter): a model's matrix is transposed or packed once, not on every call."""
+    import weakref
+
+    key = (id(trans), kind)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0]() is trans and hit[1] == trans._version:
+        return hit[2]
+    value = build()
+    _DERIVED[key] = (weakref.ref(trans, lambda _ref: _DERIVED.pop(key, None)), trans._version, value)
+    return value
 
 
 def packed_matrix(trans: Tensor, transpose: bool) -> np.ndarray:
-    """trans (K, K) float32 (or trans^T) packed by MKL as the B operand of row-major GEMMs. Cached while the
-    tensor lives and is not modified in place (torch's version counter), so a model's matrix is packed once,
-    not on every call (packing a 4 MiB matrix costs as much as several steps)."""
-    import weakref
+    """trans (K, K) float32 (or trans^T) packed by MKL as the B operand of row-major GEMMs (cached: packing a
+    4 MiB matrix costs as much as several steps)."""
+    def build() -> np.ndarray:
+        assert _BLAS is not None and _BLAS[3] is not None
+        size, pack, _ = _BLAS[3]
+        K = trans.shape[0]
+        mat = _np(trans)
+        packed = np.empty(size(162, 32, K, K) // 4 + 16, dtype=np.float32)  # 162: B operand; 32 rows: a hint
+        pack(101, 162, 112 if transpose else 111, 32, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
+        return packed
 
-    key = (id(trans), transpose)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is trans and hit[1] == trans._version:
-        return hit[2]
-    assert _BLAS is not None and _BLAS[3] is not None
-    size, pack, _ = _BLAS[3]
-    K = trans.shape[0]
-    mat = _np(trans)
-    packed = np.empty(size(162, 32, K, K) // 4 + 16, dtype=np.float32)  # 162: B operand; 32 rows: a hint
-    pack(101, 162, 112 if transpose else 111, 32, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
-    _PACKED[key] = (weakref.ref(trans, lambda _ref: _PACKED.pop(key, None)), trans._version, packed)
-    return packed
+    return _derived(trans, f"packed{int(transpose)}", build)
+
+
+def transposed(trans: Tensor) -> np.ndarray:
+    """trans^T as a contiguous array (cached)."""
+    return _derived(trans, "T", lambda: np.ascontiguousarray(trans.detach().numpy().T))
 
 
 def run_lockstep(kernel, args: tuple, dtype: np.dtype, num_rows: int, threads: int,
@@ -810,7 +837,7 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
         alphas = np.empty((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
         last = np.zeros((B, K) if out_last is not None else (0, K), dtype=e.dtype)
         args = (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas, last)
-        if _lockstep(B, K):
+        if lockstep(B, K):
             run_lockstep(forward_lockstep, args, e.dtype, B, threads,
                          packed_matrix(trans, False) if _packs(trans.dtype, K) else None)
         else:
@@ -841,6 +868,24 @@ def _forward_one_np(init: np.ndarray, table: np.ndarray, rows: np.ndarray, trans
     helper.join()
 
 
+def posterior_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, *,
+                  threads: int) -> tuple[Tensor, Tensor]:
+    """`forward_cpu` with the filtered marginals and `backward_cpu` into them, fused per thread (lockstep
+    kernels only: check `lockstep` first): -> posteriors (B, T, K) (0 at padding) and log_cond (B, T)."""
+    e, r = emission_rows(table, rows)
+    L = lengths.numpy().astype(np.int64)
+    B, T = r.shape
+    K = e.shape[1]
+    log_cond = np.zeros((B, T), dtype=np.float64)
+    gamma = np.empty((B, T, K), dtype=e.dtype)  # every position written: posteriors, 0 at padding
+    packs = _packs(trans.dtype, K)
+    empty = np.empty(0, dtype=e.dtype)
+    args = (packed_matrix(trans, True) if packs else empty, _np(init), e, r, _np(trans),
+            _np(trans) if packs else transposed(trans), L, _length_order(L), log_cond, gamma, packs)
+    run_lockstep(posterior_lockstep, args, e.dtype, B, threads, packed_matrix(trans, False) if packs else None)
+    return torch.from_numpy(gamma), torch.from_numpy(log_cond).to(table.dtype)
+
+
 def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, log_cond: Tensor, *,
                  threads: int, alphas: Tensor | None = None) -> Tensor:
     """Scaled backward on CPU in compiled code, with `forward_cpu`'s scales `log_cond` (B, T) and its
@@ -855,13 +900,13 @@ def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Ten
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
     out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
     K = trans.shape[0]
-    if _lockstep(B, K) and _packs(trans.dtype, K):  # trans^T packed: no transposed copy
+    if lockstep(B, K) and _packs(trans.dtype, K):  # trans^T packed: no transposed copy
         args = (e, r, _np(trans), L, _length_order(L), lc, out, alphas is not None, True)
         run_lockstep(backward_lockstep, args, e.dtype, B, threads, packed_matrix(trans, True))
         return alphas if alphas is not None else torch.from_numpy(out)
-    trans_t = np.ascontiguousarray(trans.detach().numpy().T)  # small: a copy is cheaper than GEMM on 'T'
+    trans_t = transposed(trans)  # small: a transposed copy is faster than GEMM on 'T'
     args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None)
-    if _lockstep(B, K):
+    if lockstep(B, K):
         run_lockstep(backward_lockstep, (*args, False), e.dtype, B, threads)
     else:
         run_groups(backward_groups, B, args, threads)
@@ -890,6 +935,8 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
             cond, alphas = forward_cpu(init[:n], *sub, trans, lengths[:n], keep_alphas=True, threads=1)
             backward_cpu(*sub, trans, lengths[:n], cond, threads=1)
             backward_cpu(*sub, trans, lengths[:n], cond, threads=1, alphas=alphas)
+            if lockstep(n, K):
+                posterior_cpu(init[:n], *sub, trans, lengths[:n], threads=1)
         e, r = emission_rows(table, rows)
         out = np.zeros(T)
         forward_one(_np(init[0]), e, r[0], _np(trans), out)

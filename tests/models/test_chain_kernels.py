@@ -66,6 +66,10 @@ def test_forward_backward_posterior_match_plain(B, T, K, threads, seed):
     gamma = kernels.backward_cpu(emit, None, trans, lengths, cond, threads=threads, alphas=alpha)
     ref_gamma, _ = plain(chain.posterior, init, emit, trans, lengths)
     torch.testing.assert_close(gamma, ref_gamma, rtol=1e-9, atol=1e-12)
+    if kernels.lockstep(B, K):  # both passes fused per thread
+        fused, fused_cond = kernels.posterior_cpu(init, emit, None, trans, lengths, threads=threads)
+        torch.testing.assert_close(fused, ref_gamma, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(fused_cond, ref_cond, rtol=1e-12, atol=1e-12)
 
 
 def test_large_float32_matrix_is_packed_once(monkeypatch):
