@@ -143,13 +143,13 @@ def forward(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, keep_alp
     return _forward_steps(init, emit, trans, lengths, keep_alphas, out_last)
 
 
-def _long_rows(lengths: Tensor, trans: Trans, wants_states: bool, *tensors: Tensor | RowLookup) -> Tensor | None:
+def _long_rows(lengths: Tensor, trans: Trans, wants_states: bool, init: Tensor, emit: Emit) -> Tensor | None:
     """(B,) bool of the sequences `forward` scores in chunks, or None when it chunks none."""
-    if wants_states or not isinstance(trans, Tensor) or not _chunking_enabled:
-        return None
+    if wants_states or emit.shape[1] < LONG_MIN_TOKENS or not isinstance(trans, Tensor) or not _chunking_enabled:
+        return None  # (no tensor op on the common path: a busy server's inference thread waits for the GIL)
     if trans.device.type == "cpu" and trans.shape[0] < CHUNK_MIN_STATES:
         return None
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (trans, *tensors)):
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (trans, init, emit)):
         return None
     long = lengths >= LONG_MIN_TOKENS
     return long if bool(long.any()) else None

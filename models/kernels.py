@@ -532,7 +532,9 @@ def _torch_blas():
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
         gemms = [getattr(lib, name) for name in ("sgemm_", "dgemm_")]
-        local = lib.MKL_Set_Num_Threads_Local
+        # through PyDLL: an instant call that keeps the GIL (a ctypes call releases it, and in a busy server
+        # each reacquisition can wait a whole switch interval)
+        local = ctypes.PyDLL(lib._name).MKL_Set_Num_Threads_Local
     except (OSError, AttributeError):
         return None
     for f in gemms:  # Fortran interface: every argument by reference
