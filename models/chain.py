@@ -310,18 +310,24 @@ def _default_chunks(emit: Emit, trans: Tensor) -> int:
     return MAX_CHUNKS
 
 
+def _chunk_plan(emit: Emit, trans: Tensor, chunks: int | None, window: int | None
+                ) -> tuple[int, int, int, int, int]:
+    """(T, K, chunks C, chunk length L, window) for one sequence; C = 1 when chunking does not pay. The window
+    defaults to CHUNK_WINDOW positions in float32 and twice that in float64 (2^29 times smaller tolerance)."""
+    T, K = emit.shape[1], trans.shape[0]
+    window = window or (CHUNK_WINDOW if torch.finfo(emit.dtype).bits <= 32 else 2 * CHUNK_WINDOW)
+    C = max(1, min(chunks or _default_chunks(emit, trans), T // CHUNK_MIN_LEN))
+    return (T, K, C, T // C, window) if T // C >= 2 * window else (T, K, 1, T, window)
+
+
 def forward_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | None = None,
                     window: int | None = None) -> Tensor:
     """`forward`'s log_cond (1, T) for one sequence (init (1, K), emit (1, T, K), trans (K, K) shared), computed
-    as a batch of chunks as described above (error bound there). `window` defaults to CHUNK_WINDOW
-    positions in float32 and twice that in float64 (whose tolerance is 2^29 times smaller).
+    as a batch of chunks as described above (error bound there; `window` as in `_chunk_plan`).
     O(T K^2 + C window K^2) work in batched products."""
-    T, K = emit.shape[1], trans.shape[0]
+    T, K, C, L, window = _chunk_plan(emit, trans, chunks, window)
     device, dtype = trans.device, emit.dtype
-    window = window or (CHUNK_WINDOW if torch.finfo(dtype).bits <= 32 else 2 * CHUNK_WINDOW)
-    C = max(1, min(chunks or _default_chunks(emit, trans), T // CHUNK_MIN_LEN))
-    L = T // C
-    if C < 2 or L < 2 * window:
+    if C < 2:
         return _forward_sequential(init, emit, trans, T)
     starts = torch.tensor([0] + [T - (C - c) * L for c in range(1, C)], device=device)
     lens = torch.tensor([T - (C - 1) * L] + [L] * (C - 1), device=device)
@@ -440,12 +446,9 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     most the distances left at the boundaries (see the comment above `forward_chunked`). Chunks that do not
     meet fall back to the step-by-step recursion. O(T K^2 + C window K^2) work; about 4 T K floats of
     memory at the peak, against T K for the step-by-step posterior."""
-    T, K = emit.shape[1], trans.shape[0]
+    T, K, C, L, window = _chunk_plan(emit, trans, chunks, window)
     device, dtype = trans.device, emit.dtype
-    window = window or (CHUNK_WINDOW if torch.finfo(dtype).bits <= 32 else 2 * CHUNK_WINDOW)
-    C = max(1, min(chunks or _default_chunks(emit, trans), T // CHUNK_MIN_LEN))
-    L = T // C
-    if C < 2 or L < 2 * window:
+    if C < 2:
         log_cond, alphas = _forward_steps(init, emit, trans, torch.tensor([T], device=device), True, None)
         return backward(emit, trans, torch.tensor([T], device=device), log_cond, alphas=alphas), log_cond
     starts = torch.tensor([0] + [T - (C - c) * L for c in range(1, C)], device=device)

@@ -29,6 +29,17 @@ def mixing_chain(T: int, K: int, N: int, seed: int, dtype=torch.float64):
     return init, table, rows, trans
 
 
+def chunked_calls(monkeypatch, name: str) -> list[int]:
+    """Small long-sequence thresholds, and the lengths of the sequences `chain.<name>` is called on."""
+    calls: list[int] = []
+    real = getattr(chain, name)
+    monkeypatch.setattr(chain, name, lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
+    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
+    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
+    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
+    return calls
+
+
 def sequential(init, emit, trans, T):
     return chain._forward_sequential(init, emit, trans, T)
 
@@ -65,20 +76,25 @@ def test_guesses_are_kept_when_the_model_mixes(monkeypatch):
     assert_close_logprob(got, sequential(init, chain.RowLookup(table, rows), trans, 2000), 8, torch.float64)
 
 
+def non_mixing(kind: str, K: int):
+    """(init (1, K), trans (K, K)) that never forget their start ("cycle": a deterministic cycle) or never
+    reach the uniform guess's support ("sparse": only states 0 and 1 after the first step)."""
+    if kind == "cycle":
+        init = torch.zeros(1, K, dtype=torch.float64)
+        init[0, 2] = 1.0
+        return init, torch.roll(torch.eye(K, dtype=torch.float64), 1, dims=1)
+    trans = torch.zeros(K, K, dtype=torch.float64)
+    trans[:, :2] = 0.5
+    return torch.full((1, K), 1.0 / K, dtype=torch.float64), trans
+
+
 @pytest.mark.parametrize("kind", ["cycle", "sparse"])
 def test_restarts_that_never_meet_fall_back_to_sequential(kind):
     """A deterministic cycle with uninformative emissions never forgets its start, and a chain whose
     transitions keep the support small never reaches the uniform guess's support: the chunks after the
     first run sequentially, and the result is the sequential one."""
     K, T = 6, 900
-    if kind == "cycle":
-        trans = torch.roll(torch.eye(K, dtype=torch.float64), 1, dims=1)
-        init = torch.zeros(1, K, dtype=torch.float64)
-        init[0, 2] = 1.0
-    else:
-        trans = torch.zeros(K, K, dtype=torch.float64)
-        trans[:, :2] = 0.5  # only states 0 and 1 are ever reached after the first step
-        init = torch.full((1, K), 1.0 / K, dtype=torch.float64)
+    init, trans = non_mixing(kind, K)
     table = torch.full((3, K), 0.5, dtype=torch.float64)
     rows = torch.randint(0, 3, (1, T), generator=torch.Generator().manual_seed(1))
     emit = chain.RowLookup(table, rows)
@@ -106,19 +122,14 @@ def test_forward_dispatches_long_single_sequences(monkeypatch):
     init, table, rows, trans = mixing_chain(700, 8, 20, 5, torch.float32)
     emit = chain.RowLookup(table, rows)
     lengths = torch.tensor([700])
-    calls = []
-    real = chain.forward_chunked
-    monkeypatch.setattr(chain, "forward_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
-    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
-    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
+    calls = chunked_calls(monkeypatch, "forward_chunked")
     got, _ = chain.forward(init, emit, trans, lengths)
-    assert calls == [1]
+    assert calls == [700]
     assert_close_logprob(got, sequential(init, emit, trans, 700), 7, torch.float32)
     chain.forward(init, emit, trans, lengths, keep_alphas=True)  # marginals wanted: sequential
     with chain.plain_torch():  # the baseline never chunks
         chain.forward(init, emit, trans, lengths)
-    assert calls == [1]
+    assert calls == [700]
 
 
 def test_long_sequences_in_a_batch_are_chunked_one_by_one(monkeypatch):
@@ -129,12 +140,7 @@ def test_long_sequences_in_a_batch_are_chunked_one_by_one(monkeypatch):
     lengths = torch.tensor([700, 50, 650, 3])
     rows = torch.randint(0, 20, (4, 700), generator=g)
     init = init.expand(4, -1)
-    calls = []
-    real = chain.forward_chunked
-    monkeypatch.setattr(chain, "forward_chunked", lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
-    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
-    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
-    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
+    calls = chunked_calls(monkeypatch, "forward_chunked")
     got, _ = chain.forward(init, chain.RowLookup(table, rows), trans, lengths)
     assert sorted(calls) == [650, 700]
     for b, n in enumerate(lengths.tolist()):
@@ -202,14 +208,7 @@ def test_chunked_posterior_matches_sequential(T, K, chunks, window, dense, seed)
 @pytest.mark.parametrize("kind", ["cycle", "sparse"])
 def test_chunked_posterior_falls_back_where_restarts_never_meet(kind):
     K, T = 6, 900
-    if kind == "cycle":
-        trans = torch.roll(torch.eye(K, dtype=torch.float64), 1, dims=1)
-        init = torch.zeros(1, K, dtype=torch.float64)
-        init[0, 2] = 1.0
-    else:
-        trans = torch.zeros(K, K, dtype=torch.float64)
-        trans[:, :2] = 0.5
-        init = torch.full((1, K), 1.0 / K, dtype=torch.float64)
+    init, trans = non_mixing(kind, K)
     g = torch.Generator().manual_seed(2)
     table = torch.rand(3, K, generator=g, dtype=torch.float64)
     rows = torch.randint(0, 3, (1, T), generator=g)
@@ -239,12 +238,7 @@ def test_posterior_chunks_long_sequences_in_a_batch(monkeypatch):
     lengths = torch.tensor([40, 700, 650])
     rows = torch.randint(0, 12, (3, 700), generator=g)
     init = init.expand(3, -1)
-    calls = []
-    real = chain.posterior_chunked
-    monkeypatch.setattr(chain, "posterior_chunked", lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
-    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
-    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
-    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
+    calls = chunked_calls(monkeypatch, "posterior_chunked")
     gamma, cond = chain.posterior(init, chain.RowLookup(table, rows), trans, lengths)
     assert sorted(calls) == [650, 700]
     for b, n in enumerate(lengths.tolist()):
