@@ -169,6 +169,13 @@ def _rows(emit: Emit, idx: Tensor, T: int) -> Emit:
     return _take(emit[:, :T], idx)
 
 
+def _one_row(emit: Emit, b: int, T: int) -> Emit:
+    """Sequence b of `emit`, first T positions, as a batch of one (a view)."""
+    if isinstance(emit, RowLookup):
+        return RowLookup(emit.table, emit.rows[b : b + 1, :T])
+    return emit[b : b + 1, :T]
+
+
 def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor, long: Tensor) -> Tensor:
     """`forward`'s log_cond (B, T) with the `long` sequences chunked one by one and the rest as one batch."""
     B, T = lengths.shape[0], emit.shape[1]
@@ -180,8 +187,7 @@ def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor,
                                                  False, None)[0]
     for b in long.nonzero().squeeze(1).tolist():
         n = int(lengths[b])
-        one = RowLookup(emit.table, emit.rows[b : b + 1, :n]) if isinstance(emit, RowLookup) else emit[b : b + 1, :n]
-        log_cond[b, :n] = forward_chunked(init[b : b + 1], one, trans)[0]
+        log_cond[b, :n] = forward_chunked(init[b : b + 1], _one_row(emit, b, n), trans)[0]
     return log_cond
 
 
@@ -325,41 +331,58 @@ def forward_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | No
     """`forward`'s log_cond (1, T) for one sequence (init (1, K), emit (1, T, K), trans (K, K) shared), computed
     as a batch of chunks as described above (error bound there; `window` as in `_chunk_plan`).
     O(T K^2 + C window K^2) work in batched products."""
-    T, K, C, L, window = _chunk_plan(emit, trans, chunks, window)
-    device, dtype = trans.device, emit.dtype
+    T, _, C, L, window = _chunk_plan(emit, trans, chunks, window)
     if C < 2:
         return _forward_sequential(init, emit, trans, T)
+    return _chunked_forward(init, emit, trans, C, L, window, keep=False)[0]
+
+
+def _chunk_bounds(T: int, C: int, L: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(starts, ends) (C,) of C chunks: the first L + T mod C positions long, the others L."""
     starts = torch.tensor([0] + [T - (C - c) * L for c in range(1, C)], device=device)
-    lens = torch.tensor([T - (C - 1) * L] + [L] * (C - 1), device=device)
+    return starts, torch.cat([starts[1:], torch.tensor([T], device=device)])
+
+
+def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, window: int, *, keep: bool
+                     ) -> tuple[Tensor, Tensor | None]:
+    """Steps 1-4 above for one sequence in C chunks of L (the first longer): log_cond (1, T) (-inf from an
+    impossible position on) and, with `keep`, the filtered marginals (1, T, K)."""
+    T, K = emit.shape[1], trans.shape[0]
+    device, dtype = trans.device, emit.dtype
+    starts, ends = _chunk_bounds(T, C, L, device)
+    lens = ends - starts
     win = torch.full((C,), window, device=device)
     # 1. guessed runs: first `window` positions, then the rest of each chunk from there
-    head_last = trans.new_empty(C, K)
+    head_last, tail_last, met_last = trans.new_empty(C, K), trans.new_empty(C, K), trans.new_empty(C - 1, K)
     guess_init = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
     guess_init[0] = init[0]
-    head, _ = forward(guess_init, _positions(emit, starts, window), trans, win, out_last=head_last)
-    tail_last = trans.new_empty(C, K)
-    tail, _ = forward(_times(head_last, trans), _positions(emit, starts + window, int(lens[0]) - window), trans,
-                      lens - window, out_last=tail_last)
+    head = forward(guess_init, _positions(emit, starts, window), trans, win, keep_alphas=keep, out_last=head_last)
+    tail = forward(_times(head_last, trans), _positions(emit, starts + window, int(lens[0]) - window), trans,
+                   lens - window, keep_alphas=keep, out_last=tail_last)
     # 2. restarts of chunks 1.. from the exact prior of their first position
     prior = _times(tail_last[:-1], trans)
-    met_last = trans.new_empty(C - 1, K)
-    restart, _ = forward(prior, _positions(emit, starts[1:], window), trans, win[1:], out_last=met_last)
+    restart = forward(prior, _positions(emit, starts[1:], window), trans, win[1:], keep_alphas=keep,
+                      out_last=met_last)
     met = (projective_distance(met_last, head_last[1:]) <= meet_tolerance(dtype)).tolist()
     # 3. assemble: the restart's head, then the guess's tail, chunk by chunk until one has not met
-    log_cond = torch.empty(1, T, dtype=dtype, device=device)
-    log_cond[0, :window] = head[0]
-    log_cond[0, window : int(lens[0])] = tail[0, : int(lens[0]) - window]
-    for c in range(1, C):
-        s = int(starts[c])
-        if not met[c - 1]:  # 4. the rest runs sequentially from this chunk's exact prior
-            rest = T - s
-            log_cond[0, s:] = _forward_sequential(prior[c - 1 : c], _positions(emit, starts[c : c + 1], rest),
-                                                  trans, rest)[0]
+    outs = [torch.empty(1, T, dtype=dtype, device=device)] + ([torch.empty(1, T, K, dtype=dtype, device=device)]
+                                                             if keep else [])
+    for out, first in zip(outs, head, strict=False):
+        out[0, :window] = first[0]
+    for c in range(C):
+        s, e = int(starts[c]), int(ends[c])
+        if c > 0 and not met[c - 1]:  # 4. the rest step by step from this chunk's exact prior
+            rest = _forward_steps(prior[c - 1 : c], _positions(emit, starts[c : c + 1], T - s), trans,
+                                  torch.tensor([T - s], device=device), keep, None)
+            for out, part in zip(outs, rest, strict=False):
+                out[0, s:] = part[0]
             break
-        log_cond[0, s : s + window] = restart[c - 1]
-        log_cond[0, s + window : s + L] = tail[c, : L - window]
-    dead = torch.isneginf(log_cond).cumsum(1) > 0  # an impossible position makes every later one -inf
-    return log_cond.masked_fill(dead, -math.inf)
+        for out, h, t in zip(outs, restart, tail, strict=False):
+            if c > 0:
+                out[0, s : s + window] = h[c - 1]
+            out[0, s + window : e] = t[c, : e - s - window]
+    dead = torch.isneginf(outs[0]).cumsum(1) > 0  # an impossible position makes every later one -inf
+    return outs[0].masked_fill(dead, -math.inf), (outs[1] if keep else None)
 
 
 def _forward_sequential(init: Tensor, emit: Emit, trans: Tensor, T: int) -> Tensor:
@@ -414,7 +437,8 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor) -> tuple[
         if _compiled(emit, trans, init):
             from models import kernels
 
-            if kernels.lockstep(*emit.shape[::2]):  # both passes in one kernel call per thread
+            B, _, K = emit.shape
+            if kernels.lockstep(B, K):  # both passes in one kernel call per thread
                 return kernels.posterior_cpu(init, *_table_rows(emit), trans, lengths,  # type: ignore[arg-type]
                                              threads=torch.get_num_threads())
         log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
@@ -429,8 +453,7 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor) -> tuple[
         gamma[short, :width], log_cond[short, :width] = g, c
     for b in long.nonzero().squeeze(1).tolist():
         n = int(lengths[b])
-        one = RowLookup(emit.table, emit.rows[b : b + 1, :n]) if isinstance(emit, RowLookup) else emit[b : b + 1, :n]
-        g, c = posterior_chunked(init[b : b + 1], one, trans)  # type: ignore[arg-type]
+        g, c = posterior_chunked(init[b : b + 1], _one_row(emit, b, n), trans)  # type: ignore[arg-type]
         gamma[b, :n], log_cond[b, :n] = g[0], c[0]
     return gamma, log_cond
 
@@ -451,40 +474,12 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     if C < 2:
         log_cond, alphas = _forward_steps(init, emit, trans, torch.tensor([T], device=device), True, None)
         return backward(emit, trans, torch.tensor([T], device=device), log_cond, alphas=alphas), log_cond
-    starts = torch.tensor([0] + [T - (C - c) * L for c in range(1, C)], device=device)
-    ends = torch.cat([starts[1:], torch.tensor([T], device=device)])
-    lens = ends - starts
-    win = torch.full((C,), window, device=device)
-    tol = meet_tolerance(dtype)
-    # forward: guessed heads and tails, exact restarts (as in forward_chunked), filtered marginals kept
-    head_last, tail_last, met_last = trans.new_empty(C, K), trans.new_empty(C, K), trans.new_empty(C - 1, K)
-    guess_init = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
-    guess_init[0] = init[0]
-    head_lc, head_a = forward(guess_init, _positions(emit, starts, window), trans, win, keep_alphas=True,
-                              out_last=head_last)
-    tail_lc, tail_a = forward(_times(head_last, trans), _positions(emit, starts + window, int(lens[0]) - window),
-                              trans, lens - window, keep_alphas=True, out_last=tail_last)
-    prior = _times(tail_last[:-1], trans)
-    re_lc, re_a = forward(prior, _positions(emit, starts[1:], window), trans, win[1:], keep_alphas=True,
-                          out_last=met_last)
-    met = (projective_distance(met_last, head_last[1:]) <= tol).tolist()
-    log_cond = torch.empty(1, T, dtype=dtype, device=device)
-    alphas = torch.empty(1, T, K, dtype=dtype, device=device)
-    log_cond[0, :window], alphas[0, :window] = head_lc[0], head_a[0]  # type: ignore[index]
-    for c in range(C):
-        s, e = int(starts[c]), int(ends[c])
-        if c > 0 and not met[c - 1]:  # the rest step by step from this chunk's exact prior
-            lc, a = _forward_steps(prior[c - 1 : c], _positions(emit, starts[c : c + 1], T - s), trans,
-                                   torch.tensor([T - s], device=device), True, None)
-            log_cond[0, s:], alphas[0, s:] = lc[0], a[0]  # type: ignore[index]
-            break
-        if c > 0:
-            log_cond[0, s : s + window], alphas[0, s : s + window] = re_lc[c - 1], re_a[c - 1]  # type: ignore[index]
-        n = e - s - window
-        log_cond[0, s + window : e], alphas[0, s + window : e] = tail_lc[c, :n], tail_a[c, :n]  # type: ignore[index]
-    del head_a, tail_a, re_a
+    log_cond, alphas = _chunked_forward(init, emit, trans, C, L, window, keep=True)
+    assert alphas is not None
     if bool(torch.isneginf(log_cond).any()):  # an impossible sequence has no posterior: zeros, as step by step
-        return torch.zeros_like(alphas), log_cond.masked_fill(torch.isneginf(log_cond).cumsum(1) > 0, -math.inf)
+        return torch.zeros_like(alphas), log_cond
+    starts, ends = _chunk_bounds(T, C, L, device)
+    lens = ends - starts
     # backward: guessed from each chunk's end (beta = 1 there), then exact restarts of each chunk's last window
     width = int(lens.max())
     lc_rows = _take(log_cond[0], (starts[:, None] + torch.arange(width, device=device)).clamp_(max=T - 1))
@@ -496,7 +491,8 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     re_lc = torch.cat([_take(log_cond[0], tail_start[:, None] + torch.arange(window, device=device)),
                        log_cond[0, starts[1:]][:, None]], 1)
     restart = backward(re_emit, trans, torch.full((C - 1,), window + 1, device=device), re_lc)
-    met_b = (projective_distance(restart[:, 0], guess[torch.arange(C - 1), lens[:-1] - window]) <= tol).tolist()
+    met_b = (projective_distance(restart[:, 0], guess[torch.arange(C - 1), lens[:-1] - window])
+             <= meet_tolerance(dtype)).tolist()
     betas = torch.empty(1, T, K, dtype=dtype, device=device)
     s_last = int(starts[C - 1])
     betas[0, s_last:] = guess[C - 1, : T - s_last]

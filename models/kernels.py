@@ -740,6 +740,20 @@ def transposed(trans: Tensor) -> np.ndarray:
     return _derived(trans, "T", lambda: np.ascontiguousarray(trans.detach().numpy().T))
 
 
+def _forward_packed(trans: Tensor) -> np.ndarray | None:
+    """trans packed for the forward steps, or None where lockstep calls do not pack."""
+    return packed_matrix(trans, False) if _packs(trans.dtype, trans.shape[0]) else None
+
+
+def _backward_operands(trans: Tensor) -> tuple[np.ndarray | None, np.ndarray, bool]:
+    """What the backward steps multiply by: (trans^T packed or None, the matrix, whether it is trans itself).
+    Packed: trans^T straight from trans, no transposed copy; otherwise a (cached) transposed copy, which is
+    faster than GEMM on 'T' at these sizes."""
+    if _packs(trans.dtype, trans.shape[0]):
+        return packed_matrix(trans, True), _np(trans), True
+    return None, transposed(trans), False
+
+
 def run_lockstep(kernel, args: tuple, dtype: np.dtype, num_rows: int, threads: int,
                  packed: np.ndarray | None = None) -> None:
     """Run `kernel(gemm, compute, packed, *args, k, threads)` for k < threads (a lockstep kernel over `dtype`
@@ -840,8 +854,7 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
         last = np.zeros((B, K) if out_last is not None else (0, K), dtype=e.dtype)
         args = (_np(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas, last)
         if lockstep(B, K):
-            run_lockstep(forward_lockstep, args, e.dtype, B, threads,
-                         packed_matrix(trans, False) if _packs(trans.dtype, K) else None)
+            run_lockstep(forward_lockstep, args, e.dtype, B, threads, _forward_packed(trans))
         else:
             run_groups(forward_groups, B, args, threads)
         if out_last is not None:
@@ -880,11 +893,10 @@ def posterior_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tenso
     K = e.shape[1]
     log_cond = np.zeros((B, T), dtype=np.float64)
     gamma = np.empty((B, T, K), dtype=e.dtype)  # every position written: posteriors, 0 at padding
-    packs = _packs(trans.dtype, K)
-    empty = np.empty(0, dtype=e.dtype)
-    args = (packed_matrix(trans, True) if packs else empty, _np(init), e, r, _np(trans),
-            _np(trans) if packs else transposed(trans), L, _length_order(L), log_cond, gamma, packs)
-    run_lockstep(posterior_lockstep, args, e.dtype, B, threads, packed_matrix(trans, False) if packs else None)
+    packed_b, mat_b, mat_is_trans = _backward_operands(trans)
+    args = (np.empty(0, dtype=e.dtype) if packed_b is None else packed_b, _np(init), e, r, _np(trans), mat_b, L,
+            _length_order(L), log_cond, gamma, mat_is_trans)
+    run_lockstep(posterior_lockstep, args, e.dtype, B, threads, _forward_packed(trans))
     return torch.from_numpy(gamma), torch.from_numpy(log_cond).to(table.dtype)
 
 
@@ -901,17 +913,13 @@ def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Ten
     L = lengths.numpy().astype(np.int64)
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
     out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
-    K = trans.shape[0]
-    if lockstep(B, K) and _packs(trans.dtype, K):  # trans^T packed: no transposed copy
-        args = (e, r, _np(trans), L, _length_order(L), lc, out, alphas is not None, True)
-        run_lockstep(backward_lockstep, args, e.dtype, B, threads, packed_matrix(trans, True))
-        return alphas if alphas is not None else torch.from_numpy(out)
-    trans_t = transposed(trans)  # small: a transposed copy is faster than GEMM on 'T'
-    args = (e, r, trans_t, L, _length_order(L), lc, out, alphas is not None)
-    if lockstep(B, K):
-        run_lockstep(backward_lockstep, (*args, False), e.dtype, B, threads)
+    if lockstep(B, trans.shape[0]):
+        packed_b, mat_b, mat_is_trans = _backward_operands(trans)
+        args = (e, r, mat_b, L, _length_order(L), lc, out, alphas is not None, mat_is_trans)
+        run_lockstep(backward_lockstep, args, e.dtype, B, threads, packed_b)
     else:
-        run_groups(backward_groups, B, args, threads)
+        run_groups(backward_groups, B, (e, r, transposed(trans), L, _length_order(L), lc, out, alphas is not None),
+                   threads)
     return alphas if alphas is not None else torch.from_numpy(out)
 
 
