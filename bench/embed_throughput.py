@@ -18,11 +18,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.base import Batch  # noqa: E402
-from models.hmm import DenseHMM  # noqa: E402
-from models.lds import LDS  # noqa: E402
-from models.synthetic import random_hmm  # noqa: E402
-from training.lds import random_lds_tensors  # noqa: E402
+from latentlm.models.base import Batch  # noqa: E402
+from latentlm.models.hmm import DenseHMM  # noqa: E402
+from latentlm.models.lds import LDS  # noqa: E402
+from latentlm.models.synthetic import random_hmm  # noqa: E402
+from latentlm.training.lds import random_lds_tensors  # noqa: E402
 
 
 def random_lds(V: int, h: int, seed: int = 0) -> LDS:

@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-
-from models.base import Batch
-from models.blocked_hmm import BlockedHMM
-from models.rank_hmm import RankHMM
+from latentlm.models.base import Batch
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.rank_hmm import RankHMM
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL = {"rank": dict(r=4096, V=10000, B=1024, T=64, m=16384), "blocked": dict(M=128, k=256, V=10000, B=1024, T=64)}

@@ -25,11 +25,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from models import chain
-from models.base import Batch
-from models.hmm import DenseHMM
-from models.synthetic import random_hmm
+from latentlm.models import chain
+from latentlm.models.base import Batch
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.synthetic import random_hmm
 
 V = 10_000
 

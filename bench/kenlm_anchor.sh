@@ -31,7 +31,7 @@ fi
 python - "$WORK" "$UNK" <<'PY'
 import sys
 from pathlib import Path
-from training.data import ptb_sentences
+from latentlm.training.data import ptb_sentences
 work, unk = Path(sys.argv[1]), sys.argv[2]
 for split in ("train", "valid", "test"):
     lines = (" ".join(unk if w == "<unk>" else w for w in s) for s in ptb_sentences(split))
@@ -62,7 +62,7 @@ done
 nice -n 10 python - "$WORK" "$STORE" <<'PY'
 import math, subprocess, sys
 from latentlm import ops
-from training.data import eval_corpus
+from latentlm.training.data import eval_corpus
 work, store = sys.argv[1:3]
 m = ops.load_model(store, "ptb-kn5", dtype="float64")
 for split in ("valid", "test"):

@@ -18,10 +18,9 @@ import time
 from pathlib import Path
 
 import torch
-
-from models.dense_pcfg import DensePCFG, dense_from_factors
-from models.pcfg import RankPCFG, random_pcfg
-from models.tree import inside
+from latentlm.models.dense_pcfg import DensePCFG, dense_from_factors
+from latentlm.models.pcfg import RankPCFG, random_pcfg
+from latentlm.models.tree import inside
 
 V = 1000
 

@@ -27,8 +27,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from latentlm.models.store import list_models  # noqa: E402
+
 from latentlm import ops  # noqa: E402
-from models.store import list_models  # noqa: E402
 
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 
@@ -190,7 +191,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "service_throughput.md")
     args = ap.parse_args()
     if not list_models(args.store):
-        from training.default import build_default_model
+        from latentlm.training.default import build_default_model
 
         build_default_model(args.store)
     model = args.model or list_models(args.store)[0]

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from latentlm import ops
-from models.errors import LatentLMError
-from models.store import check_name, default_store, list_models, save_artifact
-from models.vocab import Preprocessing, Vocabulary
+from latentlm.models.errors import LatentLMError
+from latentlm.models.store import check_name, default_store, list_models, save_artifact
+from latentlm.models.vocab import Preprocessing, Vocabulary
 
-EXTENSIONS = ["training.cli", "service.cli", "latentlm.pcfg_cli", "latentlm.embed_cli",
+EXTENSIONS = ["latentlm.training.cli", "latentlm.service.cli", "latentlm.pcfg_cli", "latentlm.embed_cli",
               "latentlm.ngram_cli"]
 
 

@@ -7,7 +7,7 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from training.tagging import add_arguments
+    from latentlm.training.tagging import add_arguments
 
     p = subparsers.add_parser("train-tagger", help="train a tagging_hmm on Brown and report tagging accuracy "
                                                    "against the most-frequent-tag baseline")
@@ -16,6 +16,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from training.tagging import run
+    from latentlm.training.tagging import run
 
     run(args)

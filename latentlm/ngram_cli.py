@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from models.errors import ArtifactError
-from models.ngram import ARPA_UNK, read_arpa
-from models.store import check_name, default_store, save_artifact
+from latentlm.models.errors import ArtifactError
+from latentlm.models.ngram import ARPA_UNK, read_arpa
+from latentlm.models.store import check_name, default_store, save_artifact
 
 
 def import_arpa(path: Path, name: str, store: Path, unk_token: str = ARPA_UNK, force: bool = False,

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from models.base import Family
-from models.errors import InputError, LimitExceeded, UnsupportedOperation
-from models.registry import get_family
-from models.store import Artifact, load_artifact, model_path
-from models.vocab import Vocabulary
+from latentlm.models.base import Family
+from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
+from latentlm.models.registry import get_family
+from latentlm.models.store import Artifact, load_artifact, model_path
+from latentlm.models.vocab import Vocabulary
 
 OPERATIONS = ("score", "posterior", "decode", "sample", "embed")
 

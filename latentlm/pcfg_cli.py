@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from models.errors import InputError, read_text_file
-from models.store import check_name, default_store, save_artifact
-from models.vocab import Preprocessing, Vocabulary
+from latentlm.models.errors import InputError, read_text_file
+from latentlm.models.store import check_name, default_store, save_artifact
+from latentlm.models.vocab import Preprocessing, Vocabulary
 
 TOL = 1e-4
 _TERMINAL = re.compile(r"""^(?:'([^']+)'|"([^"]+)")$""")

@@ -13,11 +13,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from latentlm.models import chain
+from latentlm.models.chain import CategoricalTable, Emit, Trans
+from latentlm.models.errors import InputError
 from torch import Tensor
-
-from models import chain
-from models.chain import CategoricalTable, Emit, Trans
-from models.errors import InputError
 
 
 @dataclass

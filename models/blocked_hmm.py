@@ -17,12 +17,11 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from latentlm.models.base import Batch, ChainFamily
+from latentlm.models.chain import CategoricalTable, Emit, RowLookup, Trans
+from latentlm.models.errors import ArtifactError
+from latentlm.models.store import check_distribution, check_shape
 from torch import Tensor
-
-from models.base import Batch, ChainFamily
-from models.chain import CategoricalTable, Emit, RowLookup, Trans
-from models.errors import ArtifactError
-from models.store import check_distribution, check_shape
 
 
 class BlockedHMM(ChainFamily):

@@ -100,7 +100,7 @@ def _compiled(emit: Emit, trans: Trans, *more: Tensor, any_size: bool = False) -
         return False
     if torch.is_grad_enabled() and any(x.requires_grad for x in (emit, trans, *more)):
         return False
-    from models import kernels
+    from latentlm.models import kernels
 
     return kernels.HAVE_NUMBA and (any_size or trans.shape[-1] <= COMPILED_MAX_K
                                    or (kernels.HAVE_GEMM and kernels.USE_GEMM))
@@ -196,7 +196,7 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
     """`forward` by the step-by-step recursion (compiled kernels where they apply), never chunked."""
     B, T, K = emit.shape
     if _compiled(emit, trans, init, any_size=B == 1 and not keep_alphas):
-        from models import kernels
+        from latentlm.models import kernels
 
         return kernels.forward_cpu(init, *_table_rows(emit), trans, lengths, keep_alphas=keep_alphas,
                                    threads=torch.get_num_threads(), out_last=out_last)
@@ -290,7 +290,7 @@ def _times(x: Tensor, trans: Tensor) -> Tensor:
     on the cores the next kernel needs."""
     if not _compiled(x, trans):
         return x @ trans
-    from models import kernels
+    from latentlm.models import kernels
 
     out = torch.empty_like(x)
     kernels.rows_matmul(kernels._np(x), kernels._np(trans), out.numpy())
@@ -399,7 +399,7 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
     written into `alphas` in place step by step: no (B, T, K) beta tensor is kept. O(B T K^2)."""
     B, T, K = emit.shape
     if _compiled(emit, trans):
-        from models import kernels
+        from latentlm.models import kernels
 
         return kernels.backward_cpu(*_table_rows(emit), trans, lengths, log_cond, threads=torch.get_num_threads(),
                                     alphas=alphas)
@@ -435,7 +435,7 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor) -> tuple[
     chunks in both directions (`posterior_chunked`), the others as one batch."""
     if (long := _long_rows(lengths, trans, False, init, emit)) is None:
         if _compiled(emit, trans, init):
-            from models import kernels
+            from latentlm.models import kernels
 
             B, _, K = emit.shape
             if kernels.lockstep(B, K):  # both passes in one kernel call per thread
@@ -519,7 +519,7 @@ def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_ma
     at O(block_elems), not O(B K^2)."""
     B, K = delta.shape
     if delta.device.type == "cpu" and B * K * K >= NATIVE_MAXPLUS_MIN_WORK:
-        from models import kernels
+        from latentlm.models import kernels
 
         if kernels.HAVE_NUMBA:
             return kernels.maxplus_cpu(delta, log_trans, col_max)
@@ -549,7 +549,7 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     B, T, K = log_emit.shape
     device = log_emit.device
     if B == 1 and device.type == "cpu" and isinstance(log_trans, Tensor) and T * K * K >= NATIVE_MAXPLUS_MIN_WORK:
-        from models import kernels
+        from latentlm.models import kernels
 
         if kernels.HAVE_NUMBA:  # one long sequence: the whole recursion in compiled code
             L = int(lengths[0])
@@ -595,7 +595,7 @@ class CategoricalTable:
     (< 1) or flattens (> 1) every row: p^(1/temperature), renormalised."""
 
     def __init__(self, probs: Tensor, temperature: float = 1.0):
-        from models import kernels
+        from latentlm.models import kernels
 
         p = probs.double()
         if temperature != 1.0:

@@ -15,13 +15,12 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from latentlm.models.base import Family
+from latentlm.models.chain import CategoricalTable
+from latentlm.models.errors import ArtifactError
+from latentlm.models.store import check_distribution, check_shape
+from latentlm.models.tree import PCFGOps, bracket, by_length, check_possible, viterbi
 from torch import Tensor
-
-from models.base import Family
-from models.chain import CategoricalTable
-from models.errors import ArtifactError
-from models.store import check_distribution, check_shape
-from models.tree import PCFGOps, bracket, by_length, check_possible, viterbi
 
 DEFAULT_MAX_LENGTH = 200
 
@@ -160,7 +159,7 @@ def random_dense_pcfg(nt: int, pt: int, V: int, seed: int = 0, concentration: fl
                       leaf_bias: float = 0.0) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Random dense PCFG (float64). `leaf_bias` > 0 multiplies the weight of rules whose children are
     preterminals by exp(leaf_bias), keeping sampled sentences short (subcritical grammars)."""
-    from models.synthetic import _gamma
+    from latentlm.models.synthetic import _gamma
 
     g = torch.Generator().manual_seed(seed)
     S = nt + pt

@@ -11,11 +11,10 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from latentlm.models.base import Batch, ChainFamily
+from latentlm.models.chain import CategoricalTable, Emit, RowLookup, Trans
+from latentlm.models.store import check_distribution, check_shape
 from torch import Tensor
-
-from models.base import Batch, ChainFamily
-from models.chain import CategoricalTable, Emit, RowLookup, Trans
-from models.store import check_distribution, check_shape
 
 
 class DenseHMM(ChainFamily):
@@ -76,6 +75,6 @@ class DenseHMM(ChainFamily):
 
 
 def raise_config(where: str, key: str, declared: Any, actual: Any) -> None:
-    from models.errors import ArtifactError
+    from latentlm.models.errors import ArtifactError
 
     raise ArtifactError(f"{where}: config {key}={declared!r} does not match the tensors ({actual!r})", param=key)

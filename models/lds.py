@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from latentlm.models.base import Batch, Family
+from latentlm.models.chain import valid_mask
+from latentlm.models.errors import ArtifactError
+from latentlm.models.store import check_distribution, check_shape
 from torch import Tensor
-
-from models.base import Batch, Family
-from models.chain import valid_mask
-from models.errors import ArtifactError
-from models.store import check_distribution, check_shape
 
 SQUARE = ("A", "noise_lowrank", "sigma_pred", "sigma_filt", "sigma_smooth", "filter_trans", "smooth_J",
           "smooth_L", "embed_whiten")

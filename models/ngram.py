@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from latentlm.models.base import Batch, ChainOps, Family
+from latentlm.models.errors import ArtifactError, InputError, UnsupportedOperation
+from latentlm.models.store import NORMALISATION_TOL, check_shape
+from latentlm.models.vocab import Preprocessing, Vocabulary
 from torch import Tensor
-
-from models.base import Batch, ChainOps, Family
-from models.errors import ArtifactError, InputError, UnsupportedOperation
-from models.store import NORMALISATION_TOL, check_shape
-from models.vocab import Preprocessing, Vocabulary
 
 LN10 = math.log(10.0)
 ARPA_BOS, ARPA_EOS, ARPA_UNK = "<s>", "</s>", "<unk>"

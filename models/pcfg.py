@@ -24,14 +24,13 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from latentlm.models.base import Family
+from latentlm.models.chain import CategoricalTable
+from latentlm.models.dense_pcfg import DEFAULT_MAX_LENGTH, check_config
+from latentlm.models.errors import ArtifactError, UnsupportedOperation
+from latentlm.models.store import check_distribution, check_shape
+from latentlm.models.tree import PCFGOps
 from torch import Tensor
-
-from models.base import Family
-from models.chain import CategoricalTable
-from models.dense_pcfg import DEFAULT_MAX_LENGTH, check_config
-from models.errors import ArtifactError, UnsupportedOperation
-from models.store import check_distribution, check_shape
-from models.tree import PCFGOps
 
 FACTORS = ("start", "parent", "left", "right", "emit")
 CACHED = ("rank_left", "rank_right", "word_left", "word_right", "rank_root")
@@ -56,7 +55,7 @@ def pcfg_tensors(start: Tensor, parent: Tensor, left: Tensor, right: Tensor, emi
 def random_pcfg(nt: int, pt: int, r: int, V: int, seed: int = 0, concentration: float = 1.0
                 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Random rank-space PCFG (Dirichlet-like rows, float64), for tests, benchmarks and demos."""
-    from models.synthetic import _dirichlet
+    from latentlm.models.synthetic import _dirichlet
 
     g = torch.Generator().manual_seed(seed)
     S = nt + pt

@@ -22,13 +22,12 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from latentlm.models import chain
+from latentlm.models.base import Batch, ChainFamily, Samples, _run_sampler
+from latentlm.models.chain import CategoricalTable, Emit, RowLookup, Trans
+from latentlm.models.errors import ArtifactError, LimitExceeded
+from latentlm.models.store import check_distribution, check_shape
 from torch import Tensor
-
-from models import chain
-from models.base import Batch, ChainFamily, Samples, _run_sampler
-from models.chain import CategoricalTable, Emit, RowLookup, Trans
-from models.errors import ArtifactError, LimitExceeded
-from models.store import check_distribution, check_shape
 
 VITERBI_MAX_ELEMENTS = 1 << 26  # m * m entries of the per-token state-space matrix (256 MiB in float32)
 

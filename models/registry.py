@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from models.base import Family
-from models.errors import ArtifactError
+from latentlm.models.base import Family
+from latentlm.models.errors import ArtifactError
 
 
 def _families() -> dict[str, type[Family]]:
-    from models.blocked_hmm import BlockedHMM
-    from models.dense_pcfg import DensePCFG
-    from models.hmm import DenseHMM
-    from models.lds import LDS
-    from models.ngram import NGramLM
-    from models.pcfg import RankPCFG
-    from models.rank_hmm import RankHMM
-    from models.tagging_hmm import TaggingHMM
+    from latentlm.models.blocked_hmm import BlockedHMM
+    from latentlm.models.dense_pcfg import DensePCFG
+    from latentlm.models.hmm import DenseHMM
+    from latentlm.models.lds import LDS
+    from latentlm.models.ngram import NGramLM
+    from latentlm.models.pcfg import RankPCFG
+    from latentlm.models.rank_hmm import RankHMM
+    from latentlm.models.tagging_hmm import TaggingHMM
 
     fams: list[type[Family]] = [DenseHMM, BlockedHMM, RankHMM, LDS, TaggingHMM, DensePCFG, RankPCFG, NGramLM]
     return {f.family: f for f in fams}

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from latentlm.models.errors import ArtifactError, ModelNotFound
+from latentlm.models.vocab import Preprocessing, Vocabulary
 from safetensors.torch import load_file, save_file
-
-from models.errors import ArtifactError, ModelNotFound
-from models.vocab import Preprocessing, Vocabulary
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -98,7 +97,7 @@ def save_artifact(
     """Validate (via the family's checks) and write an artifact atomically; returns its directory.
 
     `extra_files` (e.g. `curve.png`, `clusters.txt`) are written beside the weights and hashed too."""
-    from models.registry import get_family
+    from latentlm.models.registry import get_family
 
     check_name(name)
     store = Path(store)
@@ -169,7 +168,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
 def load_artifact(path: Path | str) -> Artifact:
     """Read and verify a model directory: file hashes, tensor shapes against the manifest, finiteness
     and the family's own checks (normalisation of every distribution within 1e-4)."""
-    from models.registry import get_family
+    from latentlm.models.registry import get_family
 
     path = Path(path)
     if not path.is_dir():

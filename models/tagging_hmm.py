@@ -18,13 +18,12 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from latentlm.models.base import Batch
+from latentlm.models.chain import Trans
+from latentlm.models.errors import ArtifactError
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.store import check_distribution, check_shape
 from torch import Tensor
-
-from models.base import Batch
-from models.chain import Trans
-from models.errors import ArtifactError
-from models.hmm import DenseHMM
-from models.store import check_distribution, check_shape
 
 
 class TaggingHMM(DenseHMM):

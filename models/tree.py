@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from latentlm.models.chain import CategoricalTable
+from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
 from torch import Tensor
-
-from models.chain import CategoricalTable
-from models.errors import InputError, LimitExceeded, UnsupportedOperation
 
 
 class Contraction(Protocol):

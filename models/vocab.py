@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from models.errors import ArtifactError, InputError
+from latentlm.models.errors import ArtifactError, InputError
 
 
 @dataclass(frozen=True)

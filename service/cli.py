@@ -8,8 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from models.errors import LatentLMError
-from models.store import list_models
+from latentlm.models.errors import LatentLMError
+from latentlm.models.store import list_models
 
 
 class ServeError(LatentLMError):
@@ -23,7 +23,7 @@ def ensure_default_model(store: Path, builder=None) -> list[str]:
         return names
     if builder is None:
         try:
-            builder = importlib.import_module("training.default").build_default_model
+            builder = importlib.import_module("latentlm.training.default").build_default_model
         except (ImportError, AttributeError) as e:
             raise ServeError(f"store {store} has no models and the default model builder is unavailable ({e}); "
                              "add a model with `latentlm import-hmm` or `latentlm train`", param="store") from None
@@ -46,11 +46,11 @@ def set_threads(n: int) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
+    from latentlm.service.app import create_app
+    from latentlm.service.settings import Settings
+    from latentlm.service.transport import CoalescingHttpToolsProtocol
 
     from latentlm import ops
-    from service.app import create_app
-    from service.settings import Settings
-    from service.transport import CoalescingHttpToolsProtocol
 
     settings = Settings.from_env(store=args.store, device=args.device)
     ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
@@ -67,8 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
-    from service.settings import Settings
-    from service.worker import run_worker
+    from latentlm.service.settings import Settings
+    from latentlm.service.worker import run_worker
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     settings = Settings.from_env(store=args.store, device=args.device)

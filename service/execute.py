@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from latentlm.models.errors import LimitExceeded
+from latentlm.service.errors import APIError, describe_validation
+from latentlm.service.schemas import REQUESTS, SampleRequest
 from pydantic import BaseModel, ValidationError
 
 from latentlm import ops
-from models.errors import LimitExceeded
-from service.errors import APIError, describe_validation
-from service.schemas import REQUESTS, SampleRequest
 
 
 @dataclass

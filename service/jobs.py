@@ -23,11 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from models.errors import LatentLMError
-from service.errors import APIError, error_payload, from_model_error
-from service.execute import body, check_sample, dumps, parse, prepare, run_sample
-from service.registry import ModelRegistry
-from service.settings import Settings
+from latentlm.models.errors import LatentLMError
+from latentlm.service.errors import APIError, error_payload, from_model_error
+from latentlm.service.execute import body, check_sample, dumps, parse, prepare, run_sample
+from latentlm.service.registry import ModelRegistry
+from latentlm.service.settings import Settings
 
 log = logging.getLogger("latentlm.jobs")
 
@@ -554,7 +554,7 @@ class RQRunner:
 
 def enqueue(queue, bid: str, note: str = "") -> None:
     """One rq job for a batch; the job id starts with the batch id (see `queued_batches`)."""
-    queue.enqueue("service.jobs.rq_process_batch", bid, job_timeout=-1, result_ttl=3600,
+    queue.enqueue("latentlm.service.jobs.rq_process_batch", bid, job_timeout=-1, result_ttl=3600,
                   job_id=f"{bid}-{secrets.token_hex(4)}", description=f"latentlm batch {bid}{note}")
 
 

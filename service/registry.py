@@ -12,11 +12,11 @@ import threading
 from pathlib import Path
 
 import torch
+from latentlm.models import kernels
+from latentlm.models.errors import LatentLMError, ModelNotFound
+from latentlm.models.store import list_models, read_manifest
 
 from latentlm import ops
-from models import kernels
-from models.errors import LatentLMError, ModelNotFound
-from models.store import list_models, read_manifest
 
 log = logging.getLogger("latentlm.service")
 

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from models.store import default_store
+from latentlm.models.store import default_store
 
 
 def _env(name: str, default: str | None = None) -> str | None:

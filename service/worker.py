@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from service import jobs
-from service.registry import ModelRegistry
-from service.settings import Settings
+from latentlm.service import jobs
+from latentlm.service.registry import ModelRegistry
+from latentlm.service.settings import Settings
 
 log = logging.getLogger("latentlm.worker")
 

@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from latentlm.models import chain
+from latentlm.models.base import Batch
+from latentlm.models.store import save_artifact
+from latentlm.models.vocab import Vocabulary
+from latentlm.training import common
+from latentlm.training.data import load_training_split
 from torch import Tensor
-
-from models import chain
-from models.base import Batch
-from models.store import save_artifact
-from models.vocab import Vocabulary
-from training import common
-from training.data import load_training_split
 
 
 @dataclass

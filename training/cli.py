@@ -20,8 +20,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from models.errors import InputError, read_text_file
-from models.store import check_name, default_store
+from latentlm.models.errors import InputError, read_text_file
+from latentlm.models.store import check_name, default_store
 
 FAMILIES = ("hmm", "densehmm", "blocked_hmm", "rank_hmm", "pcfg", "lds")
 
@@ -249,7 +249,7 @@ def validate(ns: argparse.Namespace) -> None:
     if ns.dropout is not None and not 0 <= ns.dropout < 1:
         raise InputError(f"--dropout: must be in [0, 1), got {ns.dropout}", param="dropout")
     if ns.resume:
-        from training.common import checkpoint_dir
+        from latentlm.training.common import checkpoint_dir
 
         if not (checkpoint_dir(ns.store, ns.name) / "state.json").is_file():
             raise InputError(f"--resume: no checkpoint for {ns.name!r} in {checkpoint_dir(ns.store, ns.name)}",
@@ -261,15 +261,15 @@ def train(ns: argparse.Namespace) -> Path:
     """Dispatch validated settings to the family's trainer; returns the artifact directory."""
     fam = ns.family
     if fam == "hmm":
-        from training.baum_welch import train as run
+        from latentlm.training.baum_welch import train as run
     elif fam == "densehmm":
-        from training.densehmm import train as run
+        from latentlm.training.densehmm import train as run
     elif fam in ("blocked_hmm", "rank_hmm"):
-        from training.neural import train as run
+        from latentlm.training.neural import train as run
     elif fam == "pcfg":
-        from training.pcfg import train as run
+        from latentlm.training.pcfg import train as run
     elif fam == "lds":
-        from training.lds import train as run
+        from latentlm.training.lds import train as run
     else:  # pragma: no cover - validated above
         raise InputError(f"--family: unknown {fam!r}", param="family")
     return run(ns)
@@ -285,8 +285,9 @@ def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu",
                       max_batch_tokens: int = 16384) -> dict[str, Any]:
     """Perplexity of a stored model on `data` through `latentlm.ops` (the service's code path):
     exp(-sum log p / sum tokens) over sentences, `<eos>` included."""
+    from latentlm.training.data import eval_corpus
+
     from latentlm import ops
-    from training.data import eval_corpus
 
     model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype)
     seqs = eval_corpus(data, model.vocab)

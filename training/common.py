@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from latentlm.models.base import Batch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
-
-from models.base import Batch
 
 
 def seed_all(seed: int) -> torch.Generator:

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from models.errors import InputError, read_text_file
-from models.vocab import Preprocessing, Vocabulary
+from latentlm.models.errors import InputError, read_text_file
+from latentlm.models.vocab import Preprocessing, Vocabulary
 
 PTB_SPLITS = ("train", "valid", "test")
 PTB_MD5 = {

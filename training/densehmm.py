@@ -18,11 +18,10 @@ import time
 from pathlib import Path
 
 import torch
+from latentlm.training import baum_welch as bw
+from latentlm.training import common
+from latentlm.training.data import load_training_split
 from torch import Tensor, nn
-
-from training import baum_welch as bw
-from training import common
-from training.data import load_training_split
 
 
 class DenseParams(nn.Module):
@@ -106,7 +105,7 @@ def train(ns: argparse.Namespace) -> Path:
         it0 = iters  # early-stopped before the checkpoint: export the best again
     bar = common.Progress(N * max(iters - it0, 0), f"densehmm Z={ns.states} d={ns.hidden} ({ns.fit})", ns.progress)
     if ns.fit == "cooc":
-        from training.brown import bigram_matrix
+        from latentlm.training.brown import bigram_matrix
 
         big = bigram_matrix(train_seqs, V).tocoo()
         left, right = torch.as_tensor(big.row), torch.as_tensor(big.col)

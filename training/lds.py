@@ -20,8 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
-
-from models.lds import (
+from latentlm.models.lds import (
     kalman_tensors,
     lowrank_noise_info,
     smoother_matrices,
@@ -379,18 +378,18 @@ def export(P: Params, mom: Moments, mu: np.ndarray) -> dict[str, np.ndarray]:
 # -- command line entry -----------------------------------------------------------------------------
 def corpus(spec: list[str], max_vocab: int, lowercase: bool):
     """(vocab, training sentences as ids) for `ptb`, `brown` or text files."""
-    from training import data
+    from latentlm.training import data
 
     if spec == ["ptb"]:
         vocab = data.ptb_vocab()
         return vocab, data.encode_corpus(data.ptb_sentences("train"), vocab)
     if spec == ["brown"]:
-        from training.brown_corpus import brown_split
+        from latentlm.training.brown_corpus import brown_split
 
         sents = [[w.lower() if lowercase else w for w, _ in s] for s in brown_split("train")]
     else:
         sents = data.read_text_files(spec, lowercase=lowercase)
-    from models.vocab import Preprocessing
+    from latentlm.models.vocab import Preprocessing
 
     pre = Preprocessing(lowercase=lowercase, unk="<unk>", eos="<eos>", add_eos=True)
     vocab = data.build_vocab(sents, max_size=max_vocab, preprocessing=pre)
@@ -424,7 +423,7 @@ def fit(seqs: list[list[int]], V: int, dim: int, lags: int, em_iters: int, seed:
 
 def curve_png(trace: list[float]) -> bytes:
     """ASOS objective per EM iteration (iteration 0 = SSID)."""
-    from training.common import series_png
+    from latentlm.training.common import series_png
 
     return series_png(trace, xlabel="EM iteration (0 = SSID)", ylabel="ASOS log-likelihood / token",
                       title="lds: ASOS EM")
@@ -433,8 +432,7 @@ def curve_png(trace: list[float]) -> bytes:
 def train(args: argparse.Namespace) -> Path:
     """`latentlm train --family lds`: writes `<name>` (SSID + EM) and `<name>-ssid` artifacts; returns the first."""
     import torch
-
-    from models.store import save_artifact
+    from latentlm.models.store import save_artifact
 
     torch.set_num_threads(1)
     dim = getattr(args, "dim", None) or 50

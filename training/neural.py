@@ -24,16 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from latentlm.models import chain
+from latentlm.models.base import Batch
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.rank_hmm import RankHMM
+from latentlm.models.store import save_artifact
+from latentlm.models.vocab import Vocabulary
+from latentlm.training import common
+from latentlm.training.data import load_training_split
 from torch import Tensor, nn
-
-from models import chain
-from models.base import Batch
-from models.blocked_hmm import BlockedHMM
-from models.rank_hmm import RankHMM
-from models.store import save_artifact
-from models.vocab import Vocabulary
-from training import common
-from training.data import load_training_split
 
 
 # -- building blocks ----------------------------------------------------------------------------------
@@ -249,13 +248,13 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
     """The model for `ns.family`; Brown clustering (blocked_hmm) runs here. Returns (module, extras)."""
     V = len(vocab)
     if ns.family == "blocked_hmm":
-        from training.brown import brown_clusters
+        from latentlm.training.brown import brown_clusters
 
         res = brown_clusters(train_seqs, V, ns.clusters, progress=ns.progress)
         wc = torch.from_numpy(res.word_cluster)
         M = int(wc.max()) + 1
         if M != ns.clusters:
-            from models.errors import InputError
+            from latentlm.models.errors import InputError
 
             raise InputError(f"--clusters {ns.clusters}: the training data has only {M} distinct words",
                              param="clusters")

@@ -22,15 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+from latentlm.models.errors import InputError
+from latentlm.models.pcfg import RankPCFG, pcfg_tensors
+from latentlm.models.store import save_artifact
+from latentlm.models.tree import inside
+from latentlm.models.vocab import Preprocessing, Vocabulary
+from latentlm.training import common
+from latentlm.training.neural import YangRes
 from torch import Tensor, nn
-
-from models.errors import InputError
-from models.pcfg import RankPCFG, pcfg_tensors
-from models.store import save_artifact
-from models.tree import inside
-from models.vocab import Preprocessing, Vocabulary
-from training import common
-from training.neural import YangRes
 
 DEFAULTS = {"nt": 30, "pt": 60, "rank": 64, "hidden": 256, "epochs": 5, "batch": 64, "lr": 2e-3}
 TRAIN_MAX_LENGTH = 40
@@ -92,7 +91,7 @@ def corpus_logprob(model: RankPCFG, seqs: list[list[int]], batch: int = 256) -> 
 
 def load_data(ns: argparse.Namespace) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:
     """PTB (Mikolov split, lower-cased, no punctuation, 10k words incl. <unk>) or text files, without <eos>."""
-    from training.data import build_vocab, encode_corpus, ptb_sentences, read_text_files
+    from latentlm.training.data import build_vocab, encode_corpus, ptb_sentences, read_text_files
 
     pre = Preprocessing(lowercase=bool(getattr(ns, "lowercase", False)), unk="<unk>", eos=None, add_eos=False)
     if list(ns.data) == ["ptb"]:
@@ -254,8 +253,8 @@ def recovery(*, seed: int = 0, true_nt: int = 6, true_pt: int = 12, V: int = 200
              leaf_bias: float = -0.5) -> str:
     """Sample a corpus with trees from a random dense grammar, train a rank-space PCFG on the sentences
     only, and compare MBR parses (span F1) and held-out perplexity with the true grammar's. Markdown."""
-    from models.dense_pcfg import DensePCFG, random_dense_pcfg
-    from models.tree import sample_trees
+    from latentlm.models.dense_pcfg import DensePCFG, random_dense_pcfg
+    from latentlm.models.tree import sample_trees
 
     torch.set_num_threads(1)
     t, cfg = random_dense_pcfg(true_nt, true_pt, V, seed=seed, concentration=concentration, leaf_bias=leaf_bias)
@@ -316,9 +315,10 @@ def recovery(*, seed: int = 0, true_nt: int = 6, true_pt: int = 12, V: int = 200
 def ptb_report(store: Path, name: str, n_examples: int = 4, max_words: int = 15) -> str:
     """PTB valid/test perplexity of a stored `pcfg` (per word, and per word+<eos> to set beside HMMs that
     predict <eos>) and MBR parses of a few short test sentences, as markdown."""
+    from latentlm.models.tree import relabel_leaves
+    from latentlm.training.data import encode_corpus, ptb_sentences
+
     from latentlm import ops
-    from models.tree import relabel_leaves
-    from training.data import encode_corpus, ptb_sentences
 
     torch.set_num_threads(1)
     model = ops.load_model(store, name)

@@ -10,12 +10,11 @@ import itertools
 import math
 
 import torch
+from latentlm.models.base import Family
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.rank_hmm import RankHMM
 from torch import Tensor
-
-from models.base import Family
-from models.blocked_hmm import BlockedHMM
-from models.hmm import DenseHMM
-from models.rank_hmm import RankHMM
 
 
 def joint_tables(model: Family) -> tuple[Tensor, Tensor]:

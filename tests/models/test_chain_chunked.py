@@ -11,8 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from models import chain
+from latentlm.models import chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

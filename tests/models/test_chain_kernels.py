@@ -10,8 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from models import chain, kernels
+from latentlm.models import chain, kernels
 
 pytestmark = pytest.mark.skipif(not kernels.HAVE_NUMBA, reason="numba unavailable")
 

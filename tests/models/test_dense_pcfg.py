@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from latentlm.models.dense_pcfg import DensePCFG, random_dense_pcfg
+from latentlm.models.errors import ArtifactError, InputError, LimitExceeded, UnsupportedOperation
+from latentlm.models.store import load_artifact, save_artifact
+from latentlm.models.tree import bracket, mbr_cky, relabel_leaves
+from latentlm.models.vocab import Preprocessing, Vocabulary
 from scipy.stats import chi2
 
-from models.dense_pcfg import DensePCFG, random_dense_pcfg
-from models.errors import ArtifactError, InputError, LimitExceeded, UnsupportedOperation
-from models.store import load_artifact, save_artifact
-from models.tree import bracket, mbr_cky, relabel_leaves
-from models.vocab import Preprocessing, Vocabulary
 from tests.models.tree_brute import brute, tree_string
 
 V = 4

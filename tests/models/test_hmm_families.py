@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from latentlm.models.base import Batch
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.rank_hmm import RankHMM
+from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
 
-from models.base import Batch
-from models.blocked_hmm import BlockedHMM
-from models.hmm import DenseHMM
-from models.rank_hmm import RankHMM
-from models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
 from tests.models.chain_brute import brute
 
 V = 6
@@ -118,14 +118,14 @@ def test_brute_force_small_property(family):
 
 
 def test_empty_sequence_is_an_error():
-    from models.errors import InputError
+    from latentlm.models.errors import InputError
 
     with pytest.raises(InputError, match="empty"):
         Batch.from_lists([[1, 2], []])
 
 
 def test_rank_viterbi_refuses_beyond_the_limit_and_mbr_still_works():
-    from models.errors import LimitExceeded
+    from latentlm.models.errors import LimitExceeded
 
     model = make("rank_hmm", 0, m=6, r=2)
     model.viterbi_max_elements = 25
@@ -151,8 +151,8 @@ def test_float32_long_sequence_does_not_underflow():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_maxplus_equals_broadcast(dtype):
     """The numba (max, +) kernel agrees with the plain broadcast, including -inf entries and ties."""
-    from models import kernels
-    from models.chain import maxplus
+    from latentlm.models import kernels
+    from latentlm.models.chain import maxplus
 
     g = torch.Generator().manual_seed(0)
     for B, K in ((1, 300), (7, 130), (64, 64)):
@@ -172,7 +172,7 @@ def test_compiled_maxplus_equals_broadcast(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_single_sequence_viterbi_equals_engine(dtype):
     """One long sequence goes through the compiled recursion; it matches the batched engine path."""
-    from models import chain
+    from latentlm.models import chain
 
     t, c = random_hmm(40, 30, 4)
     m = DenseHMM.from_tensors(t, c, dtype=dtype)

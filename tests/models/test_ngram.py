@@ -15,14 +15,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from latentlm.models.base import Batch
+from latentlm.models.errors import ArtifactError, UnsupportedOperation
+from latentlm.models.ngram import ArpaError, parse_arpa, read_arpa, validate
+from latentlm.models.store import load_artifact
 
 from latentlm import ops
 from latentlm.cli import main
 from latentlm.ngram_cli import import_arpa
-from models.base import Batch
-from models.errors import ArtifactError, UnsupportedOperation
-from models.ngram import ArpaError, parse_arpa, read_arpa, validate
-from models.store import load_artifact
 
 LOG10 = math.log(10)
 
@@ -243,7 +243,7 @@ def test_conditionals_sum_to_one(trigram, context):
 
 # -- artifact --------------------------------------------------------------------------------------------
 def test_artifact_layout_and_preprocessing(trigram):
-    from training.data import PTB_PREPROCESSING
+    from latentlm.training.data import PTB_PREPROCESSING
 
     art = load_artifact(trigram[0] / "tri")
     assert art.family == "ngram" and art.vocab.preprocessing == PTB_PREPROCESSING
@@ -363,7 +363,7 @@ def test_import_arpa_cli_round_trip(tmp_path, capsys):
 
 
 def test_eval_path(trigram, tmp_path):
-    from training.cli import corpus_perplexity
+    from latentlm.training.cli import corpus_perplexity
 
     store, prob, _ = trigram
     (tmp_path / "t.txt").write_text("a b\n\nc d a\n")
@@ -385,9 +385,8 @@ def test_unsupported_operations_raise(trigram):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_service_scores_and_rejects_decode(trigram, tmp_path):
     from fastapi.testclient import TestClient
-
-    from service.app import create_app
-    from service.settings import Settings
+    from latentlm.service.app import create_app
+    from latentlm.service.settings import Settings
 
     store, prob, _ = trigram
     app = create_app(Settings(store=store, device="cpu", dtype="float64", state_dir=tmp_path))

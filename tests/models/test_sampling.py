@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from latentlm.models.base import Batch
 from scipy.stats import chi2
 
-from models.base import Batch
 from tests.models.chain_brute import joint_tables
 from tests.models.test_hmm_families import FAMILIES, make
 
@@ -96,8 +96,8 @@ def test_temperature_sharpens():
 @pytest.mark.parametrize("use_alias", [True, False])
 def test_categorical_table_frequencies(monkeypatch, use_alias):
     """Both samplers (alias tables, flat inverse CDF) reproduce every row's distribution, zeros included."""
-    from models import kernels
-    from models.chain import CategoricalTable
+    from latentlm.models import kernels
+    from latentlm.models.chain import CategoricalTable
 
     monkeypatch.setattr(kernels, "HAVE_NUMBA", use_alias and kernels.HAVE_NUMBA)
     g = torch.Generator().manual_seed(3)

@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
+from latentlm.models.errors import ArtifactError, ModelNotFound
+from latentlm.models.store import MANIFEST, VOCAB, WEIGHTS, list_models, load_artifact, save_artifact
+from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
+from latentlm.models.vocab import Preprocessing, Vocabulary
 from safetensors.torch import save_file
-
-from models.errors import ArtifactError, ModelNotFound
-from models.store import MANIFEST, VOCAB, WEIGHTS, list_models, load_artifact, save_artifact
-from models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
-from models.vocab import Preprocessing, Vocabulary
 
 
 def vocab(V: int) -> Vocabulary:
@@ -49,7 +48,7 @@ def test_hash_mismatch_names_the_file(tmp_path):
 def rewrite_weights(path, tensors):
     """Replace the weights and fix the recorded hash, so only the content checks can catch it."""
     save_file(tensors, str(path / WEIGHTS))
-    from models.store import sha256_file
+    from latentlm.models.store import sha256_file
 
     m = json.loads((path / MANIFEST).read_text())
     m["files"][WEIGHTS] = sha256_file(path / WEIGHTS)
@@ -129,7 +128,7 @@ def test_tokenisation_follows_preprocessing():
     v = vocab(8)
     assert v.encode("W0 nothing w1") == [0, 6, 1, 7]
     v2 = Vocabulary(["a", "b"], Preprocessing(unk=None, eos=None, add_eos=False))
-    from models.errors import InputError
+    from latentlm.models.errors import InputError
 
     with pytest.raises(InputError, match="word 'c' at position 1 is not in the vocabulary"):
         v2.encode("a c")

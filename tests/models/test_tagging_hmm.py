@@ -13,13 +13,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from models.errors import ArtifactError
-from models.hmm import DenseHMM
-from models.store import save_artifact
-from models.synthetic import random_hmm
-from models.tagging_hmm import TaggingHMM
-from models.vocab import Preprocessing, Vocabulary
+from latentlm.models.errors import ArtifactError
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.store import save_artifact
+from latentlm.models.synthetic import random_hmm
+from latentlm.models.tagging_hmm import TaggingHMM
+from latentlm.models.vocab import Preprocessing, Vocabulary
 
 
 def tiny_tagger(Z: int = 3, V: int = 4, Y: int = 3, seed: int = 0) -> tuple[dict, dict]:
@@ -120,7 +119,7 @@ def test_hmm_embed_is_posterior_weighted_state_vectors():
 # -- Brown corpus: data and the trained tagger ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def brown():
-    from training import brown_corpus
+    from latentlm.training import brown_corpus
 
     try:
         brown_corpus.ensure_brown()
@@ -139,7 +138,7 @@ def test_brown_split_fixed(brown):
 
 
 def test_brown_tagger_beats_most_frequent_tag(brown):
-    from training.tagging import evaluate, train_tagger
+    from latentlm.training.tagging import evaluate, train_tagger
 
     model, vocab, base, curve, sets = train_tagger(states_per_tag=1, iterations=2, train_sentences=3000,
                                                    progress=False)

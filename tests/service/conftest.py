@@ -14,10 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from models.store import save_artifact
-from models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
-from models.vocab import Vocabulary
+from latentlm.models.store import save_artifact
+from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
+from latentlm.models.vocab import Vocabulary
 
 V = 40
 WORDS = [f"w{i}" for i in range(V - 2)]
@@ -112,7 +111,7 @@ def add_other_families(store: Path) -> list[str]:
     """A rank-space PCFG and an LDS (embeddings), when those families are present."""
     added = []
     try:
-        from models.pcfg import random_pcfg
+        from latentlm.models.pcfg import random_pcfg
 
         t, c = random_pcfg(3, 4, 4, V, seed=3)
         save_artifact(store, "pcfg", "pcfg", t, vocab(), config=c)

@@ -8,17 +8,17 @@ import math
 import threading
 
 import pytest
+from latentlm.models.errors import InputError, LimitExceeded, ModelNotFound, UnsupportedOperation
+from latentlm.service.batcher import Batcher, QueueFull
+from latentlm.service.cli import ServeError, ensure_default_model
+from latentlm.service.errors import describe_validation, from_model_error
+from latentlm.service.execute import dumps
+from latentlm.service.jobs import parse_input_file
+from latentlm.service.metrics import Metrics
+from latentlm.service.registry import ModelRegistry
+from latentlm.service.settings import Settings
 
 from latentlm import ops
-from models.errors import InputError, LimitExceeded, ModelNotFound, UnsupportedOperation
-from service.batcher import Batcher, QueueFull
-from service.cli import ServeError, ensure_default_model
-from service.errors import describe_validation, from_model_error
-from service.execute import dumps
-from service.jobs import parse_input_file
-from service.metrics import Metrics
-from service.registry import ModelRegistry
-from service.settings import Settings
 from tests.service.conftest import add_model, close
 
 
@@ -152,8 +152,7 @@ def test_serve_builds_default_model_into_empty_store(tmp_path):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_ready_503_until_models_load(base_store, tmp_path):
     from fastapi.testclient import TestClient
-
-    from service.app import create_app
+    from latentlm.service.app import create_app
 
     app = create_app(Settings(store=base_store, device="cpu", state_dir=tmp_path))
     reg = app.state.registry
@@ -181,9 +180,9 @@ def test_ready_503_until_models_load(base_store, tmp_path):
 
 def test_worker_needs_redis_and_serve_checks_device(tmp_path, capsys):
     import torch
+    from latentlm.service.worker import run_worker
 
     from latentlm.cli import main
-    from service.worker import run_worker
 
     with pytest.raises(SystemExit, match="REDIS_URL"):
         run_worker(Settings(store=tmp_path, redis_url=""))
@@ -215,7 +214,7 @@ def test_batcher_waits_only_when_company_is_coming(base_store):
 
 
 def test_coalescing_transport_sends_head_and_body_together():
-    from service.transport import CoalescingTransport
+    from latentlm.service.transport import CoalescingTransport
 
     class Fake:
         def __init__(self):

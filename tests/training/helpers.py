@@ -16,7 +16,7 @@ def train_args(store: Path, family: str, **kw) -> argparse.Namespace:
 
 def valid_file(tmp: Path, n: int) -> Path:
     """The first n PTB validation sentences as a text file (for `latentlm eval --data FILE`)."""
-    from training.data import ptb_sentences
+    from latentlm.training.data import ptb_sentences
 
     path = tmp / f"valid{n}.txt"
     path.write_text("".join(" ".join(s) + "\n" for s in ptb_sentences("valid")[:n]), encoding="utf-8")

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import scipy.linalg as sl
 import scipy.sparse as sp
-
-from models.lds import LDS, lowrank_noise_info, smoother_matrices, spd_inv, spd_power, steady_state
-from training.lds import LagStats, asos_em, collect_lag_stats, export, ssid, token_chunks
+from latentlm.models.lds import LDS, lowrank_noise_info, smoother_matrices, spd_inv, spd_power, steady_state
+from latentlm.training.lds import LagStats, asos_em, collect_lag_stats, export, ssid, token_chunks
 
 
 def simulate(T: int = 60_000, V: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -81,7 +80,7 @@ def test_em_monotone_and_matches_data(sim):
 
 def hmm_text(V: int = 30, T: int = 40_000, seed: int = 0) -> list[list[int]]:
     """Sentences of word ids from a small random HMM (a stand-in for one-hot text)."""
-    from models.synthetic import random_hmm
+    from latentlm.models.synthetic import random_hmm
 
     t, _ = random_hmm(4, V, seed=seed, concentration=0.3)
     g = np.random.default_rng(seed)
@@ -144,8 +143,9 @@ def test_50k_vocabulary_never_dense():
 
 
 def test_train_end_to_end_and_cli_embed(tmp_path, capsys):
+    from latentlm.training.lds import train
+
     from latentlm.cli import main
-    from training.lds import train
 
     text = tmp_path / "corpus.txt"
     words = [f"w{i}" for i in range(30)]

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from latentlm.training import baum_welch, common, densehmm, neural
+from latentlm.training.cli import resolve_settings
 from safetensors.torch import load_file
 
 from tests.training.helpers import train_args
-from training import baum_welch, common, densehmm, neural
-from training.cli import resolve_settings
 
 
 class Interrupted(Exception):

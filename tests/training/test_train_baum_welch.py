@@ -8,12 +8,12 @@ import json
 import math
 
 import torch
+from latentlm.models import chain
+from latentlm.models.base import Batch
+from latentlm.training import baum_welch as bw
+from latentlm.training.cli import corpus_perplexity, resolve_settings
 
-from models import chain
-from models.base import Batch
 from tests.training.helpers import train_args
-from training import baum_welch as bw
-from training.cli import corpus_perplexity, resolve_settings
 
 
 def brute_counts(start, trans, emit, seq):
@@ -84,7 +84,7 @@ def test_hmm_resume_continues_iterations_and_seed_is_deterministic(tmp_path):
     rows = json.loads((p2 / "manifest.json").read_text())["provenance"]["curve"]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert p1 == p2
-    from models.store import load_artifact
+    from latentlm.models.store import load_artifact
 
     a = load_artifact(bw.train(resolve_settings(train_args(tmp_path, "hmm", epochs=2, name="again", **kw))))
     b = load_artifact(p2)
@@ -92,7 +92,7 @@ def test_hmm_resume_continues_iterations_and_seed_is_deterministic(tmp_path):
 
 
 def test_default_model_builder_runs_a_small_configuration(tmp_path, monkeypatch):
-    from training import default
+    from latentlm.training import default
 
     monkeypatch.setitem(default.DEFAULT_SETTINGS, "states", 8)
     monkeypatch.setitem(default.DEFAULT_SETTINGS, "epochs", 1)

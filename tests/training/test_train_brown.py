@@ -5,9 +5,8 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-
-from training.brown import _Window, brown_clusters
-from training.data import build_vocab, encode_corpus
+from latentlm.training.brown import _Window, brown_clusters
+from latentlm.training.data import build_vocab, encode_corpus
 
 
 def ami(P: np.ndarray, p1: np.ndarray) -> float:

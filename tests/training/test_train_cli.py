@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from latentlm.models.errors import InputError
+from latentlm.training import cli
 
 from latentlm.cli import main
-from models.errors import InputError
 from tests.training.helpers import train_args
-from training import cli
 
 
 def run_cli(argv, capsys):
@@ -65,7 +65,7 @@ def test_config_files_yaml_and_toml_flags_win(tmp_path, monkeypatch, capsys):
     assert code == 2 and "statez" in err
 
 
-@pytest.mark.parametrize("family,module", [("pcfg", "training.pcfg"), ("lds", "training.lds")])
+@pytest.mark.parametrize("family,module", [("pcfg", "latentlm.training.pcfg"), ("lds", "latentlm.training.lds")])
 def test_pcfg_and_lds_dispatch_to_colleague_modules(tmp_path, monkeypatch, family, module):
     import importlib
     import sys

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import pytest
-
-from models.errors import InputError
-from models.vocab import Preprocessing
-from training.data import build_vocab, encode_corpus, load_corpus, ptb_sentences, ptb_text, ptb_vocab, read_text_files
+from latentlm.models.errors import InputError
+from latentlm.models.vocab import Preprocessing
+from latentlm.training.data import (
+    build_vocab,
+    encode_corpus,
+    load_corpus,
+    ptb_sentences,
+    ptb_text,
+    ptb_vocab,
+    read_text_files,
+)
 
 
 def test_ptb_splits_match_the_standard_files():

@@ -8,14 +8,14 @@ import json
 
 import pytest
 import torch
+from latentlm.models.base import Batch
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.store import load_artifact
+from latentlm.training import neural
+from latentlm.training.cli import corpus_perplexity, resolve_settings
 
 from latentlm import ops
-from models.base import Batch
-from models.blocked_hmm import BlockedHMM
-from models.store import load_artifact
 from tests.training.helpers import train_args, valid_file
-from training import neural
-from training.cli import corpus_perplexity, resolve_settings
 
 
 @pytest.mark.parametrize("M,k,keep", [(1, 1, 1), (3, 8, 4), (5, 7, 3), (2, 16, 1)])
@@ -106,7 +106,7 @@ def test_blocked_hmm_bptt_streams_run(tmp_path):
 def test_densehmm_exports_hmm_with_vectors(tmp_path):
     ns = resolve_settings(train_args(tmp_path, "densehmm", states=16, hidden=8, epochs=2, fit="cooc",
                                      train_sentences=3000, lr=0.05, valid_sentences=300))
-    from training.densehmm import train
+    from latentlm.training.densehmm import train
 
     path = train(ns)
     art = load_artifact(path)
