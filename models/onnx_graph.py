@@ -6,11 +6,12 @@ The graph is the scaled forward recursion of `models.chain.forward`, as one ONNX
     outputs  logprob (B,) float64 = log p(x) (natural log; the float32 conditionals summed in float64)
              token_logprobs (B, T) float32 = log p(x_t | x_<t), 0 at padding
 
-    step t:  pred  = init(x_0)             if t == 0
-                     alpha_{t-1} @ step_t  otherwise
+    step t:  pred  = init(x_0)             t == 0, outside the Scan
+                     alpha_{t-1} @ step_t  t = 1 .. T-1, the Scan body (8 nodes for hmm/rank_hmm)
              u     = pred * emit[x_t]       (gathered inside the step: no (B, T, K) emission tensor)
              c     = sum(u);  alpha_t = u / c;  token_logprob_t = log c
-             padded steps (t >= length) keep alpha and give 0.
+    padding: padded ids are replaced by an extra all-ones emission row V and their token_logprob is set
+             to 0 (Where on the mask); their alpha is not held, but no real step ever follows a padded one.
 
 `step_t` and the state space K are the family's reduced ones, so the graph has the papers' costs:
   hmm          K = Z: init = start, step = trans (Z x Z), emit = trans-posed emissions (V, Z)    O(T Z^2)
@@ -27,7 +28,7 @@ Everything is float32 (the model's matrices are initializers); opset 17, IR vers
 latentlm.family, latentlm.name, latentlm.opset, latentlm.vocab_size, latentlm.num_states (and, when given,
 the vocabulary and preprocessing so a torch-free client can tokenise text).
 
-Posteriors are not exported (scoring only).
+Posteriors are not exported (scoring only; a backward Scan would add them).
 """
 
 from __future__ import annotations
@@ -86,45 +87,43 @@ def _const(name: str, value: Any, dtype=np.int64) -> TensorProto:
     return numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
 
 
+def _emit_normalise(p: str, pred: str, ids: str, mask: str, alpha: str, logc: str) -> list[onnx.NodeProto]:
+    """u = pred * emit[ids]; c = sum(u); alpha = u / max(c, FLT_MIN); logc = log c at real positions, else 0.
+    (c == 0 gives alpha = 0 and logc = -inf; a 0 < c < FLT_MIN would leave alpha summing below 1, which
+    only a conditional probability under 1.2e-38 can trigger.)"""
+    h = helper.make_node
+    return [h("Gather", ["emit_ext", ids], [p + "e"]),
+            h("Mul", [pred, p + "e"], [p + "u"]),
+            h("ReduceSum", [p + "u", "axes1"], [p + "c"], keepdims=1),          # (B, 1)
+            h("Max", [p + "c", "flt_min"], [p + "c_safe"]),
+            h("Div", [p + "u", p + "c_safe"], [alpha]),
+            h("Log", [p + "c"], [p + "logc_raw"]),                              # -inf when c == 0
+            h("Where", [mask, p + "logc_raw", "f_zero"], [logc])]                # (B, 1)
+
+
 def _step_body(family: str) -> onnx.GraphProto:
-    """The Scan body. States: alpha (B, K) float32. Scan inputs per step: ids_t (B,), prev_t (B,)
-    (x_{t-1}; only read by blocked_hmm), mask_t (B, 1) bool, first scalar bool. Scan output: logc (B,)."""
+    """The Scan body for positions 1 .. T-1. State: alpha (B, K) float32. Scan inputs per step: ids_t (B,)
+    (padding replaced by the all-ones emission row V, so a padded step needs no mask on alpha: its alpha is
+    never read by a real step), mask_t (B, 1) bool and, for blocked_hmm, blk_t (B,) = the block index
+    cluster(x_{t-1}) * M + cluster(x_t). Scan output: logc (B, 1)."""
     F, I, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
-    n: list[onnx.NodeProto] = []
-    inits = [_const("b_axes1", [1]), _const("b_zero", 0.0, np.float32), _const("b_one", 1.0, np.float32)]
+    h = helper.make_node
     if family == "blocked_hmm":
-        # clusters of x_{t-1} and x_t, then the (B, k, k) blocks and a batched (B,1,k) x (B,k,k) product
-        n += [helper.make_node("Gather", ["word_cluster", "ids_t"], ["cl_t"]),
-              helper.make_node("Gather", ["word_cluster", "prev_t"], ["cl_p"]),
-              helper.make_node("Mul", ["cl_p", "num_clusters"], ["cl_pM"]),
-              helper.make_node("Add", ["cl_pM", "cl_t"], ["blk_idx"]),
-              helper.make_node("Gather", ["blocks", "blk_idx"], ["blk"]),            # (B, k, k)
-              helper.make_node("Unsqueeze", ["alpha_in", "b_axes1"], ["alpha3"]),    # (B, 1, k)
-              helper.make_node("MatMul", ["alpha3", "blk"], ["moved3"]),             # (B, 1, k)
-              helper.make_node("Squeeze", ["moved3", "b_axes1"], ["moved"]),
-              helper.make_node("Gather", ["start_blocks", "cl_t"], ["init_t"])]      # (B, k)
+        n = [h("Gather", ["blocks", "blk_t"], ["blk"]),                      # (B, k, k)
+             h("Unsqueeze", ["alpha_in", "axes1"], ["alpha3"]),               # (B, 1, k)
+             h("MatMul", ["alpha3", "blk"], ["moved3"]),                      # (B, 1, k)
+             h("Squeeze", ["moved3", "axes1"], ["pred"])]
     else:
-        n += [helper.make_node("MatMul", ["alpha_in", "step"], ["moved"]),           # (B, K)
-              helper.make_node("Identity", ["start"], ["init_t"])]                   # (K,) broadcasts
-    n += [helper.make_node("Where", ["first", "init_t", "moved"], ["pred"]),
-          helper.make_node("Gather", ["emit_by_word", "ids_t"], ["e_t"]),            # (B, K)
-          helper.make_node("Mul", ["pred", "e_t"], ["u"]),
-          helper.make_node("ReduceSum", ["u", "b_axes1"], ["c"], keepdims=1),        # (B, 1)
-          helper.make_node("Greater", ["c", "b_zero"], ["c_pos"]),
-          helper.make_node("Where", ["c_pos", "c", "b_one"], ["c_safe"]),            # u / 1 = 0 when c == 0
-          helper.make_node("Div", ["u", "c_safe"], ["alpha_new"]),
-          helper.make_node("Log", ["c"], ["logc_raw"]),                              # -inf when c == 0
-          helper.make_node("Where", ["mask_t", "alpha_new", "alpha_in"], ["alpha_out"]),
-          helper.make_node("Where", ["mask_t", "logc_raw", "b_zero"], ["logc2"]),
-          helper.make_node("Squeeze", ["logc2", "b_axes1"], ["logc"])]
+        n = [h("MatMul", ["alpha_in", "step"], ["pred"])]                    # (B, K)
+    n += _emit_normalise("s_", "pred", "ids_t", "mask_t", "alpha_out", "logc")
     inputs = [helper.make_tensor_value_info("alpha_in", F, ["B", "K"]),
               helper.make_tensor_value_info("ids_t", I, ["B"]),
-              helper.make_tensor_value_info("prev_t", I, ["B"]),
-              helper.make_tensor_value_info("mask_t", BOOL, ["B", 1]),
-              helper.make_tensor_value_info("first", BOOL, [])]
+              helper.make_tensor_value_info("mask_t", BOOL, ["B", 1])]
+    if family == "blocked_hmm":
+        inputs.append(helper.make_tensor_value_info("blk_t", I, ["B"]))
     outputs = [helper.make_tensor_value_info("alpha_out", F, ["B", "K"]),
-               helper.make_tensor_value_info("logc", F, ["B"])]
-    return helper.make_graph(n, "forward_step", inputs, outputs, initializer=inits)
+               helper.make_tensor_value_info("logc", F, ["B", 1])]
+    return helper.make_graph(n, "forward_step", inputs, outputs)
 
 
 def build_scoring_model(family: str, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
@@ -133,41 +132,62 @@ def build_scoring_model(family: str, arrays: dict[str, np.ndarray], metadata: di
     if family not in FAMILIES:
         raise ValueError(f"ONNX export supports the families {', '.join(FAMILIES)}, not {family!r}")
     F, I = TensorProto.FLOAT, TensorProto.INT64
-    inits = [numpy_helper.from_array(v, k) for k, v in arrays.items()]
-    inits += [_const("c_0", 0), _const("c_1", 1), _const("axes0", [0]), _const("axes1", [1]),
-              _const("axes2", [2]), _const("one_vec", [1]), _const("pad_id", [[0]])]
+    h = helper.make_node
+    arrays = dict(arrays)
+    emit = arrays.pop("emit_by_word")
+    V, K = emit.shape
+    # row V: all ones, the emission of a padded position (see _step_body)
+    inits = [numpy_helper.from_array(np.concatenate([emit, np.ones((1, K), np.float32)]), "emit_ext"),
+             _const("V_id", V), _const("c_0", 0), _const("c_1", 1), _const("axes0", [0]), _const("axes1", [1]),
+             _const("axes2", [2]), _const("one_vec", [1]), _const("big_vec", [1 << 62]),
+             _const("f_zero", 0.0, np.float32), _const("flt_min", np.finfo(np.float32).tiny, np.float32)]
+    if family == "blocked_hmm":
+        wc = arrays.pop("word_cluster")
+        inits.append(numpy_helper.from_array(np.concatenate([wc, np.zeros(1, np.int64)]), "word_cluster_ext"))
+    inits += [numpy_helper.from_array(v, k) for k, v in arrays.items()]
     n = [
-        # T, B and the (B, T) mask of real positions
-        helper.make_node("Shape", ["ids"], ["ids_shape"]),
-        helper.make_node("Gather", ["ids_shape", "c_1"], ["T"]),                # scalar
-        helper.make_node("Gather", ["ids_shape", "c_0"], ["B"]),
-        helper.make_node("Range", ["c_0", "T", "c_1"], ["pos"]),                # (T,)
-        helper.make_node("Unsqueeze", ["pos", "axes0"], ["pos_row"]),           # (1, T)
-        helper.make_node("Unsqueeze", ["lengths", "axes1"], ["len_col"]),       # (B, 1)
-        helper.make_node("Less", ["pos_row", "len_col"], ["mask"]),             # (B, T) bool
-        helper.make_node("Transpose", ["mask"], ["mask_tb"], perm=[1, 0]),
-        helper.make_node("Unsqueeze", ["mask_tb", "axes2"], ["mask_tb1"]),     # (T, B, 1)
-        helper.make_node("Equal", ["pos", "c_0"], ["first"]),                   # (T,) bool
-        # ids as (T, B) and x_{t-1} as (T, B) (row 0: a dummy id, never used since first[0] is true)
-        helper.make_node("Transpose", ["ids"], ["ids_tb"], perm=[1, 0]),
-        helper.make_node("Unsqueeze", ["B", "axes0"], ["B_vec"]),
-        helper.make_node("Concat", ["one_vec", "B_vec"], ["pad_shape"], axis=0),
-        helper.make_node("Expand", ["pad_id", "pad_shape"], ["pad_row"]),      # (1, B)
-        helper.make_node("Concat", ["pad_row", "ids_tb"], ["prev_ext"], axis=0),
-        helper.make_node("Unsqueeze", ["T", "axes0"], ["T_vec"]),
-        helper.make_node("Slice", ["prev_ext", "zero_vec", "T_vec", "axes0"], ["prev_tb"]),  # rows 0 .. T-1
+        # the (B, T) mask of real positions; padding ids -> V
+        h("Shape", ["ids"], ["ids_shape"]),
+        h("Gather", ["ids_shape", "c_1"], ["T"]),                             # scalar
+        h("Range", ["c_0", "T", "c_1"], ["pos"]),                             # (T,)
+        h("Unsqueeze", ["pos", "axes0"], ["pos_row"]),                        # (1, T)
+        h("Unsqueeze", ["lengths", "axes1"], ["len_col"]),                    # (B, 1)
+        h("Less", ["pos_row", "len_col"], ["mask"]),                          # (B, T) bool
+        h("Where", ["mask", "ids", "V_id"], ["ids_p"]),                       # (B, T)
+        h("Transpose", ["ids_p"], ["ids_tb"], perm=[1, 0]),                   # (T, B)
+        h("Transpose", ["mask"], ["mask_tb"], perm=[1, 0]),
+        h("Unsqueeze", ["mask_tb", "axes2"], ["mask_tb1"]),                   # (T, B, 1)
+        # position 0 outside the scan
+        h("Gather", ["ids_tb", "c_0"], ["ids_0"]),                            # (B,)
+        h("Gather", ["mask_tb1", "c_0"], ["mask_0"]),                         # (B, 1)
+        # positions 1 .. T-1 (an empty scan when T == 1)
+        h("Slice", ["ids_tb", "one_vec", "big_vec", "axes0"], ["ids_rest"]),
+        h("Slice", ["mask_tb1", "one_vec", "big_vec", "axes0"], ["mask_rest"]),
     ]
-    inits.append(_const("zero_vec", [0]))
-    # initial alpha (B, K): any finite value (first[0] selects the init); zeros of the right shape
-    K = arrays["start_blocks"].shape[1] if family == "blocked_hmm" else arrays["start"].shape[0]
-    inits.append(_const("zeros_1K", np.zeros((1, K)), np.float32))
-    n += [helper.make_node("Concat", ["B_vec", "one_vec"], ["bk_shape"], axis=0),
-          helper.make_node("Expand", ["zeros_1K", "bk_shape"], ["alpha0"]),
-          helper.make_node("Scan", ["alpha0", "ids_tb", "prev_tb", "mask_tb1", "first"], ["alpha_T", "logc_tb"],
-                           body=_step_body(family), num_scan_inputs=4),
-          helper.make_node("Transpose", ["logc_tb"], ["token_logprobs"], perm=[1, 0]),
-          helper.make_node("Cast", ["token_logprobs"], ["tok64"], to=TensorProto.DOUBLE),
-          helper.make_node("ReduceSum", ["tok64", "axes1"], ["logprob"], keepdims=0)]
+    scan_in = ["ids_rest", "mask_rest"]
+    if family == "blocked_hmm":
+        n += [h("Gather", ["word_cluster_ext", "ids_tb"], ["cl_tb"]),         # (T, B)
+              h("Gather", ["cl_tb", "c_0"], ["cl_0"]),
+              h("Gather", ["start_blocks", "cl_0"], ["pred_0"]),               # (B, k)
+              h("Mul", ["cl_tb", "num_clusters"], ["clM_tb"]),
+              h("Slice", ["cl_tb", "one_vec", "big_vec", "axes0"], ["cl_rest"]),   # clusters of x_1 .. x_{T-1}
+              h("Sub", ["T", "c_1"], ["Tm1"]),
+              h("Unsqueeze", ["Tm1", "axes0"], ["Tm1_vec"]),
+              h("Slice", ["clM_tb", "zero_vec", "Tm1_vec", "axes0"], ["clM_p"]),  # of x_0 .. x_{T-2}
+              h("Add", ["clM_p", "cl_rest"], ["blk_rest"])]                    # (T-1, B)
+        inits.append(_const("zero_vec", [0]))
+        scan_in.append("blk_rest")
+    else:
+        n += [h("Identity", ["start"], ["pred_0"])]                            # (K,) broadcasts
+    n += _emit_normalise("i_", "pred_0", "ids_0", "mask_0", "alpha_0", "logc_0")
+    n += [h("Scan", ["alpha_0", *scan_in], ["alpha_T", "logc_rest"], body=_step_body(family),
+            num_scan_inputs=len(scan_in)),                                      # logc_rest (T-1, B, 1)
+          h("Unsqueeze", ["logc_0", "axes0"], ["logc_0t"]),                   # (1, B, 1)
+          h("Concat", ["logc_0t", "logc_rest"], ["logc_tb1"], axis=0),
+          h("Squeeze", ["logc_tb1", "axes2"], ["logc_tb"]),
+          h("Transpose", ["logc_tb"], ["token_logprobs"], perm=[1, 0]),
+          h("Cast", ["token_logprobs"], ["tok64"], to=TensorProto.DOUBLE),
+          h("ReduceSum", ["tok64", "axes1"], ["logprob"], keepdims=0)]
     graph = helper.make_graph(
         n, f"latentlm_{family}_score",
         [helper.make_tensor_value_info("ids", I, ["B", "T"]), helper.make_tensor_value_info("lengths", I, ["B"])],
