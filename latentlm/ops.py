@@ -1,27 +1,32 @@
-"""Operations shared by the CLI and the service: load a model, turn inputs into token ids, run an
-operation in length-sorted batches, and shape the JSON each input gets back.
+"""The operations layer, shared by the CLI, the service, batch jobs and training's evaluation: load a
+model, turn inputs into token ids, run an operation in length-sorted batches (several requests' inputs
+merged into one run), and write the JSON each input gets back.
 
 Field names are the public contract (see README): score -> logprob, num_tokens, perplexity
 [, tokens, token_logprobs]; decode -> states, logprob (Viterbi) / state_probs (MBR); posterior ->
 marginals [{states, probs}] sorted by probability; sample -> tokens, ids, states; embed -> embeddings, dim.
+
+JSON is written in one place, `dumps`: strict JSON (RFC 8259), UTF-8; a non-finite float (the log-probability
+or perplexity of a sequence the model gives probability 0) is written as `null`.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 
-from latentlm.models.base import Family
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
-from latentlm.models.registry import get_family
-from latentlm.models.store import Artifact, load_artifact, model_path
+from latentlm.models.family import OPERATIONS, Family
+from latentlm.models.registry import get_family, load_artifact
+from latentlm.models.store import Artifact, model_path
 from latentlm.models.vocab import Vocabulary
-
-OPERATIONS = ("score", "posterior", "decode", "sample", "embed")
 
 
 @dataclass
@@ -110,7 +115,13 @@ def encode_inputs(vocab: Vocabulary, inputs: list[Any], *, as_ids: bool | None =
     return seqs
 
 
+def default_method(model: LoadedModel) -> str | None:
+    """The decode method a request without `method` gets: the family's declared default."""
+    return model.impl.default_method
+
+
 def check_supported(model: LoadedModel, op: str, method: str | None = None) -> None:
+    """UnsupportedOperation (400) naming what the model offers when `op` / decode `method` is not among it."""
     impl = model.impl
     if op not in impl.operations:
         raise UnsupportedOperation(
@@ -144,6 +155,8 @@ def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens:
         **opts: Any) -> list[dict]:
     """Run `op` over token-id sequences in length-sorted batches; returns one dict per input in input
     order, each with `index` and the operation's fields (and `tokens` where they help)."""
+    if op == "decode" and opts.get("method") is None:
+        opts["method"] = default_method(model)
     check_supported(model, op, opts.get("method"))
     fn = getattr(model.impl, f"op_{op}")
     results: list[dict | None] = [None] * len(seqs)
@@ -192,5 +205,48 @@ def parse_top_k(value: Any) -> int | None:
     return k
 
 
-__all__ = ["LoadedModel", "load_model", "encode_inputs", "run", "sample", "resolve_device", "parse_top_k",
-           "LimitExceeded", "OPERATIONS"]
+def run_merged(model: LoadedModel, op: str, groups: Sequence[list[list[int]]], *, max_batch_tokens: int = 16384,
+               **opts: Any) -> list[list[dict] | Exception]:
+    """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run`; each group gets
+    its own results renumbered from 0. When the merged run raises, each group runs alone, so one bad request
+    never fails its neighbours: a group's entry is then its own results or its exception."""
+    seqs = [s for g in groups for s in g]
+    try:
+        results = run(model, op, seqs, max_batch_tokens=max_batch_tokens, **opts)
+    except Exception as e:
+        if len(groups) == 1:
+            return [e]
+        return [run_merged(model, op, [g], max_batch_tokens=max_batch_tokens, **opts)[0] for g in groups]
+    out: list[list[dict] | Exception] = []
+    pos = 0
+    for g in groups:
+        part = results[pos : pos + len(g)]
+        pos += len(g)
+        for j, r in enumerate(part):  # fresh dicts from run: renumber within the request in place
+            r["index"] = j
+        out.append(part)
+    return out
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_finite(v) for v in x]
+    return x
+
+
+def dumps(obj: Any) -> bytes:
+    """Strict JSON (UTF-8 bytes, compact); NaN and +-inf become null. orjson (it writes non-finite floats as
+    null itself, and is ~20x faster than the json module on a score response); the json module for what
+    orjson does not take (e.g. integers beyond 64 bits)."""
+    try:
+        return orjson.dumps(obj)
+    except TypeError:
+        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+__all__ = ["LoadedModel", "load_model", "encode_inputs", "run", "run_merged", "sample", "resolve_device",
+           "parse_top_k", "dumps", "default_method", "LimitExceeded", "OPERATIONS"]

@@ -18,14 +18,19 @@ from typing import Any
 
 import torch
 from latentlm.models.base import Batch, ChainFamily
-from latentlm.models.chain import CategoricalTable, Emit, RowLookup, Trans
-from latentlm.models.errors import ArtifactError
-from latentlm.models.store import check_distribution, check_shape
+from latentlm.models.chain import Emit, RowLookup, Trans
+from latentlm.models.checks import check_distribution, check_shape
+from latentlm.models.errors import ArtifactError, InputError
+from latentlm.models.family import Recipe
+from latentlm.models.sampling import CategoricalTable
 from torch import Tensor
 
 
 class BlockedHMM(ChainFamily):
     family = "blocked_hmm"
+    recipes = (Recipe("blocked_hmm", {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64,
+                                      "lr": 1e-2, "checkpoint_every": 200},
+                      positive=("states", "epochs", "batch", "clusters", "hidden"), check=lambda s: check_recipe(s)),)
 
     def __init__(self, start: Tensor, trans: Tensor, emit: Tensor, word_cluster: Tensor, num_clusters: int,
                  extras: dict[str, Tensor] | None = None):
@@ -141,3 +146,17 @@ class BlockedHMM(ChainFamily):
         per_state = probs.permute(0, 2, 1).reshape(self.num_states, -1)  # (Z, W)
         slot_token = words.repeat_interleave(self.k, dim=0)  # (Z, W)
         return CategoricalTable(self.trans, temperature), CategoricalTable(per_state, temperature), slot_token
+
+
+def check_recipe(s: Any) -> None:
+    """Training settings of a blocked HMM: states split evenly over clusters, and state dropout keeps at
+    least one state of each cluster."""
+    if s.states % s.clusters:
+        raise InputError(f"--states {s.states} must be divisible by --clusters {s.clusters}", param="states")
+    if s.clusters > s.max_vocab:
+        raise InputError(f"--clusters {s.clusters} exceeds the vocabulary size", param="clusters")
+    k = s.states // s.clusters
+    keep = k - round(k * s.state_dropout)
+    if not 0 <= s.state_dropout < 1 or keep < 1:
+        raise InputError(f"--state-dropout: must be in [0, 1) and keep >= 1 of the {k} states per cluster, "
+                         f"got {s.state_dropout}", param="state_dropout")

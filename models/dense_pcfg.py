@@ -15,28 +15,23 @@ from functools import cached_property
 from typing import Any
 
 import torch
-from latentlm.models.base import Family
-from latentlm.models.chain import CategoricalTable
+from latentlm.models.checks import check_distribution, check_positive_ints, check_shape
 from latentlm.models.errors import ArtifactError
-from latentlm.models.store import check_distribution, check_shape
-from latentlm.models.tree import PCFGOps, bracket, by_length, check_possible, viterbi
+from latentlm.models.family import Family, Importer, Option
+from latentlm.models.grammar_text import read_grammar_file
+from latentlm.models.sampling import CategoricalTable
+from latentlm.models.tree import DEFAULT_MAX_LENGTH, PCFGOps, bracket, by_length, check_possible, viterbi
 from torch import Tensor
-
-DEFAULT_MAX_LENGTH = 200
-
-
-def check_config(config: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
-    """Every key a positive integer; `max_length` (optional) too."""
-    for key in keys + (("max_length",) if "max_length" in config else ()):
-        v = config.get(key)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ArtifactError(f"{where}: config needs a positive integer {key!r}, got {v!r}", param=key)
 
 
 class DensePCFG(PCFGOps, Family):
     family = "dense_pcfg"
     operations = frozenset({"score", "posterior", "decode", "sample"})
     decode_methods = frozenset({"mbr", "viterbi"})
+    default_method = "mbr"
+    importers = (Importer("import-pcfg", "import a plain-text PCFG (one 'LHS -> RHS PROB' rule per line)", "FILE",
+                          lambda path, start=None: read_grammar_file(path, start),
+                          (Option("start", None, "start symbol (default: the first rule's left-hand side)"),)),)
     viterbi_elems = 1 << 24  # B * m * NT * S^2 entries per max-product step
 
     def __init__(self, t: dict[str, Tensor], config: dict[str, Any]):
@@ -50,7 +45,7 @@ class DensePCFG(PCFGOps, Family):
 
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
-        check_config(config, ("nt", "pt"), where)
+        check_positive_ints(config, ("nt", "pt"), where)
         nt, pt = config["nt"], config["pt"]
         S = nt + pt
         check_distribution(check_shape(tensors, "start", (S,), where), "start", 0, where)
@@ -181,4 +176,4 @@ def dense_from_factors(start: Tensor, parent: Tensor, left: Tensor, right: Tenso
     return torch.einsum("aq,qb,qc->abc", parent, left, right)
 
 
-__all__ = ["DensePCFG", "dense_from_factors", "random_dense_pcfg", "check_config"]
+__all__ = ["DensePCFG", "dense_from_factors", "random_dense_pcfg"]

@@ -1,5 +1,5 @@
-"""`latentlm import-pcfg FILE --name NAME [--store DIR] [--start SYM] [--force]`: a plain-text grammar
-becomes a `dense_pcfg` artifact.
+"""Plain-text grammars (`latentlm import-pcfg FILE --name NAME [--start SYM]`): a grammar file becomes the
+`dense_pcfg` family's tensors.
 
 Format: one rule per line, `LHS -> RHS PROB` (the probability may be written `[PROB]`); `#` starts a
 comment; blank lines are ignored. Terminals (words) are quoted, 'like' "this"; everything else is a symbol.
@@ -19,17 +19,13 @@ defined and derives some finite sentence, symbols unreachable from the start.
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from latentlm.models.errors import InputError, read_text_file
-from latentlm.models.store import check_name, default_store, save_artifact
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
 TOL = 1e-4
@@ -194,33 +190,12 @@ def _check_start(rules: list[Rule], kinds: dict[str, str], start: str, first_lin
             _fail(line, f"symbol {sym!r} is unreachable from the start symbol {start!r}")
 
 
-def import_pcfg(path: Path, name: str, store: Path, *, start: str | None = None, force: bool = False) -> Path:
-    """Validate a grammar file and write it as a `dense_pcfg` artifact; nothing is written on error."""
-    check_name(name)
+def read_grammar_file(path: Path, start: str | None = None) -> tuple[dict[str, torch.Tensor], Vocabulary, dict]:
+    """The `import-pcfg` importer: a grammar file -> (dense_pcfg tensors, vocabulary, config). InputError
+    names the file and the line."""
     text = read_text_file(path, param="FILE")
     try:
         tensors, config, words = read_grammar(text, start)
     except InputError as e:
         raise InputError(f"{path}: {e.message}", param=e.param) from None
-    if (store / name).exists() and not force:
-        raise InputError(f"model {name!r} already exists in {store} (use --force to replace it)", param="name")
-    vocab = Vocabulary(words, Preprocessing(lowercase=False, unk=None, eos=None, add_eos=False))
-    return save_artifact(store, name, "dense_pcfg", tensors, vocab, config=config,
-                         provenance={"source": "import-pcfg", "file": path.name})
-
-
-def cmd_import_pcfg(args: argparse.Namespace) -> None:
-    path = import_pcfg(Path(args.file), args.name, Path(args.store), start=args.start, force=args.force)
-    print(f"imported {args.name} into {path}", file=sys.stderr)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `import-pcfg` to the `latentlm` command line."""
-    p = subparsers.add_parser("import-pcfg", help="import a plain-text PCFG (one 'LHS -> RHS PROB' rule per line)")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("--name", required=True)
-    p.add_argument("--store", type=Path, default=default_store(),
-                   help="model store directory (default: $LATENTLM_STORE or ./artifacts)")
-    p.add_argument("--start", default=None, help="start symbol (default: the first rule's left-hand side)")
-    p.add_argument("--force", action="store_true", help="replace an existing model of that name")
-    p.set_defaults(func=cmd_import_pcfg)
+    return tensors, Vocabulary(words, Preprocessing(lowercase=False, unk=None, eos=None, add_eos=False)), config

@@ -8,17 +8,31 @@ Config: `num_states`. Inference: O(T Z^2) per sequence, one (B, Z) x (Z, Z) GEMM
 from __future__ import annotations
 
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from latentlm.models.base import Batch, ChainFamily
-from latentlm.models.chain import CategoricalTable, Emit, RowLookup, Trans
-from latentlm.models.store import check_distribution, check_shape
+from latentlm.models.chain import Emit, RowLookup, Trans
+from latentlm.models.checks import check_config, check_distribution, check_shape
+from latentlm.models.errors import InputError
+from latentlm.models.family import Importer, Recipe
+from latentlm.models.sampling import CategoricalTable
+from latentlm.models.vocab import Preprocessing, Vocabulary
 from torch import Tensor
 
 
 class DenseHMM(ChainFamily):
     family = "hmm"
+    recipes = (
+        Recipe("hmm", {"states": 256, "epochs": 10, "batch": 256, "checkpoint_every": 0},
+               positive=("states", "epochs", "batch")),
+        Recipe("densehmm", {"states": 128, "hidden": 64, "epochs": 10, "batch": 256, "lr": 0.05,
+                            "checkpoint_every": 0}, positive=("states", "epochs", "batch", "hidden")),
+    )
+    importers = (Importer("import-hmm", "import an hmmlearn-style .npz (startprob, transmat, emissionprob)",
+                          "FILE.npz", lambda path: read_hmmlearn_npz(path)),)
 
     def __init__(self, start: Tensor, trans: Tensor, emit: Tensor, extras: dict[str, Tensor] | None = None):
         self.start, self.trans, self.emit = start, trans, emit
@@ -29,8 +43,7 @@ class DenseHMM(ChainFamily):
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
         Z = tensors["trans"].shape[0] if "trans" in tensors else config.get("num_states", 0)
-        if config.get("num_states", Z) != Z:
-            raise_config(where, "num_states", config["num_states"], Z)
+        check_config(where, "num_states", config.get("num_states", Z), Z)
         check_distribution(check_shape(tensors, "start", (Z,), where), "start", 0, where)
         check_distribution(check_shape(tensors, "trans", (Z, Z), where), "trans", 1, where)
         check_distribution(check_shape(tensors, "emit", (Z, vocab_size), where), "emit", 1, where)
@@ -74,7 +87,63 @@ class DenseHMM(ChainFamily):
         return CategoricalTable(self.trans, temperature), CategoricalTable(self.emit, temperature), None
 
 
-def raise_config(where: str, key: str, declared: Any, actual: Any) -> None:
-    from latentlm.models.errors import ArtifactError
-
-    raise ArtifactError(f"{where}: config {key}={declared!r} does not match the tensors ({actual!r})", param=key)
+# -- importer ---------------------------------------------------------------------------------------
+def read_hmmlearn_npz(path: Path) -> tuple[dict[str, Tensor], Vocabulary, dict[str, Any]]:
+    """The `import-hmm` importer: hmmlearn's `CategoricalHMM` attributes in an npz (startprob [Z], transmat
+    [Z, Z], emissionprob [Z, V], optional vocab [V]) -> `hmm` tensors (float64), vocabulary, config. Raises
+    InputError naming the key and the problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file", param="FILE")
+    try:
+        npz = np.load(path, allow_pickle=False)
+        arrays = {k: npz[k] for k in npz.files}
+    except Exception as e:
+        raise InputError(f"{path}: not a readable .npz file ({e})", param="FILE") from None
+    allowed = {"startprob", "transmat", "emissionprob", "vocab"}
+    extra = sorted(set(arrays) - allowed)
+    if extra:
+        raise InputError(f"{path}: unexpected key {extra[0]!r} (allowed: {', '.join(sorted(allowed))})", param=extra[0])
+    for key in ("startprob", "transmat", "emissionprob"):
+        if key not in arrays:
+            raise InputError(f"{path}: missing key {key!r}", param=key)
+        a = arrays[key]
+        if a.dtype.kind not in "fiu":
+            raise InputError(f"{key}: expected numbers, got dtype {a.dtype}", param=key)
+    start, trans, emit = (arrays[k].astype(np.float64) for k in ("startprob", "transmat", "emissionprob"))
+    if start.ndim != 1 or start.shape[0] == 0:
+        raise InputError(f"startprob: expected shape [Z] with Z >= 1, got {list(start.shape)}", param="startprob")
+    Z = start.shape[0]
+    if trans.shape != (Z, Z):
+        raise InputError(f"transmat: expected shape [{Z}, {Z}], got {list(trans.shape)}", param="transmat")
+    if emit.ndim != 2 or emit.shape[0] != Z or emit.shape[1] == 0:
+        raise InputError(f"emissionprob: expected shape [{Z}, V], got {list(emit.shape)}", param="emissionprob")
+    for key, a, axis in (("startprob", start, 0), ("transmat", trans, 1), ("emissionprob", emit, 1)):
+        if not np.isfinite(a).all():
+            pos = tuple(int(i) for i in np.argwhere(~np.isfinite(a))[0])
+            raise InputError(f"{key}: NaN or infinite entry at {list(pos)}", param=key)
+        if (a < 0).any():
+            pos = tuple(int(i) for i in np.argwhere(a < 0)[0])
+            raise InputError(f"{key}: negative entry {a[pos]:.6g} at {list(pos)}", param=key)
+        sums = a.sum(axis=axis) if a.ndim > 1 else np.array([a.sum()])
+        bad = np.flatnonzero(np.abs(sums - 1) > 1e-4)
+        if len(bad):
+            what = "sums" if a.ndim == 1 else f"row {int(bad[0])} sums"
+            raise InputError(f"{key}: {what} to {sums[bad[0]]:.6g}, not 1 (tolerance 1e-4)", param=key)
+    V = emit.shape[1]
+    if "vocab" in arrays:
+        vocab_arr = arrays["vocab"]
+        if vocab_arr.shape != (V,):
+            raise InputError(f"vocab: expected shape [{V}], got {list(vocab_arr.shape)}", param="vocab")
+        tokens = [str(t) for t in vocab_arr.tolist()]
+        bad_tok = next((t for t in tokens if not t or any(c.isspace() for c in t)), None)
+        if bad_tok is not None:
+            raise InputError(f"vocab: token {bad_tok!r} is empty or contains whitespace", param="vocab")
+        if len(set(tokens)) != V:
+            raise InputError("vocab: tokens are not unique", param="vocab")
+    else:
+        tokens = [str(i) for i in range(V)]
+    pre = Preprocessing(lowercase=False, unk="<unk>" if "<unk>" in tokens else None,
+                        eos="<eos>" if "<eos>" in tokens else None, add_eos="<eos>" in tokens)
+    tensors = {"start": torch.from_numpy(start), "trans": torch.from_numpy(trans), "emit": torch.from_numpy(emit)}
+    return tensors, Vocabulary(tokens, pre), {"num_states": Z}

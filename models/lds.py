@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from latentlm.models.base import Batch, Family
+from latentlm.models.base import Batch
 from latentlm.models.chain import valid_mask
+from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError
-from latentlm.models.store import check_distribution, check_shape
+from latentlm.models.family import Family, Recipe
 from torch import Tensor
 
 SQUARE = ("A", "noise_lowrank", "sigma_pred", "sigma_filt", "sigma_smooth", "filter_trans", "smooth_J",
@@ -162,6 +163,7 @@ def filter_smooth(F: Tensor, gains: Tensor, J: Tensor, L: Tensor, lengths: Tenso
 
 class LDS(Family):
     family = "lds"
+    recipes = (Recipe("lds", positive=("dim", "lags")),)  # unset dim/lags: the trainer's defaults
     operations = frozenset({"embed"})
     decode_methods = frozenset()
 

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from latentlm.models.base import Batch, ChainOps, Family
+from latentlm.models.base import Batch, ChainOps
+from latentlm.models.checks import NORMALISATION_TOL, check_shape
 from latentlm.models.errors import ArtifactError, InputError, UnsupportedOperation
-from latentlm.models.store import NORMALISATION_TOL, check_shape
+from latentlm.models.family import Family, Importer, Option
 from latentlm.models.vocab import Preprocessing, Vocabulary
 from torch import Tensor
 
@@ -85,6 +86,11 @@ class NGramLM(Family):
     family = "ngram"
     operations = frozenset({"score"})
     decode_methods = frozenset()
+    importers = (Importer(
+        "import-arpa", "import a backoff n-gram model from an ARPA file (e.g. KenLM's lmplz); score only",
+        "FILE.arpa", lambda path, unk_token=None: read_arpa(path, unk_token or ARPA_UNK, progress=True),
+        (Option("unk_token", None, "the ARPA word that is the vocabulary's <unk> (default <unk>; e.g. _unk_ when "
+                                   "<unk> was renamed before lmplz)"),)),)
 
     def __init__(self, tensors: dict[str, Tensor], config: dict[str, Any], dtype: torch.dtype):
         self.config = config

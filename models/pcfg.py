@@ -24,12 +24,11 @@ from functools import cached_property
 from typing import Any
 
 import torch
-from latentlm.models.base import Family
-from latentlm.models.chain import CategoricalTable
-from latentlm.models.dense_pcfg import DEFAULT_MAX_LENGTH, check_config
+from latentlm.models.checks import check_distribution, check_positive_ints, check_shape
 from latentlm.models.errors import ArtifactError, UnsupportedOperation
-from latentlm.models.store import check_distribution, check_shape
-from latentlm.models.tree import PCFGOps
+from latentlm.models.family import Family, Recipe
+from latentlm.models.sampling import CategoricalTable
+from latentlm.models.tree import DEFAULT_MAX_LENGTH, PCFGOps
 from torch import Tensor
 
 FACTORS = ("start", "parent", "left", "right", "emit")
@@ -68,6 +67,8 @@ class RankPCFG(PCFGOps, Family):
     family = "pcfg"
     operations = frozenset({"score", "posterior", "decode", "sample"})
     decode_methods = frozenset({"mbr"})
+    default_method = "mbr"
+    recipes = (Recipe("pcfg", positive=("nt", "pt", "rank")),)  # unset sizes: the trainer's defaults
 
     def __init__(self, t: dict[str, Tensor], config: dict[str, Any]):
         for k in FACTORS + CACHED:
@@ -79,7 +80,7 @@ class RankPCFG(PCFGOps, Family):
 
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
-        check_config(config, ("nt", "pt", "rank"), where)
+        check_positive_ints(config, ("nt", "pt", "rank"), where)
         nt, pt, r = config["nt"], config["pt"], config["rank"]
         S = nt + pt
         for key, shape, dim in (("start", (S,), 0), ("parent", (nt, r), 1), ("left", (r, S), 1),

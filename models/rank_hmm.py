@@ -23,10 +23,12 @@ from typing import Any
 
 import torch
 from latentlm.models import chain
-from latentlm.models.base import Batch, ChainFamily, Samples, _run_sampler
-from latentlm.models.chain import CategoricalTable, Emit, RowLookup, Trans
+from latentlm.models.base import Batch, ChainFamily
+from latentlm.models.chain import Emit, RowLookup, Trans
+from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, LimitExceeded
-from latentlm.models.store import check_distribution, check_shape
+from latentlm.models.family import Recipe
+from latentlm.models.sampling import CategoricalTable, Samples, run_sampler
 from torch import Tensor
 
 VITERBI_MAX_ELEMENTS = 1 << 26  # m * m entries of the per-token state-space matrix (256 MiB in float32)
@@ -34,6 +36,9 @@ VITERBI_MAX_ELEMENTS = 1 << 26  # m * m entries of the per-token state-space mat
 
 class RankHMM(ChainFamily):
     family = "rank_hmm"
+    recipes = (Recipe("rank_hmm", {"states": 1024, "rank": 256, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
+                                   "dropout": 0.1, "checkpoint_every": 200},
+                      positive=("states", "epochs", "batch", "rank", "hidden")),)
     viterbi_max_elements = VITERBI_MAX_ELEMENTS
 
     def __init__(self, t: dict[str, Tensor]):
@@ -165,7 +170,7 @@ class RankHMM(ChainFamily):
             cur["z"] = state_t.draw(q, generator)
             return word_t.draw(q, generator)
 
-        return _run_sampler(n, max_tokens, generator, q, stop_id, emit=emit_fn,
+        return run_sampler(n, max_tokens, generator, q, stop_id, emit=emit_fn,
                             nxt=lambda q: rank_t.draw(cur["z"], generator), state_of=lambda q: cur["z"])
 
 

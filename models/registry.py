@@ -1,31 +1,56 @@
-"""Family name -> implementation. Add a family by importing its class here."""
+"""The families the store can hold, and saving / loading artifacts with each family's schema check.
+
+This module sits at the top of `latentlm.models`: it imports every family module, and nothing inside
+`latentlm.models` imports it. Adding a family means adding its class to `FAMILIES` (see the README,
+"Adding a family").
+"""
 
 from __future__ import annotations
 
-from latentlm.models.base import Family
+from pathlib import Path
+from typing import Any
+
+import torch
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.checks import Validator
+from latentlm.models.dense_pcfg import DensePCFG
 from latentlm.models.errors import ArtifactError
+from latentlm.models.family import Family
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.lds import LDS
+from latentlm.models.ngram import NGramLM
+from latentlm.models.pcfg import RankPCFG
+from latentlm.models.rank_hmm import RankHMM
+from latentlm.models.store import Artifact, read_artifact, write_artifact
+from latentlm.models.tagging_hmm import TaggingHMM
+from latentlm.models.vocab import Vocabulary
 
-
-def _families() -> dict[str, type[Family]]:
-    from latentlm.models.blocked_hmm import BlockedHMM
-    from latentlm.models.dense_pcfg import DensePCFG
-    from latentlm.models.hmm import DenseHMM
-    from latentlm.models.lds import LDS
-    from latentlm.models.ngram import NGramLM
-    from latentlm.models.pcfg import RankPCFG
-    from latentlm.models.rank_hmm import RankHMM
-    from latentlm.models.tagging_hmm import TaggingHMM
-
-    fams: list[type[Family]] = [DenseHMM, BlockedHMM, RankHMM, LDS, TaggingHMM, DensePCFG, RankPCFG, NGramLM]
-    return {f.family: f for f in fams}
+FAMILIES: dict[str, type[Family]] = {f.family: f for f in (
+    DenseHMM, BlockedHMM, RankHMM, TaggingHMM, RankPCFG, DensePCFG, LDS, NGramLM)}
 
 
 def get_family(name: str) -> type[Family]:
-    fams = _families()
-    if name not in fams:
-        raise ArtifactError(f"unknown model family {name!r} (known: {', '.join(sorted(fams))})", param="family")
-    return fams[name]
+    """The family class declared under `name` (the manifest's `family`)."""
+    if name not in FAMILIES:
+        raise ArtifactError(f"unknown model family {name!r} (known: {', '.join(sorted(FAMILIES))})", param="family")
+    return FAMILIES[name]
 
 
 def family_names() -> list[str]:
-    return sorted(_families())
+    return sorted(FAMILIES)
+
+
+def _validator(family: str) -> Validator:
+    return get_family(family).validate_tensors
+
+
+def save_artifact(store: Path | str, name: str, family: str, tensors: dict[str, torch.Tensor], vocab: Vocabulary,
+                  **kwargs: Any) -> Path:
+    """Check `tensors` against the family's schema and write `<store>/<name>` atomically (see
+    `store.write_artifact` for the keyword arguments: config, provenance, extra_files, overwrite)."""
+    return write_artifact(store, name, family, tensors, vocab, validate=_validator(family), **kwargs)
+
+
+def load_artifact(path: Path | str) -> Artifact:
+    """Read and verify `path`: hashes, shapes, finiteness and the family's own schema checks."""
+    return read_artifact(path, _validator)

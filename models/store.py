@@ -14,11 +14,13 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from latentlm.models.checks import Validator
 from latentlm.models.errors import ArtifactError, ModelNotFound
 from latentlm.models.vocab import Preprocessing, Vocabulary
 from safetensors.torch import load_file, save_file
@@ -27,7 +29,6 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 VOCAB = "vocab.txt"
 WEIGHTS = "weights.safetensors"
-NORMALISATION_TOL = 1e-4
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -82,29 +83,27 @@ class Artifact:
         return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def save_artifact(
+def write_artifact(
     store: Path | str,
     name: str,
     family: str,
     tensors: dict[str, torch.Tensor],
     vocab: Vocabulary,
     *,
+    validate: Validator,
     config: dict[str, Any] | None = None,
     provenance: dict[str, Any] | None = None,
     extra_files: dict[str, bytes] | None = None,
     overwrite: bool = True,
 ) -> Path:
-    """Validate (via the family's checks) and write an artifact atomically; returns its directory.
-
-    `extra_files` (e.g. `curve.png`, `clusters.txt`) are written beside the weights and hashed too."""
-    from latentlm.models.registry import get_family
-
+    """Check with `validate` (the family's schema check) and write an artifact atomically; returns its
+    directory. `extra_files` (e.g. `curve.png`, `clusters.txt`) are written beside the weights and hashed too.
+    Use `latentlm.models.registry.save_artifact`, which passes the family's check."""
     check_name(name)
     store = Path(store)
-    fam = get_family(family)
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     config = dict(config or {})
-    fam.validate_tensors(tensors, config, len(vocab), where=WEIGHTS)
+    validate(tensors, config, len(vocab), WEIGHTS)
     store.mkdir(parents=True, exist_ok=True)
     final = store / name
     if final.exists() and not overwrite:
@@ -165,11 +164,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def load_artifact(path: Path | str) -> Artifact:
+def read_artifact(path: Path | str, validate_for: Callable[[str], Validator]) -> Artifact:
     """Read and verify a model directory: file hashes, tensor shapes against the manifest, finiteness
-    and the family's own checks (normalisation of every distribution within 1e-4)."""
-    from latentlm.models.registry import get_family
-
+    and the family's own checks (`validate_for(family)`: normalisation of every distribution within 1e-4).
+    Use `latentlm.models.registry.load_artifact`, which looks the family up."""
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFound(f"{path}: no such model directory", param="model")
@@ -210,8 +208,7 @@ def load_artifact(path: Path | str) -> Artifact:
             f"{path / VOCAB}: {len(vocab)} tokens, manifest says vocab_size {manifest['vocab_size']}",
             param=VOCAB,
         )
-    fam = get_family(manifest["family"])
-    fam.validate_tensors(tensors, manifest.get("config", {}), len(vocab), where=str(path / WEIGHTS))
+    validate_for(manifest["family"])(tensors, manifest.get("config", {}), len(vocab), str(path / WEIGHTS))
     return Artifact(path=path, manifest=manifest, vocab=vocab, tensors=tensors)
 
 
@@ -229,32 +226,3 @@ def model_path(store: Path | str, name: str) -> Path:
     if not (path / MANIFEST).is_file():
         raise ModelNotFound(f"model {name!r} not found in store {store}", param="model")
     return path
-
-
-# -- checks shared by the families ------------------------------------------------------------------
-def check_shape(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], where: str) -> torch.Tensor:
-    if key not in tensors:
-        raise ArtifactError(f"{where}: missing tensor {key!r}", param=key)
-    t = tensors[key]
-    if tuple(t.shape) != tuple(shape):
-        raise ArtifactError(f"{where}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}", param=key)
-    return t
-
-
-def check_distribution(t: torch.Tensor, key: str, dim: int, where: str, tol: float = NORMALISATION_TOL) -> None:
-    """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`."""
-    if not t.is_floating_point():
-        raise ArtifactError(f"{where}: tensor {key!r} must be floating point, got {t.dtype}", param=key)
-    if not bool(torch.isfinite(t).all()):
-        raise ArtifactError(f"{where}: tensor {key!r} has NaN or infinite entries", param=key)
-    if bool((t < 0).any()):
-        raise ArtifactError(f"{where}: tensor {key!r} has negative entries", param=key)
-    sums = t.double().sum(dim)
-    bad = (sums - 1).abs() > tol
-    if bool(bad.any()):
-        idx = bad.nonzero()[0].tolist()
-        raise ArtifactError(
-            f"{where}: tensor {key!r} is not normalised: entry {idx} sums to {sums[tuple(idx)].item():.6g} "
-            f"(tolerance {tol})",
-            param=key,
-        )

@@ -20,14 +20,16 @@ from typing import Any
 import torch
 from latentlm.models.base import Batch
 from latentlm.models.chain import Trans
+from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError
 from latentlm.models.hmm import DenseHMM
-from latentlm.models.store import check_distribution, check_shape
 from torch import Tensor
 
 
 class TaggingHMM(DenseHMM):
     family = "tagging_hmm"
+    recipes = ()  # trained by `latentlm train-tagger` (latentlm.training.tagging)
+    importers = ()
 
     def __init__(self, start: Tensor, trans: Tensor, emit: Tensor, tag_emit: Tensor, tags: list[str],
                  extras: dict[str, Tensor] | None = None):

@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from latentlm.models.chain import CategoricalTable
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
+from latentlm.models.family import perplexity
+from latentlm.models.sampling import CategoricalTable
 from torch import Tensor
+
+DEFAULT_MAX_LENGTH = 200  # words per sentence a PCFG model accepts unless its config says `max_length`
 
 
 class Contraction(Protocol):
@@ -460,8 +463,7 @@ class PCFGOps:
                 "need prefix probabilities (Jelinek-Lafferty), which this family does not compute",
                 param="token_logprobs")
         logp = self.log_prob(seqs)
-        return [{"logprob": float(lp), "num_tokens": len(s),
-                 "perplexity": math.exp(-float(lp) / len(s)) if math.isfinite(float(lp)) else float("inf")}
+        return [{"logprob": float(lp), "num_tokens": len(s), "perplexity": perplexity(float(lp), len(s))}
                 for s, lp in zip(seqs, logp, strict=True)]
 
     def marginals(self, seqs: list[list[int]]) -> list[Tensor]:

@@ -22,9 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from latentlm.service.metrics import Metrics
-
 from latentlm import ops
+from latentlm.service.metrics import Metrics
 
 log = logging.getLogger("latentlm.service")
 
@@ -213,21 +212,10 @@ class Batcher:
         m.batch_requests.labels(q.op).observe(len(items))
         m.batch_sequences.labels(q.op).observe(len(seqs))
         m.batch_tokens.labels(q.op).observe(ntok)
-        try:
-            results = ops.run(q.model, q.op, seqs, max_batch_tokens=self.max_batch_tokens, **q.opts)
-        except Exception as e:  # one bad request must not fail its neighbours: run each alone
-            if len(items) == 1:
-                return [(False, e)]
-            return [self._run(q, [it])[0] for it in items]
+        parts = ops.run_merged(q.model, q.op, [it.seqs for it in items], max_batch_tokens=self.max_batch_tokens,
+                               **q.opts)
         m.tokens.labels(q.model.name, q.op).inc(ntok)
-        out, pos = [], 0
-        for it in items:
-            part = results[pos : pos + len(it.seqs)]
-            pos += len(it.seqs)
-            for j, r in enumerate(part):  # fresh dicts from ops.run: renumber within the request in place
-                r["index"] = j
-            out.append((True, part))
-        return out
+        return [(not isinstance(p, Exception), p) for p in parts]
 
 
 def _deliver(items: list[_Item], outcomes: list[tuple[bool, Any]]) -> None:

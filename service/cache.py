@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import redis.asyncio as aioredis
+
 from latentlm.service.metrics import Metrics
 
 log = logging.getLogger("latentlm.service")

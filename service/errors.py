@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from latentlm.models.errors import (
     ArtifactError,
     InputError,
@@ -19,7 +21,6 @@ from latentlm.models.errors import (
     ModelNotFound,
     UnsupportedOperation,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("latentlm.service")
 # pydantic puts the union member it tried into `loc` (top_k.int, prefix.list[int]); not a field name

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-from latentlm.models.errors import LimitExceeded
-from latentlm.service.errors import APIError, describe_validation
-from latentlm.service.schemas import REQUESTS, SampleRequest
 from pydantic import BaseModel, ValidationError
 
 from latentlm import ops
+from latentlm.models.errors import LimitExceeded
+from latentlm.service.errors import APIError, describe_validation
+from latentlm.service.schemas import REQUESTS, SampleRequest
 
 
 @dataclass
@@ -43,22 +41,20 @@ def parse(op: str, body: Any) -> BaseModel:
         raise describe_validation([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
-def options(op: str, req: BaseModel) -> dict[str, Any]:
-    """The keyword options `ops.run` takes for `op` (everything that changes the computation)."""
-    if op == "score":
-        return {"token_logprobs": req.token_logprobs}
-    if op == "posterior":
-        return {"top_k": ops.parse_top_k(req.top_k)}
-    if op == "decode":
-        return {"method": req.method}
-    if op == "embed":
-        return {"causal": req.causal}
-    raise ValueError(op)
+def options(model: ops.LoadedModel, op: str, req: BaseModel) -> dict[str, Any]:
+    """The keyword options `ops.run` takes for `op`: every request field but `model` and `input` (they are
+    named as in the CLI), with `top_k` parsed and a missing decode `method` set to the family's default."""
+    opts = req.model_dump(exclude={"model", "input"})
+    if "top_k" in opts:
+        opts["top_k"] = ops.parse_top_k(opts["top_k"])
+    if op == "decode" and opts.get("method") is None:
+        opts["method"] = ops.default_method(model)
+    return opts
 
 
 def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens: int) -> Prepared:
     """Check support, encode inputs (strings per the manifest; id lists as is) and the token limit."""
-    opts = options(op, req)
+    opts = options(model, op, req)
     ops.check_supported(model, op, opts.get("method"))
     raw = req.input if isinstance(req.input, list) else [req.input]
     seqs = ops.encode_inputs(model.vocab, raw)
@@ -97,30 +93,6 @@ def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
     return {"object": "list", "model": model.name, "data": data,
             "usage": {"input_tokens": prefix_tokens, "output_tokens": out_tokens,
                       "total_tokens": prefix_tokens + out_tokens}}
-
-
-def _clean(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_clean(v) for v in x]
-    return x
-
-
-def dumps(obj: Any) -> bytes:
-    """Strict JSON (UTF-8); non-finite floats (e.g. the perplexity of an impossible sequence) become null.
-    orjson (20x faster than the json module on a score response; it writes NaN and +-inf as null); the
-    json module for what orjson does not take (e.g. integers beyond 64 bits)."""
-    try:
-        return orjson.dumps(obj)
-    except TypeError:
-        pass
-    try:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-    except ValueError:
-        return json.dumps(_clean(obj), ensure_ascii=False, separators=(",", ":")).encode()
 
 
 def cache_key(prep: Prepared) -> str:

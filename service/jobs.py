@@ -23,16 +23,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from latentlm import ops
 from latentlm.models.errors import LatentLMError
+from latentlm.models.family import OPERATIONS
+from latentlm.ops import dumps
 from latentlm.service.errors import APIError, error_payload, from_model_error
-from latentlm.service.execute import body, check_sample, dumps, parse, prepare, run_sample
+from latentlm.service.execute import body, check_sample, parse, prepare, run_sample
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
 
 log = logging.getLogger("latentlm.jobs")
 
-ENDPOINTS = {"/v1/score": "score", "/v1/posterior": "posterior", "/v1/decode": "decode", "/v1/sample": "sample",
-             "/v1/embed": "embed"}
+ENDPOINTS = {f"/v1/{op}": op for op in OPERATIONS}
 LIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 MAX_LINES = 100_000
@@ -349,8 +351,6 @@ def cancel_batch(store: JobStore, bid: str) -> dict:
 def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: Settings
                   ) -> list[tuple[int, dict]]:
     """(status, body) per request; requests of the same model version and options share one batched call."""
-    from latentlm import ops
-
     out: list[tuple[int, dict] | None] = [None] * len(bodies)
     groups: dict[tuple, list[tuple[int, Any]]] = defaultdict(list)
     for i, b in enumerate(bodies):
@@ -370,24 +370,16 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
             out[i] = (ae.status, error_payload(ae))
     for members in groups.values():
         first = members[0][1]
-        seqs = [s for _, p in members for s in p.seqs]
-        try:
-            res = ops.run(first.model, op, seqs, max_batch_tokens=settings.max_batch_tokens, **first.opts)
-        except LatentLMError:  # one bad request must not fail its neighbours: run each alone
-            res = None
-        pos = 0
-        for i, p in members:
-            if res is not None:
-                part = [{**r, "index": j} for j, r in enumerate(res[pos : pos + len(p.seqs)])]
-                pos += len(p.seqs)
-                out[i] = (200, body(p, part))
-                continue
-            try:
-                out[i] = (200, body(p, ops.run(p.model, op, p.seqs, max_batch_tokens=settings.max_batch_tokens,
-                                               **p.opts)))
-            except LatentLMError as e:
-                ae = from_model_error(e)
+        parts = ops.run_merged(first.model, op, [p.seqs for _, p in members],
+                               max_batch_tokens=settings.max_batch_tokens, **first.opts)
+        for (i, p), res in zip(members, parts, strict=True):
+            if isinstance(res, LatentLMError):
+                ae = from_model_error(res)
                 out[i] = (ae.status, error_payload(ae))
+            elif isinstance(res, Exception):
+                raise res
+            else:
+                out[i] = (200, body(p, res))
     return [o for o in out if o is not None]
 
 

@@ -12,11 +12,11 @@ import threading
 from pathlib import Path
 
 import torch
+
+from latentlm import ops
 from latentlm.models import kernels
 from latentlm.models.errors import LatentLMError, ModelNotFound
 from latentlm.models.store import list_models, read_manifest
-
-from latentlm import ops
 
 log = logging.getLogger("latentlm.service")
 

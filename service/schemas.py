@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
 
+from latentlm.models.family import OPERATIONS
+
 INPUT_SCHEMA = {
     "description": "a string, a list of strings, or a list of token-id lists (ids taken as is, no <eos> added)",
     "anyOf": [{"type": "string"},
@@ -75,7 +77,9 @@ class PosteriorRequest(_WithInput):
 
 
 class DecodeRequest(_WithInput):
-    method: str = Field("viterbi", description="viterbi (best path) or mbr (per-token argmax of marginals)")
+    method: str | None = Field(None, description="viterbi (best path) or mbr (per-token argmax of marginals); "
+                                                 "default: the family's `default_method` (viterbi for HMMs, mbr "
+                                                 "for PCFGs)")
 
 
 class EmbedRequest(_WithInput):
@@ -101,3 +105,4 @@ class SampleRequest(_Base):
 
 REQUESTS: dict[str, type[_Base]] = {"score": ScoreRequest, "posterior": PosteriorRequest, "decode": DecodeRequest,
                                     "sample": SampleRequest, "embed": EmbedRequest}
+assert tuple(REQUESTS) == tuple(sorted(REQUESTS, key=OPERATIONS.index)) and set(REQUESTS) == set(OPERATIONS)

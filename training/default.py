@@ -13,7 +13,8 @@ DEFAULT_SETTINGS = {"family": "hmm", "data": ["ptb"], "states": 256, "epochs": 2
 def build_default_model(store: Path, name: str = "ptb-hmm", progress: bool = True) -> Path:
     """Train and export `name` (a dense Baum-Welch HMM on PTB) into `store`; returns the artifact dir."""
     import torch
-    from latentlm.training.cli import resolve_settings
+
+    from latentlm.training.settings import resolve_settings
 
     args = argparse.Namespace(**DEFAULT_SETTINGS, name=name, store=Path(store), progress=progress, config=None,
                               resume=False, seed=0, patience=2)

@@ -1,4 +1,5 @@
-"""`latentlm train` and `latentlm eval`.
+"""Training settings (`latentlm train`'s options), their validation, the dispatch to each recipe's trainer,
+and corpus perplexity (`latentlm eval`).
 
     latentlm train --family F --data ptb|FILE... [--states --clusters --rank --hidden --epochs --batch
                    --device --seed --lr --max-steps --checkpoint-every ...] --name NAME [--store DIR]
@@ -6,24 +7,29 @@
     latentlm eval --model NAME --data ptb:valid|ptb:test|FILE [--store DIR]
 
 Settings come from the command line, else from `--config` (same names, `-` or `_`), else defaults; all of
-them are validated before any data is read. `--family pcfg` and `--family lds` dispatch to
-`training.pcfg.train(args)` and `training.lds.train(args)`.
+them are validated before any data is read. A family's defaults and checks come from its declaration
+(`Family.recipes`); `TRAINERS` maps each recipe to its training loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from latentlm import ops
 from latentlm.models.errors import InputError, read_text_file
+from latentlm.models.family import Recipe
+from latentlm.models.registry import FAMILIES
 from latentlm.models.store import check_name, default_store
 
-FAMILIES = ("hmm", "densehmm", "blocked_hmm", "rank_hmm", "pcfg", "lds")
+RECIPES: dict[str, Recipe] = {r.name: r for fam in FAMILIES.values() for r in fam.recipes}
+"""`--family` values: each family's training recipes, declared on the family (`Family.recipes`); `densehmm`
+is a recipe of the `hmm` family."""
+RECIPE_FAMILY: dict[str, str] = {r.name: name for name, fam in FAMILIES.items() for r in fam.recipes}
 
 # name -> (type, default, help). None defaults are filled per family by `family_defaults`.
 OPTIONS: dict[str, tuple[type, Any, str]] = {
@@ -59,45 +65,6 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "lags": (int, None, "lds: lag covariances"),
     "progress": (bool, True, "show a progress bar"),
 }
-
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "hmm": {"states": 256, "epochs": 10, "batch": 256, "checkpoint_every": 0},
-    "densehmm": {"states": 128, "hidden": 64, "epochs": 10, "batch": 256, "lr": 0.05, "checkpoint_every": 0},
-    "blocked_hmm": {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
-                    "checkpoint_every": 200},
-    "rank_hmm": {"states": 1024, "rank": 256, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
-                 "dropout": 0.1, "checkpoint_every": 200},
-    "pcfg": {},
-    "lds": {},
-}
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `train` and `eval` to the `latentlm` command line."""
-    p = subparsers.add_parser("train", help="train a model on PTB or text files and write it into the store")
-    p.add_argument("--family", choices=FAMILIES, default=None)
-    p.add_argument("--data", nargs="+", default=None, metavar="ptb|FILE",
-                   help="'ptb' (Penn Treebank, Mikolov split) or text files, one sentence per line")
-    p.add_argument("--name", default=None, help="model name in the store")
-    p.add_argument("--store", type=Path, default=None, help="model store (default $LATENTLM_STORE or ./artifacts)")
-    p.add_argument("--config", type=Path, default=None, help="YAML or TOML file holding the same settings")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of --name")
-    for key, (typ, _default, help_text) in OPTIONS.items():
-        flag = "--" + key.replace("_", "-")
-        if typ is bool:
-            p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            p.add_argument(flag, dest=key, type=typ, default=None, help=help_text)
-    p.set_defaults(func=cmd_train)
-
-    p = subparsers.add_parser("eval", help="perplexity of a stored model on ptb:valid, ptb:test or a text file")
-    p.add_argument("--model", required=True, help="model name in the store")
-    p.add_argument("--data", required=True, metavar="ptb:valid|ptb:test|FILE")
-    p.add_argument("--store", type=Path, default=default_store())
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--batch-tokens", type=int, default=16384)
-    p.set_defaults(func=cmd_eval)
 
 
 # -- settings -----------------------------------------------------------------------------------------
@@ -140,10 +107,10 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
     merged["resume"] = bool(getattr(args, "resume", False) or cfg.get("resume", False))
     family = merged["family"]
     if family is None:
-        raise InputError("--family is required (one of " + ", ".join(FAMILIES) + ")", param="family")
-    if family not in FAMILIES:
-        raise InputError(f"--family: expected one of {', '.join(FAMILIES)}, got {family!r}", param="family")
-    fam_defaults = FAMILY_DEFAULTS[family]
+        raise InputError("--family is required (one of " + ", ".join(RECIPES) + ")", param="family")
+    if family not in RECIPES:
+        raise InputError(f"--family: expected one of {', '.join(RECIPES)}, got {family!r}", param="family")
+    fam_defaults = RECIPES[family].defaults
     for key, (typ, default, _h) in OPTIONS.items():
         v = getattr(args, key, None)
         if v is None:
@@ -218,34 +185,16 @@ def validate(ns: argparse.Namespace) -> None:
 
         if not torch.cuda.is_available():
             raise InputError("--device: 'cuda' requested but no CUDA device is available", param="device")
-    fam = ns.family
-    if fam in ("hmm", "densehmm", "blocked_hmm", "rank_hmm"):
-        _need_positive(ns, "states", "epochs", "batch")
-        if not (ns.smoothing >= 0 and math.isfinite(ns.smoothing)):
-            raise InputError(f"--smoothing: must be >= 0, got {ns.smoothing}", param="smoothing")
-        if ns.lr is not None and not (ns.lr > 0 and math.isfinite(ns.lr)):
-            raise InputError(f"--lr: must be a positive number, got {ns.lr}", param="lr")
-    if fam == "blocked_hmm":
-        _need_positive(ns, "clusters", "hidden")
-        if ns.states % ns.clusters:
-            raise InputError(f"--states {ns.states} must be divisible by --clusters {ns.clusters}",
-                             param="states")
-        if ns.clusters > ns.max_vocab:
-            raise InputError(f"--clusters {ns.clusters} exceeds the vocabulary size", param="clusters")
-        k = ns.states // ns.clusters
-        keep = k - round(k * ns.state_dropout)
-        if not 0 <= ns.state_dropout < 1 or keep < 1:
-            raise InputError(f"--state-dropout: must be in [0, 1) and keep >= 1 of the {k} states per cluster, "
-                             f"got {ns.state_dropout}", param="state_dropout")
-    if fam == "rank_hmm":
-        _need_positive(ns, "rank", "hidden")
-    for key in {"lds": ("dim", "lags"), "pcfg": ("nt", "pt", "rank")}.get(fam, ()):
-        if getattr(ns, key, None) is not None:  # unset means the family's default
-            _need_positive(ns, key)
-    if fam == "densehmm":
-        _need_positive(ns, "hidden")
-        if ns.fit not in ("em", "cooc"):
-            raise InputError(f"--fit: expected 'em' or 'cooc', got {ns.fit!r}", param="fit")
+    recipe = RECIPES[ns.family]
+    _need_positive(ns, *(k for k in recipe.positive if getattr(ns, k) is not None or k in recipe.defaults))
+    if not (ns.smoothing >= 0 and math.isfinite(ns.smoothing)):
+        raise InputError(f"--smoothing: must be >= 0, got {ns.smoothing}", param="smoothing")
+    if ns.lr is not None and not (ns.lr > 0 and math.isfinite(ns.lr)):
+        raise InputError(f"--lr: must be a positive number, got {ns.lr}", param="lr")
+    if ns.fit not in ("em", "cooc"):
+        raise InputError(f"--fit: expected 'em' or 'cooc', got {ns.fit!r}", param="fit")
+    if recipe.check is not None:
+        recipe.check(ns)
     if ns.dropout is not None and not 0 <= ns.dropout < 1:
         raise InputError(f"--dropout: must be in [0, 1), got {ns.dropout}", param="dropout")
     if ns.resume:
@@ -257,28 +206,17 @@ def validate(ns: argparse.Namespace) -> None:
 
 
 # -- commands -----------------------------------------------------------------------------------------
+def _trainers() -> dict[str, Callable[[argparse.Namespace], Path]]:
+    """Recipe name -> training loop (imported here, explicitly; each loop writes its family's artifact)."""
+    from latentlm.training import baum_welch, densehmm, lds, neural, pcfg
+
+    return {"hmm": baum_welch.train, "densehmm": densehmm.train, "blocked_hmm": neural.train,
+            "rank_hmm": neural.train, "pcfg": pcfg.train, "lds": lds.train}
+
+
 def train(ns: argparse.Namespace) -> Path:
-    """Dispatch validated settings to the family's trainer; returns the artifact directory."""
-    fam = ns.family
-    if fam == "hmm":
-        from latentlm.training.baum_welch import train as run
-    elif fam == "densehmm":
-        from latentlm.training.densehmm import train as run
-    elif fam in ("blocked_hmm", "rank_hmm"):
-        from latentlm.training.neural import train as run
-    elif fam == "pcfg":
-        from latentlm.training.pcfg import train as run
-    elif fam == "lds":
-        from latentlm.training.lds import train as run
-    else:  # pragma: no cover - validated above
-        raise InputError(f"--family: unknown {fam!r}", param="family")
-    return run(ns)
-
-
-def cmd_train(args: argparse.Namespace) -> None:
-    ns = resolve_settings(args)
-    path = train(ns)
-    print(f"wrote {ns.name} to {path}", file=sys.stderr)
+    """Run the recipe's training loop on validated settings; returns the artifact directory."""
+    return _trainers()[ns.family](ns)
 
 
 def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu", dtype: str = "float32",
@@ -287,7 +225,6 @@ def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu",
     exp(-sum log p / sum tokens) over sentences, `<eos>` included."""
     from latentlm.training.data import eval_corpus
 
-    from latentlm import ops
 
     model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype)
     seqs = eval_corpus(data, model.vocab)
@@ -296,9 +233,3 @@ def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu",
     n = sum(r["num_tokens"] for r in rows)
     return {"model": name, "data": data, "perplexity": math.exp(-logp / n), "logprob": logp, "num_tokens": n,
             "num_sequences": len(seqs)}
-
-
-def cmd_eval(args: argparse.Namespace) -> None:
-    res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
-                            max_batch_tokens=args.batch_tokens)
-    print(json.dumps(res))

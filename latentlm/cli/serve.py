@@ -1,15 +1,17 @@
-"""`latentlm serve` and `latentlm worker`."""
+"""`latentlm serve` and `latentlm worker`; an empty store first gets the default model (built by
+`latentlm.training.default`), so that the service package never needs training code."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from pathlib import Path
 
+from latentlm import ops
 from latentlm.models.errors import LatentLMError
 from latentlm.models.store import list_models
+from latentlm.training.default import build_default_model
 
 
 class ServeError(LatentLMError):
@@ -17,16 +19,12 @@ class ServeError(LatentLMError):
 
 
 def ensure_default_model(store: Path, builder=None) -> list[str]:
-    """An empty store first gets the default model (`training.default.build_default_model`)."""
+    """An empty store first gets the default model (`builder`, by default
+    `latentlm.training.default.build_default_model`)."""
     names = list_models(store)
     if names:
         return names
-    if builder is None:
-        try:
-            builder = importlib.import_module("latentlm.training.default").build_default_model
-        except (ImportError, AttributeError) as e:
-            raise ServeError(f"store {store} has no models and the default model builder is unavailable ({e}); "
-                             "add a model with `latentlm import-hmm` or `latentlm train`", param="store") from None
+    builder = builder or build_default_model
     print(f"latentlm serve: store {store} is empty; building the default model first", file=sys.stderr)
     store.mkdir(parents=True, exist_ok=True)
     builder(store)
@@ -45,12 +43,13 @@ def set_threads(n: int) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
+    import uvicorn  # the service's modules load with the command that needs them (`latentlm score` starts faster)
+
     from latentlm.service.app import create_app
     from latentlm.service.settings import Settings
     from latentlm.service.transport import CoalescingHttpToolsProtocol
 
-    from latentlm import ops
+
 
     settings = Settings.from_env(store=args.store, device=args.device)
     ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
@@ -69,6 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_worker(args: argparse.Namespace) -> None:
     from latentlm.service.settings import Settings
     from latentlm.service.worker import run_worker
+
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     settings = Settings.from_env(store=args.store, device=args.device)

@@ -11,13 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from latentlm.models.dense_pcfg import DensePCFG, random_dense_pcfg
-from latentlm.models.errors import ArtifactError, InputError, LimitExceeded, UnsupportedOperation
-from latentlm.models.store import load_artifact, save_artifact
-from latentlm.models.tree import bracket, mbr_cky, relabel_leaves
-from latentlm.models.vocab import Preprocessing, Vocabulary
 from scipy.stats import chi2
 
+from latentlm.models.dense_pcfg import DensePCFG, random_dense_pcfg
+from latentlm.models.errors import ArtifactError, InputError, LimitExceeded, UnsupportedOperation
+from latentlm.models.registry import load_artifact, save_artifact
+from latentlm.models.tree import bracket, mbr_cky, relabel_leaves
+from latentlm.models.vocab import Preprocessing, Vocabulary
 from tests.models.tree_brute import brute, tree_string
 
 V = 4
@@ -226,7 +226,7 @@ V -> 'sees' 1.0
 
 
 def test_import_pcfg_errors_name_the_line(tmp_path):
-    from latentlm.pcfg_cli import read_grammar
+    from latentlm.models.grammar_text import read_grammar
 
     def err(text: str, **kw) -> str:
         with pytest.raises(InputError) as e:

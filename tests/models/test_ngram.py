@@ -15,14 +15,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from latentlm.models.base import Batch
-from latentlm.models.errors import ArtifactError, UnsupportedOperation
-from latentlm.models.ngram import ArpaError, parse_arpa, read_arpa, validate
-from latentlm.models.store import load_artifact
 
 from latentlm import ops
 from latentlm.cli import main
-from latentlm.ngram_cli import import_arpa
+from latentlm.cli.imports import import_file
+from latentlm.models.base import Batch
+from latentlm.models.errors import ArtifactError, UnsupportedOperation
+from latentlm.models.ngram import ArpaError, NGramLM, parse_arpa, read_arpa, validate
+from latentlm.models.registry import load_artifact
 
 LOG10 = math.log(10)
 
@@ -44,6 +44,11 @@ ngram 2=2
 
 \\end\\
 """
+
+
+def import_arpa(path, name, store, **options):
+    """`latentlm import-arpa` as a function: the family's declared importer, checked and stored."""
+    return import_file(NGramLM, NGramLM.importers[0], path, name, store, **options)
 
 
 # -- an independent estimator and a dict-based reference scorer ------------------------------------------
@@ -363,7 +368,7 @@ def test_import_arpa_cli_round_trip(tmp_path, capsys):
 
 
 def test_eval_path(trigram, tmp_path):
-    from latentlm.training.cli import corpus_perplexity
+    from latentlm.training.settings import corpus_perplexity
 
     store, prob, _ = trigram
     (tmp_path / "t.txt").write_text("a b\n\nc d a\n")
@@ -385,6 +390,7 @@ def test_unsupported_operations_raise(trigram):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_service_scores_and_rejects_decode(trigram, tmp_path):
     from fastapi.testclient import TestClient
+
     from latentlm.service.app import create_app
     from latentlm.service.settings import Settings
 

@@ -6,19 +6,20 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 
 import pytest
+
+from latentlm import ops
+from latentlm.cli.serve import ServeError, ensure_default_model
 from latentlm.models.errors import InputError, LimitExceeded, ModelNotFound, UnsupportedOperation
 from latentlm.service.batcher import Batcher, QueueFull
-from latentlm.service.cli import ServeError, ensure_default_model
 from latentlm.service.errors import describe_validation, from_model_error
-from latentlm.service.execute import dumps
+from latentlm.ops import dumps
 from latentlm.service.jobs import parse_input_file
 from latentlm.service.metrics import Metrics
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
-
-from latentlm import ops
 from tests.service.conftest import add_model, close
 
 
@@ -42,16 +43,22 @@ def test_batcher_merges_and_splits(base_store):
 
 def test_batcher_queue_full_and_per_request_errors(base_store):
     m = ops.load_model(base_store, "tiny")
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
+
+    def block() -> None:  # occupies the inference thread until the gate opens
+        started.set()
+        assert gate.wait(30)
 
     async def go():
         b = Batcher(Metrics(), max_queue=2, max_queue_delay_ms=0)
         await b.start()
         try:
-            blocker = asyncio.ensure_future(b.call(m, "sample", gate.wait))  # occupies the inference thread
-            await asyncio.sleep(0.05)
+            blocker = asyncio.ensure_future(b.call(m, "sample", block))
+            assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
+            assert b.depth == 0  # the blocker left the queue: the thread is busy with it
             waiting = [asyncio.ensure_future(b.submit(m, "score", {}, [[1, 2]])) for _ in range(2)]
-            await asyncio.sleep(0)
+            await asyncio.sleep(0)  # one loop turn: both tasks run up to their await, i.e. are queued
+            assert b.depth == 2
             with pytest.raises(QueueFull):
                 await b.submit(m, "score", {}, [[3]])
             gate.set()
@@ -152,6 +159,7 @@ def test_serve_builds_default_model_into_empty_store(tmp_path):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_ready_503_until_models_load(base_store, tmp_path):
     from fastapi.testclient import TestClient
+
     from latentlm.service.app import create_app
 
     app = create_app(Settings(store=base_store, device="cpu", state_dir=tmp_path))
@@ -171,18 +179,18 @@ def test_ready_503_until_models_load(base_store, tmp_path):
         r = c.post("/v1/score", json={"model": "tiny", "input": "w1"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
         gate.set()
-        for _ in range(200):
-            if c.get("/ready").status_code == 200:
-                break
+        deadline = time.monotonic() + 60
+        while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, "not ready 60 s after the models could load"
             threading.Event().wait(0.05)
         assert c.post("/v1/score", json={"model": "tiny", "input": "w1"}).status_code == 200
 
 
 def test_worker_needs_redis_and_serve_checks_device(tmp_path, capsys):
     import torch
-    from latentlm.service.worker import run_worker
 
     from latentlm.cli import main
+    from latentlm.service.worker import run_worker
 
     with pytest.raises(SystemExit, match="REDIS_URL"):
         run_worker(Settings(store=tmp_path, redis_url=""))
@@ -192,25 +200,30 @@ def test_worker_needs_redis_and_serve_checks_device(tmp_path, capsys):
 
 
 def test_batcher_waits_only_when_company_is_coming(base_store):
+    """The queue delay is a minute, so neither outcome depends on timing: a request that waited for the
+    delay would time out; one that did not wait for announced company would be a batch of its own."""
     m = ops.load_model(base_store, "tiny")
 
     async def go(announced: bool) -> float:
         met = Metrics()
-        b = Batcher(met, max_queue_delay_ms=200)
+        b = Batcher(met, max_queue_delay_ms=60_000)
         await b.start()
         try:
             t1, t2 = (b.announce(), b.announce()) if announced else (None, None)
             first = asyncio.ensure_future(b.submit(m, "score", {}, [[1, 2]], t1))
-            await asyncio.sleep(0.02)
+            if announced:  # the first waits for the second (the sleep only gives a wrong batcher a chance)
+                await asyncio.sleep(0.05)
+                assert not first.done()
+            else:  # nobody is coming: the lone request goes at once, not after the delay
+                await asyncio.wait_for(asyncio.shield(first), 30)
             second = asyncio.ensure_future(b.submit(m, "score", {}, [[3]], t2))
-            await asyncio.gather(first, second)
+            await asyncio.wait_for(asyncio.gather(first, second), 30)  # the second completes the batch
             return met.registry.get_sample_value("latentlm_batch_requests_count", {"operation": "score"})
         finally:
             await b.stop()
 
     assert asyncio.run(go(True)) == 1  # the first request waited for the announced second: one batch
-    # nobody announced: the lone first request went at once (two batches of one)
-    assert asyncio.run(go(False)) == 2
+    assert asyncio.run(go(False)) == 2  # two batches of one
 
 
 def test_coalescing_transport_sends_head_and_body_together():

@@ -1,0 +1,35 @@
+"""The `latentlm` command line: thin wrappers over `latentlm.ops`, `latentlm.service` and `latentlm.training`.
+
+Subcommands, each module imported explicitly: `infer` (score, decode, posterior, embed, sample, list),
+`imports` (one per importer a family declares: import-hmm, import-arpa, import-pcfg), `train` (train, eval,
+train-tagger), `serve` (serve, worker). Errors print one line naming the field and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from latentlm.cli import imports, infer, serve, train
+from latentlm.models.errors import LatentLMError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="latentlm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (imports, infer, train, serve):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except LatentLMError as e:
+        print(f"latentlm {args.command}: error: {e.message}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+    return 0

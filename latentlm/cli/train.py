@@ -1,0 +1,57 @@
+"""`latentlm train`, `latentlm eval` and `latentlm train-tagger` over `latentlm.training`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from latentlm.cli.common import add_store
+from latentlm.training import settings, tagging
+from latentlm.training.settings import OPTIONS, RECIPES, corpus_perplexity, resolve_settings
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    ns = resolve_settings(args)
+    path = settings.train(ns)
+    print(f"wrote {ns.name} to {path}", file=sys.stderr)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
+                            max_batch_tokens=args.batch_tokens)
+    print(json.dumps(res))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model on PTB or text files and write it into the store")
+    p.add_argument("--family", choices=list(RECIPES), default=None,
+                   help="training recipe: a family, or densehmm (an hmm fitted as DenseHMM)")
+    p.add_argument("--data", nargs="+", default=None, metavar="ptb|FILE",
+                   help="'ptb' (Penn Treebank, Mikolov split) or text files, one sentence per line")
+    p.add_argument("--name", default=None, help="model name in the store")
+    p.add_argument("--store", type=Path, default=None, help="model store (default $LATENTLM_STORE or ./artifacts)")
+    p.add_argument("--config", type=Path, default=None, help="YAML or TOML file holding the same settings")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of --name")
+    for key, (typ, _default, help_text) in OPTIONS.items():
+        flag = "--" + key.replace("_", "-")
+        if typ is bool:
+            p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            p.add_argument(flag, dest=key, type=typ, default=None, help=help_text)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="perplexity of a stored model on ptb:valid, ptb:test or a text file")
+    p.add_argument("--model", required=True, help="model name in the store")
+    p.add_argument("--data", required=True, metavar="ptb:valid|ptb:test|FILE")
+    add_store(p)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--batch-tokens", type=int, default=16384)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("train-tagger", help="train a tagging_hmm on Brown and report tagging accuracy against the "
+                                            "most-frequent-tag baseline")
+    tagging.add_arguments(p)
+    p.set_defaults(func=tagging.run)

@@ -1,0 +1,58 @@
+"""Checks every family's artifact schema uses: tensor shapes, probability distributions, config values.
+
+`Validator` is the signature of a family's `validate_tensors(tensors, config, vocab_size, where)`: it raises
+`ArtifactError` naming the file (`where`), the tensor and the problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from latentlm.models.errors import ArtifactError
+
+NORMALISATION_TOL = 1e-4
+Validator = Callable[[dict[str, torch.Tensor], dict[str, Any], int, str], None]
+
+
+def check_shape(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    if key not in tensors:
+        raise ArtifactError(f"{where}: missing tensor {key!r}", param=key)
+    t = tensors[key]
+    if tuple(t.shape) != tuple(shape):
+        raise ArtifactError(f"{where}: tensor {key!r} has shape {list(t.shape)}, expected {list(shape)}", param=key)
+    return t
+
+
+def check_distribution(t: torch.Tensor, key: str, dim: int, where: str, tol: float = NORMALISATION_TOL) -> None:
+    """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`."""
+    if not t.is_floating_point():
+        raise ArtifactError(f"{where}: tensor {key!r} must be floating point, got {t.dtype}", param=key)
+    if not bool(torch.isfinite(t).all()):
+        raise ArtifactError(f"{where}: tensor {key!r} has NaN or infinite entries", param=key)
+    if bool((t < 0).any()):
+        raise ArtifactError(f"{where}: tensor {key!r} has negative entries", param=key)
+    sums = t.double().sum(dim)
+    bad = (sums - 1).abs() > tol
+    if bool(bad.any()):
+        idx = bad.nonzero()[0].tolist()
+        raise ArtifactError(
+            f"{where}: tensor {key!r} is not normalised: entry {idx} sums to {sums[tuple(idx)].item():.6g} "
+            f"(tolerance {tol})",
+            param=key,
+        )
+
+
+def check_config(where: str, key: str, declared: Any, actual: Any) -> None:
+    """A manifest config value (e.g. `num_states`) must agree with the tensors."""
+    if declared != actual:
+        raise ArtifactError(f"{where}: config {key}={declared!r} does not match the tensors ({actual!r})", param=key)
+
+
+def check_positive_ints(config: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """Every key of `config` a positive integer; `max_length` (optional) too."""
+    for key in keys + (("max_length",) if "max_length" in config else ()):
+        v = config.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ArtifactError(f"{where}: config needs a positive integer {key!r}, got {v!r}", param=key)

@@ -1,0 +1,113 @@
+"""What a model family declares, once: the `Family` interface every family class implements.
+
+A family class is the one declaration the CLI, the service, batch jobs and training read:
+- `family`: the name written in a manifest;
+- its artifact schema (`validate_tensors`) and how it loads (`from_tensors`);
+- `operations` it answers (a subset of `OPERATIONS`), its `decode_methods` and `default_method`;
+- `recipes`: how `latentlm train --family NAME` trains it (defaults of the shared training options);
+- `importers`: commands that turn another tool's file into its artifact (`latentlm import-hmm`, ...).
+The operations themselves (`op_score`, `op_posterior`, `op_decode`, `op_sample`, `op_embed`) return plain
+Python numbers and lists (a log-probability may be -inf); `latentlm.ops.dumps` turns them into JSON.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from latentlm.models.vocab import Vocabulary
+from torch import Tensor
+
+OPERATIONS: tuple[str, ...] = ("score", "posterior", "decode", "sample", "embed")
+"""Every operation a family may offer, in the order the CLI and the API list them."""
+
+DECODE_METHODS: tuple[str, ...] = ("viterbi", "mbr")
+
+
+@dataclass(frozen=True)
+class Option:
+    """A command-line option of an importer: `--flag` (dest `name`) with a default and help text."""
+
+    name: str
+    default: Any
+    help: str
+
+
+@dataclass(frozen=True)
+class Importer:
+    """`latentlm <command> FILE --name NAME`: read a file in another tool's format into this family's
+    (tensors, vocabulary, config); the CLI checks and stores it. `read(path, **options)` raises
+    `LatentLMError` naming the problem and writes nothing."""
+
+    command: str
+    help: str
+    metavar: str
+    read: Callable[..., tuple[dict[str, Tensor], Vocabulary, dict[str, Any]]]
+    options: tuple[Option, ...] = ()
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """`latentlm train --family NAME`: a training recipe writing this family's artifact. `defaults` fill
+    the shared training options (`latentlm.training.settings.OPTIONS`) left unset; `positive` names the
+    options that must be positive integers; `check(settings)` adds the family's own checks."""
+
+    name: str
+    defaults: dict[str, Any] = field(default_factory=dict)
+    positive: tuple[str, ...] = ()
+    check: Callable[[Any], None] | None = None
+
+
+class Family:
+    """Interface of a model family (HMMs, PCFGs, LDS, n-gram). Families are listed in `models.registry`."""
+
+    family: ClassVar[str]
+    operations: ClassVar[frozenset[str]] = frozenset()
+    decode_methods: ClassVar[frozenset[str]] = frozenset()
+    default_method: ClassVar[str | None] = None  # what `decode` runs when the request names no method
+    decode_notes: ClassVar[dict[str, str]] = {}  # method -> why this family cannot offer it
+    recipes: ClassVar[tuple[Recipe, ...]] = ()
+    importers: ClassVar[tuple[Importer, ...]] = ()
+
+    @staticmethod
+    def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], config: dict[str, Any], *, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> Family:
+        raise NotImplementedError
+
+    @property
+    def num_states(self) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """Family-specific fields for `GET /v1/models`."""
+        return {"num_states": self.num_states}
+
+    # Operations used by `latentlm.ops` (CLI, service, jobs). Each takes validated token-id sequences and
+    # returns one dict per input (or per sample) with the documented fields; a family that lacks an
+    # operation leaves it out of `operations` and `latentlm.ops` answers "unsupported".
+    #   op_score(seqs, *, token_logprobs)            -> logprob, num_tokens, perplexity[, token_logprobs]
+    #   op_posterior(seqs, *, top_k)                 -> marginals
+    #   op_decode(seqs, *, method)                   -> states/tags/tree..., logprob
+    #   op_sample(*, n, max_tokens, seed, prefix, temperature, stop_id) -> ids, states/tree
+    #   op_embed(seqs, *, causal)                    -> embeddings, dim
+
+
+def perplexity(logprob: float, num_tokens: int) -> float:
+    """exp(-logprob / num_tokens); inf for probability 0 or when it overflows."""
+    try:
+        return math.exp(-logprob / num_tokens)
+    except OverflowError:
+        return math.inf
+
+
+def path_read(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Importers take a `Path`; accept a string too."""
+    return lambda path, **kw: fn(Path(path), **kw)

@@ -1,0 +1,131 @@
+"""ASGI middleware in front of every route: bearer-key auth, the body-size limit (413 before the app reads
+the body) and request metrics. Pure ASGI (no Request objects), so it costs microseconds per request."""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from latentlm.service import errors
+from latentlm.service.errors import APIError
+from latentlm.service.metrics import Metrics
+from latentlm.service.settings import Settings
+
+
+class Guard:
+    """ASGI middleware: payload limit (413 before the app sees the body) and request metrics."""
+
+    def __init__(self, app, settings: Settings, metrics: Metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+        self.keys = settings.keys  # parsed once
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            if self.keys and scope["path"].startswith("/v1"):
+                denied = self._auth(scope)
+                if denied is not None:
+                    self.metrics.error(401, denied.code or "auth")
+                    await errors.error_response(denied)(scope, _empty_receive, send_)
+                    return
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                s = self.settings
+                limit = s.max_file_bytes if scope["path"] == "/v1/files" else s.max_payload_bytes
+                if scope["path"] != "/v1/files":
+                    scope = _json_content_type(scope)
+                receive = await self._buffer(scope, receive, limit)
+                if receive is None:
+                    e = APIError(413, f"request body exceeds the limit of {limit} bytes", param="body",
+                                 code="payload_too_large")
+                    self.metrics.error(413, "payload_too_large")
+                    await errors.error_response(e)(scope, _empty_receive, send_)
+                    return
+            await self.app(scope, receive, send_)
+        finally:
+            route = scope.get("route")
+            label = getattr(route, "path", None) or "unmatched"
+            self.metrics.observe_request(label, scope["method"], status[0], time.perf_counter() - start)
+
+    def _auth(self, scope) -> APIError | None:
+        return check_auth(scope, self.keys)
+
+    @staticmethod
+    async def _buffer(scope, receive, limit: int):
+        """Read the whole body (<= limit bytes) and replay it; None when it is too big."""
+        body = await read_body(scope, receive, limit)
+        if body is None:
+            return None
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+
+def check_auth(scope, keys: list[str]) -> APIError | None:
+    """Every /v1 route needs `Authorization: Bearer <key>` when LATENTLM_API_KEYS is set (checked before
+    the body is read)."""
+    value = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+    scheme, _, token = value.decode("latin-1").partition(" ")
+    hdr = {"WWW-Authenticate": "Bearer"}
+    if scheme.lower() != "bearer" or not token.strip():
+        return APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                        code="missing_api_key", headers=hdr)
+    if not any(hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys):
+        return APIError(401, "invalid API key", code="invalid_api_key", headers=hdr)
+    return None
+
+
+async def read_body(scope, receive, limit: int) -> bytes | None:
+    """The whole request body, or None as soon as it is known to exceed `limit` bytes (Content-Length first,
+    then while reading). A client that disconnects leaves what was received."""
+    for k, v in scope.get("headers", []):
+        if k == b"content-length":
+            try:
+                if int(v) > limit:
+                    return None
+            except ValueError:
+                pass
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False) or msg["type"] == "http.disconnect":  # the usual case: one message
+        return body if len(body) <= limit else None
+    chunks, size = [body], len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not msg.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _json_content_type(scope):
+    """Bodies of JSON routes are JSON whatever the client says (e.g. `curl -d` sends a form type)."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+    return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+
+async def _empty_receive():
+    return {"type": "http.disconnect"}
+
+

@@ -1,0 +1,36 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from latentlm.service.state import ServiceState, get_state
+
+router = APIRouter(tags=["health"])
+JSON = "application/json"
+
+
+@router.get("/health")
+async def health() -> dict:
+    """Liveness: answers while a batch computes."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(state: ServiceState = Depends(get_state)) -> Response:
+    """200 once every model in the store has been loaded (or failed to load); 503 before."""
+    if not state.registry.ready:
+        return Response(json.dumps({"status": "loading"}), status_code=503, media_type=JSON,
+                        headers={"Retry-After": str(state.settings.retry_after_s)})
+    return Response(json.dumps({"status": "ready", "models": sorted(state.registry.models),
+                                "failed": state.registry.failed}), media_type=JSON)
+
+
+@router.get("/metrics")
+async def metrics(state: ServiceState = Depends(get_state)) -> Response:
+    """Prometheus text format: request duration, queue wait and depth, batch sizes, tokens, errors, cache."""
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,53 @@
+"""What the routes share: one `ServiceState` per app (settings, metrics, model registry, batcher, response
+cache, batch-job store and runner), reached from a route through the `get_state` dependency."""
+
+from __future__ import annotations
+
+import gc
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from latentlm.service.batcher import Batcher, QueueFull
+from latentlm.service.cache import ResponseCache
+from latentlm.service.errors import APIError
+from latentlm.service.metrics import Metrics
+from latentlm.service.registry import ModelRegistry
+from latentlm.service.settings import Settings
+
+
+@dataclass
+class ServiceState:
+    settings: Settings
+    metrics: Metrics
+    registry: ModelRegistry
+    batcher: Batcher
+    loader: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="load"))
+    cache: ResponseCache | None = None
+    jobs: Any = None  # jobs.LocalJobStore or jobs.RedisJobStore, set at startup
+    runner: Any = None  # jobs.LocalRunner or jobs.RQRunner
+
+    def ensure_ready(self) -> None:
+        """503 with Retry-After until every model has been loaded (or failed to load)."""
+        if not self.registry.ready:
+            raise APIError(503, "models are still loading; retry shortly", code="not_ready",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def queue_full(self, e: QueueFull) -> APIError:
+        return APIError(429, f"server busy: {e}", code="queue_full",
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def reload_models(self) -> dict:
+        """Blocking (run on `loader`): pick up the store's models."""
+        out = self.registry.reload()
+        self.metrics.models_loaded.set(len(self.registry.models))
+        gc.collect()
+        gc.freeze()  # long-lived objects (torch, models) out of the collector's way: shorter GC pauses
+        return out
+
+
+def get_state(request: Request) -> ServiceState:
+    """FastAPI dependency: the app's `ServiceState`."""
+    return request.app.state.service
