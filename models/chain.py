@@ -1,5 +1,5 @@
-"""The chain engine: forward, backward, posteriors, max-product and sampling, written once for every
-HMM-like family.
+"""The chain engine: forward, backward, posteriors and max-product, written once for every HMM-like
+family.
 
 A family describes one batch of sequences to the engine with
   * `init`  (B, K): prior over the first position's (reduced) state space,
@@ -11,18 +11,26 @@ A family describes one batch of sequences to the engine with
 Numerics: probability space with per-step renormalisation (scaled forward), so each step is one GEMM
 (shared `trans`) or one batched GEMV (per-step blocks); max-product runs in log space.
 Cost per sequence: O(T K^2) for forward, backward and Viterbi.
+
+Engines: every entry point takes `backend=` ("auto", "torch", "single", "groups", "lockstep"; see
+`models.backend`, which picks the engine of each call and holds every threshold). The torch recursions are
+written here; the compiled ones are in `models.kernels`. Sampling is in `models.sampling`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from latentlm.models import backend as dispatch
+from latentlm.models.backend import Backend
+from latentlm.models.kernels import maxplus as maxplus_kernels
+from latentlm.models.kernels import sum_product
 
 Trans = Tensor | Callable[[int], Tensor]
 
@@ -67,8 +75,6 @@ def dense(emit: Emit) -> Tensor:
 
 def _table_rows(emit: Emit) -> tuple[Tensor, Tensor | None]:
     return (emit, None) if isinstance(emit, Tensor) else (emit.table, emit.rows)
-NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B*K*K (batches) or T*K*K (one sequence) above which compiled CPU code pays off
-COMPILED_MAX_K = 512  # largest shared matrix for the compiled ROWS-group kernels (beyond it BLAS GEMMs win)
 
 
 def valid_mask(lengths: Tensor, T: int) -> Tensor:
@@ -90,36 +96,6 @@ def _step_back(vec: Tensor, trans: Trans, t: int, out: Tensor) -> Tensor:
     return torch.bmm(trans(t), vec.unsqueeze(2), out=out.unsqueeze(2)).squeeze(2)
 
 
-def _compiled(emit: Emit, trans: Trans, *more: Tensor, any_size: bool = False) -> bool:
-    """Whether the compiled CPU sum-product kernels (`models.kernels.forward_cpu` / `backward_cpu`) run
-    this call: a shared matrix on CPU in float32/float64, no autograd, and, unless their GEMM steps are
-    available (`kernels.HAVE_GEMM`) or `any_size` (one sequence: there is no GEMM to hand to BLAS, only
-    per-step dispatch), at most COMPILED_MAX_K states."""
-    if not (isinstance(trans, Tensor) and emit.device.type == "cpu" and trans.device.type == "cpu"
-            and emit.dtype in (torch.float32, torch.float64) and trans.dtype == emit.dtype):
-        return False
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (emit, trans, *more)):
-        return False
-    from latentlm.models import kernels
-
-    return kernels.HAVE_NUMBA and (any_size or trans.shape[-1] <= COMPILED_MAX_K
-                                   or (kernels.HAVE_GEMM and kernels.USE_GEMM))
-
-
-@contextmanager
-def plain_torch() -> Iterator[None]:
-    """Within this block the engine runs its plain PyTorch recursion (one GEMM per step), never the compiled
-    kernels nor chunked long sequences: the baseline for benchmarks and the reference for the kernels' tests.
-    Not thread-safe."""
-    global _compiled, _chunking_enabled
-    saved = _compiled, _chunking_enabled
-    _compiled, _chunking_enabled = (lambda *args, **kwargs: False), False
-    try:
-        yield
-    finally:
-        _compiled, _chunking_enabled = saved
-
-
 def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:
     """(B, T, K) -> (T, B, K) contiguous emission likelihoods with padding positions set to 1, so
     padding can never produce 0/0 and each step reads one contiguous (B, K) slab."""
@@ -128,30 +104,30 @@ def _pad_emit(emit: Tensor, lengths: Tensor) -> Tensor:
 
 
 def forward(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, keep_alphas: bool = False,
-            out_last: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            out_last: Tensor | None = None, backend: Backend | str = Backend.AUTO, chunk_long: bool = True
+            ) -> tuple[Tensor, Tensor | None]:
     """Scaled forward pass.
 
     Returns `log_cond` (B, T): log p(x_t | x_<t) at real positions and 0 at padding (so
     `log_cond.sum(1)` is log p(x); -inf once a sequence has probability 0), and, with `keep_alphas`,
     the filtered marginals p(z_t | x_<=t) (B, T, K). With `out_last` (B, K), each sequence's filtered
     marginal at its last real position is written there (0 for an impossible sequence).
-    O(B T K^2) time; four tensor ops per step. With a shared matrix and neither output, each sequence of
-    at least LONG_MIN_TOKENS positions runs as a batch of its own chunks (`forward_chunked`), the others as
+    O(B T K^2) time; four tensor ops per step on the torch engine. `backend` picks the engine (see
+    `models.backend`). With `chunk_long`, a shared matrix and neither output, each sequence of at least
+    `backend.LONG_MIN_TOKENS` positions runs as a batch of its own chunks (`forward_chunked`), the others as
     one batch."""
-    if (long := _long_rows(lengths, trans, keep_alphas or out_last is not None, init, emit)) is not None:
-        return _forward_with_long(init, emit, trans, lengths, long), None  # type: ignore[arg-type]
-    return _forward_steps(init, emit, trans, lengths, keep_alphas, out_last)
+    wants_states = keep_alphas or out_last is not None
+    if chunk_long and (long := _long_rows(lengths, trans, wants_states, init, emit, backend)) is not None:
+        return _forward_with_long(init, emit, trans, lengths, long, backend), None  # type: ignore[arg-type]
+    return _forward_steps(init, emit, trans, lengths, keep_alphas, out_last, backend)
 
 
-def _long_rows(lengths: Tensor, trans: Trans, wants_states: bool, init: Tensor, emit: Emit) -> Tensor | None:
-    """(B,) bool of the sequences `forward` scores in chunks, or None when it chunks none."""
-    if wants_states or emit.shape[1] < LONG_MIN_TOKENS or not isinstance(trans, Tensor) or not _chunking_enabled:
-        return None  # (no tensor op on the common path: a busy server's inference thread waits for the GIL)
-    if trans.device.type == "cpu" and trans.shape[0] < CHUNK_MIN_STATES:
+def _long_rows(lengths: Tensor, trans: Trans, wants_states: bool, init: Tensor, emit: Emit,
+               backend: Backend | str) -> Tensor | None:
+    """(B,) bool of the sequences `forward` / `posterior` run in chunks, or None when they chunk none."""
+    if not dispatch.chunk_long(backend, emit, trans, init, wants_states=wants_states):
         return None
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (trans, init, emit)):
-        return None
-    long = lengths >= LONG_MIN_TOKENS
+    long = lengths >= dispatch.LONG_MIN_TOKENS
     return long if bool(long.any()) else None
 
 
@@ -176,7 +152,8 @@ def _one_row(emit: Emit, b: int, T: int) -> Emit:
     return emit[b : b + 1, :T]
 
 
-def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor, long: Tensor) -> Tensor:
+def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor, long: Tensor,
+                       backend: Backend | str) -> Tensor:
     """`forward`'s log_cond (B, T) with the `long` sequences chunked one by one and the rest as one batch."""
     B, T = lengths.shape[0], emit.shape[1]
     log_cond = torch.zeros(B, T, dtype=emit.dtype, device=emit.device)
@@ -184,22 +161,23 @@ def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor,
     if short.numel():
         width = int(lengths[short].max())
         log_cond[short, :width] = _forward_steps(init[short], _rows(emit, short, width), trans, lengths[short],
-                                                 False, None)[0]
+                                                 False, None, backend)[0]
     for b in long.nonzero().squeeze(1).tolist():
         n = int(lengths[b])
-        log_cond[b, :n] = forward_chunked(init[b : b + 1], _one_row(emit, b, n), trans)[0]
+        log_cond[b, :n] = forward_chunked(init[b : b + 1], _one_row(emit, b, n), trans, backend=backend)[0]
     return log_cond
 
 
 def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep_alphas: bool,
-                   out_last: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """`forward` by the step-by-step recursion (compiled kernels where they apply), never chunked."""
+                   out_last: Tensor | None, backend: Backend | str) -> tuple[Tensor, Tensor | None]:
+    """`forward` by the step-by-step recursion on the engine `backend` picks for it, never chunked."""
     B, T, K = emit.shape
-    if _compiled(emit, trans, init, any_size=B == 1 and not keep_alphas):
-        from latentlm.models import kernels
-
-        return kernels.forward_cpu(init, *_table_rows(emit), trans, lengths, keep_alphas=keep_alphas,
-                                   threads=torch.get_num_threads(), out_last=out_last)
+    engine = dispatch.sum_product(backend, emit, trans, init, rows=B, marginals=keep_alphas,
+                                  last=out_last is not None)
+    if engine is not Backend.TORCH:
+        return sum_product.forward_cpu(init, *_table_rows(emit), trans, lengths, engine=engine,
+                                       keep_alphas=keep_alphas, threads=dispatch.threads(engine, B, T, K),
+                                       out_last=out_last, pack=dispatch.packs(engine, emit.dtype, K))
     emit = dense(emit)
     emit_t = _pad_emit(emit, lengths)  # (T, B, K)
     scales = emit.new_empty(T, B, 1)
@@ -248,12 +226,10 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
 #   4. from the first chunk whose restart has not met its guess (a model that mixes slowly, sparse
 #      transitions), the rest of the sequence runs sequentially from that chunk's exact prior.
 # Mixing HMMs meet within 5-20 positions; the extra work is 2 (C - 1) window positions.
-LONG_MIN_TOKENS = 4096  # one sequence at least this long is scored in chunks (forward_chunked)
-CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
+# Which sequences are chunked, and into how many chunks by default, is `models.backend`'s (LONG_MIN_TOKENS,
+# CHUNK_MIN_STATES, `default_chunks`); the chunks' own geometry is here.
 CHUNK_WINDOW = 32  # positions a chunk's restart runs before it must meet the guessed run
 CHUNK_MIN_LEN = 8 * CHUNK_WINDOW  # shortest chunk (float32)
-MAX_CHUNKS = 64  # rows of the per-step GEMM when the chunks run on torch ops (GPU, no compiled kernels)
-_chunking_enabled = True
 
 
 def meet_tolerance(dtype: torch.dtype) -> float:
@@ -284,17 +260,11 @@ def projective_distance(u: Tensor, v: Tensor) -> Tensor:
     return torch.where(same, hi - lo, torch.full_like(hi, math.inf))
 
 
-def _times(x: Tensor, trans: Tensor) -> Tensor:
-    """x @ trans for a few rows x (N, K). Where the compiled kernels run, also in compiled code on the calling
-    thread: a BLAS call between two kernel calls wakes BLAS's thread pool, which then spins for milliseconds
-    on the cores the next kernel needs."""
-    if not _compiled(x, trans):
-        return x @ trans
-    from latentlm.models import kernels
-
-    out = torch.empty_like(x)
-    kernels.rows_matmul(kernels._np(x), kernels._np(trans), out.numpy())
-    return out
+def _times(x: Tensor, trans: Tensor, engine: Backend) -> Tensor:
+    """x @ trans for a few rows x (N, K). Where the chunks run on compiled kernels (`engine`), also in
+    compiled code on the calling thread: a BLAS call between two kernel calls wakes BLAS's thread pool, which
+    then spins for milliseconds on the cores the next kernel needs."""
+    return x @ trans if engine is Backend.TORCH else sum_product.rows_times(x, trans)
 
 
 def _positions(emit: Emit, starts: Tensor, width: int) -> Emit:
@@ -306,35 +276,27 @@ def _positions(emit: Emit, starts: Tensor, width: int) -> Emit:
     return RowLookup(emit.table, picked) if isinstance(emit, RowLookup) else picked
 
 
-def _default_chunks(emit: Emit, trans: Tensor) -> int:
-    """Chunks per long sequence (measured, bench/results/hmm_inference.md): with the compiled kernels 8 rows
-    per thread, 16 once `trans` outgrows a core's cache (K > COMPILED_MAX_K: each GEMM step streams it, so
-    more rows per pass pay); MAX_CHUNKS rows for one BLAS GEMM per step elsewhere."""
-    if _compiled(emit, trans):
-        per_thread = 8 if trans.shape[0] <= COMPILED_MAX_K else 16
-        return per_thread * max(1, torch.get_num_threads())
-    return MAX_CHUNKS
-
-
-def _chunk_plan(emit: Emit, trans: Tensor, chunks: int | None, window: int | None
-                ) -> tuple[int, int, int, int, int]:
-    """(T, K, chunks C, chunk length L, window) for one sequence; C = 1 when chunking does not pay. The window
-    defaults to CHUNK_WINDOW positions in float32 and twice that in float64 (2^29 times smaller tolerance)."""
+def _chunk_plan(emit: Emit, trans: Tensor, chunks: int | None, window: int | None, backend: Backend | str
+                ) -> tuple[int, int, int, int, int, Backend]:
+    """(T, K, chunks C, chunk length L, window, engine of the chunk batches) for one sequence; C = 1 when
+    chunking does not pay. C defaults to `backend.default_chunks` for that engine; the window to CHUNK_WINDOW
+    positions in float32 and twice that in float64 (2^29 times smaller tolerance)."""
     T, K = emit.shape[1], trans.shape[0]
+    engine = dispatch.sum_product(backend, emit, trans, rows=dispatch.MAX_CHUNKS)
     window = window or (CHUNK_WINDOW if torch.finfo(emit.dtype).bits <= 32 else 2 * CHUNK_WINDOW)
-    C = max(1, min(chunks or _default_chunks(emit, trans), T // CHUNK_MIN_LEN))
-    return (T, K, C, T // C, window) if T // C >= 2 * window else (T, K, 1, T, window)
+    C = max(1, min(chunks or dispatch.default_chunks(engine, K), T // CHUNK_MIN_LEN))
+    return (T, K, C, T // C, window, engine) if T // C >= 2 * window else (T, K, 1, T, window, engine)
 
 
 def forward_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | None = None,
-                    window: int | None = None) -> Tensor:
+                    window: int | None = None, backend: Backend | str = Backend.AUTO) -> Tensor:
     """`forward`'s log_cond (1, T) for one sequence (init (1, K), emit (1, T, K), trans (K, K) shared), computed
-    as a batch of chunks as described above (error bound there; `window` as in `_chunk_plan`).
-    O(T K^2 + C window K^2) work in batched products."""
-    T, _, C, L, window = _chunk_plan(emit, trans, chunks, window)
+    as a batch of chunks as described above (error bound there; `window` as in `_chunk_plan`), each batch on
+    the engine `backend` picks for it. O(T K^2 + C window K^2) work in batched products."""
+    T, _, C, L, window, engine = _chunk_plan(emit, trans, chunks, window, backend)
     if C < 2:
-        return _forward_sequential(init, emit, trans, T)
-    return _chunked_forward(init, emit, trans, C, L, window, keep=False)[0]
+        return _forward_sequential(init, emit, trans, T, backend)
+    return _chunked_forward(init, emit, trans, C, L, window, keep=False, backend=backend, engine=engine)[0]
 
 
 def _chunk_bounds(T: int, C: int, L: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -343,10 +305,11 @@ def _chunk_bounds(T: int, C: int, L: int, device: torch.device) -> tuple[Tensor,
     return starts, torch.cat([starts[1:], torch.tensor([T], device=device)])
 
 
-def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, window: int, *, keep: bool
-                     ) -> tuple[Tensor, Tensor | None]:
+def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, window: int, *, keep: bool,
+                     backend: Backend | str, engine: Backend) -> tuple[Tensor, Tensor | None]:
     """Steps 1-4 above for one sequence in C chunks of L (the first longer): log_cond (1, T) (-inf from an
-    impossible position on) and, with `keep`, the filtered marginals (1, T, K)."""
+    impossible position on) and, with `keep`, the filtered marginals (1, T, K). Each batch runs on the engine
+    `backend` picks for it; `engine` (the chunk batches') decides where the few-row products run."""
     T, K = emit.shape[1], trans.shape[0]
     device, dtype = trans.device, emit.dtype
     starts, ends = _chunk_bounds(T, C, L, device)
@@ -356,13 +319,12 @@ def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, wi
     head_last, tail_last, met_last = trans.new_empty(C, K), trans.new_empty(C, K), trans.new_empty(C - 1, K)
     guess_init = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
     guess_init[0] = init[0]
-    head = forward(guess_init, _positions(emit, starts, window), trans, win, keep_alphas=keep, out_last=head_last)
-    tail = forward(_times(head_last, trans), _positions(emit, starts + window, int(lens[0]) - window), trans,
-                   lens - window, keep_alphas=keep, out_last=tail_last)
+    head = _forward_steps(guess_init, _positions(emit, starts, window), trans, win, keep, head_last, backend)
+    tail = _forward_steps(_times(head_last, trans, engine), _positions(emit, starts + window, int(lens[0]) - window),
+                          trans, lens - window, keep, tail_last, backend)
     # 2. restarts of chunks 1.. from the exact prior of their first position
-    prior = _times(tail_last[:-1], trans)
-    restart = forward(prior, _positions(emit, starts[1:], window), trans, win[1:], keep_alphas=keep,
-                      out_last=met_last)
+    prior = _times(tail_last[:-1], trans, engine)
+    restart = _forward_steps(prior, _positions(emit, starts[1:], window), trans, win[1:], keep, met_last, backend)
     met = (projective_distance(met_last, head_last[1:]) <= meet_tolerance(dtype)).tolist()
     # 3. assemble: the restart's head, then the guess's tail, chunk by chunk until one has not met
     outs = [torch.empty(1, T, dtype=dtype, device=device)] + ([torch.empty(1, T, K, dtype=dtype, device=device)]
@@ -373,7 +335,7 @@ def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, wi
         s, e = int(starts[c]), int(ends[c])
         if c > 0 and not met[c - 1]:  # 4. the rest step by step from this chunk's exact prior
             rest = _forward_steps(prior[c - 1 : c], _positions(emit, starts[c : c + 1], T - s), trans,
-                                  torch.tensor([T - s], device=device), keep, None)
+                                  torch.tensor([T - s], device=device), keep, None, backend)
             for out, part in zip(outs, rest, strict=False):
                 out[0, s:] = part[0]
             break
@@ -385,24 +347,26 @@ def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, wi
     return outs[0].masked_fill(dead, -math.inf), (outs[1] if keep else None)
 
 
-def _forward_sequential(init: Tensor, emit: Emit, trans: Tensor, T: int) -> Tensor:
+def _forward_sequential(init: Tensor, emit: Emit, trans: Tensor, T: int, backend: Backend | str = Backend.AUTO
+                        ) -> Tensor:
     """log_cond (1, T) of one sequence by the step-by-step recursion (never chunked)."""
-    return _forward_steps(init, emit, trans, torch.tensor([T], device=trans.device), False, None)[0]
+    return _forward_steps(init, emit, trans, torch.tensor([T], device=trans.device), False, None, backend)[0]
 
 
-def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alphas: Tensor | None = None
-             ) -> Tensor:
+def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alphas: Tensor | None = None,
+             backend: Backend | str = Backend.AUTO) -> Tensor:
     """Scaled backward pass matching `forward`'s scales: beta_t such that alpha_t * beta_t = p(z_t | x).
 
     Returns the betas (B, T, K), 1 at each sequence's last position and at padding. With `alphas` (the
     filtered marginals (B, T, K) from `forward`), returns instead the posteriors p(z_t | x) (0 at padding),
-    written into `alphas` in place step by step: no (B, T, K) beta tensor is kept. O(B T K^2)."""
+    written into `alphas` in place step by step: no (B, T, K) beta tensor is kept. O(B T K^2). `backend`
+    picks the engine ("single" has no backward)."""
     B, T, K = emit.shape
-    if _compiled(emit, trans):
-        from latentlm.models import kernels
-
-        return kernels.backward_cpu(*_table_rows(emit), trans, lengths, log_cond, threads=torch.get_num_threads(),
-                                    alphas=alphas)
+    engine = dispatch.sum_product(backend, emit, trans, rows=B, marginals=True)
+    if engine is not Backend.TORCH:
+        return sum_product.backward_cpu(*_table_rows(emit), trans, lengths, log_cond, engine=engine,
+                                        threads=dispatch.threads(engine, B, T, K), alphas=alphas,
+                                        pack=dispatch.packs(engine, emit.dtype, K))
     emit = dense(emit)
     # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
     emit_scaled = _pad_emit(emit, lengths) / log_cond.T.exp().unsqueeze(-1)
@@ -428,38 +392,38 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
     return alphas
 
 
-def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
+def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, backend: Backend | str = Backend.AUTO,
+              chunk_long: bool = True) -> tuple[Tensor, Tensor]:
     """Per-position marginals p(z_t | x) (B, T, K) (zeros at padding) and `log_cond` (B, T).
     One (B, T, K) tensor: the filtered marginals are turned into posteriors in place. O(B T K^2).
-    With a shared matrix, each sequence of at least LONG_MIN_TOKENS positions runs as a batch of its own
-    chunks in both directions (`posterior_chunked`), the others as one batch."""
-    if (long := _long_rows(lengths, trans, False, init, emit)) is None:
-        if _compiled(emit, trans, init):
-            from latentlm.models import kernels
-
-            B, _, K = emit.shape
-            if kernels.lockstep(B, K):  # both passes in one kernel call per thread
-                return kernels.posterior_cpu(init, *_table_rows(emit), trans, lengths,  # type: ignore[arg-type]
-                                             threads=torch.get_num_threads())
-        log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
-        return backward(emit, trans, lengths, log_cond, alphas=alphas), log_cond
+    `backend` picks the engine ("lockstep" fuses both passes per thread). With `chunk_long` and a shared
+    matrix, each sequence of at least `backend.LONG_MIN_TOKENS` positions runs as a batch of its own chunks
+    in both directions (`posterior_chunked`), the others as one batch."""
     B, T, K = emit.shape
+    if not chunk_long or (long := _long_rows(lengths, trans, False, init, emit, backend)) is None:
+        engine = dispatch.sum_product(backend, emit, trans, init, rows=B, marginals=True)
+        if engine is Backend.LOCKSTEP:  # both passes in one kernel call per thread
+            return sum_product.posterior_cpu(init, *_table_rows(emit), trans, lengths,  # type: ignore[arg-type]
+                                             threads=dispatch.threads(engine, B, T, K),
+                                             pack=dispatch.packs(engine, emit.dtype, K))
+        log_cond, alphas = _forward_steps(init, emit, trans, lengths, True, None, engine)
+        return backward(emit, trans, lengths, log_cond, alphas=alphas, backend=engine), log_cond  # type: ignore[arg-type]
     gamma = torch.zeros(B, T, K, dtype=emit.dtype, device=emit.device)
     log_cond = torch.zeros(B, T, dtype=emit.dtype, device=emit.device)
     short = (~long).nonzero().squeeze(1)
     if short.numel():
         width = int(lengths[short].max())
-        g, c = posterior(init[short], _rows(emit, short, width), trans, lengths[short])
+        g, c = posterior(init[short], _rows(emit, short, width), trans, lengths[short], backend=backend)
         gamma[short, :width], log_cond[short, :width] = g, c
     for b in long.nonzero().squeeze(1).tolist():
         n = int(lengths[b])
-        g, c = posterior_chunked(init[b : b + 1], _one_row(emit, b, n), trans)  # type: ignore[arg-type]
+        g, c = posterior_chunked(init[b : b + 1], _one_row(emit, b, n), trans, backend=backend)  # type: ignore[arg-type]
         gamma[b, :n], log_cond[b, :n] = g[0], c[0]
     return gamma, log_cond
 
 
 def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | None = None,
-                      window: int | None = None) -> tuple[Tensor, Tensor]:
+                      window: int | None = None, backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
     """`posterior` of one sequence (init (1, K), emit (1, T, K), trans (K, K) shared) as a batch of chunks in
     both directions: the forward of `forward_chunked`, keeping the filtered marginals; then the backward the
     same way from each chunk's end (guess: beta = 1; restart: the chunk's last `window` positions from the
@@ -468,13 +432,13 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     Every marginal is alpha_t beta_t normalised, so each side's scale does not matter and each is off by at
     most the distances left at the boundaries (see the comment above `forward_chunked`). Chunks that do not
     meet fall back to the step-by-step recursion. O(T K^2 + C window K^2) work; about 4 T K floats of
-    memory at the peak, against T K for the step-by-step posterior."""
-    T, K, C, L, window = _chunk_plan(emit, trans, chunks, window)
+    memory at the peak, against T K for the step-by-step posterior. Each batch runs on the engine `backend`
+    picks for it."""
+    T, K, C, L, window, engine = _chunk_plan(emit, trans, chunks, window, backend)
     device, dtype = trans.device, emit.dtype
     if C < 2:
-        log_cond, alphas = _forward_steps(init, emit, trans, torch.tensor([T], device=device), True, None)
-        return backward(emit, trans, torch.tensor([T], device=device), log_cond, alphas=alphas), log_cond
-    log_cond, alphas = _chunked_forward(init, emit, trans, C, L, window, keep=True)
+        return posterior(init, emit, trans, torch.tensor([T], device=device), backend=backend, chunk_long=False)
+    log_cond, alphas = _chunked_forward(init, emit, trans, C, L, window, keep=True, backend=backend, engine=engine)
     assert alphas is not None
     if bool(torch.isneginf(log_cond).any()):  # an impossible sequence has no posterior: zeros, as step by step
         return torch.zeros_like(alphas), log_cond
@@ -483,14 +447,14 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     # backward: guessed from each chunk's end (beta = 1 there), then exact restarts of each chunk's last window
     width = int(lens.max())
     lc_rows = _take(log_cond[0], (starts[:, None] + torch.arange(width, device=device)).clamp_(max=T - 1))
-    guess = backward(_positions(emit, starts, width), trans, lens, lc_rows)  # (C, width, K)
+    guess = backward(_positions(emit, starts, width), trans, lens, lc_rows, backend=backend)  # (C, width, K)
     first_emit = dense(_positions(emit, starts[1:], 1))[:, 0]  # (C - 1, K): each next chunk's first emission
     virtual = (first_emit * guess[1:, 0])[:, None]  # its emission row times its guessed beta
     tail_start = ends[:-1] - window
     re_emit = torch.cat([dense(_positions(emit, tail_start, window)), virtual], 1)  # (C - 1, window + 1, K)
     re_lc = torch.cat([_take(log_cond[0], tail_start[:, None] + torch.arange(window, device=device)),
                        log_cond[0, starts[1:]][:, None]], 1)
-    restart = backward(re_emit, trans, torch.full((C - 1,), window + 1, device=device), re_lc)
+    restart = backward(re_emit, trans, torch.full((C - 1,), window + 1, device=device), re_lc, backend=backend)
     met_b = (projective_distance(restart[:, 0], guess[torch.arange(C - 1), lens[:-1] - window])
              <= meet_tolerance(dtype)).tolist()
     betas = torch.empty(1, T, K, dtype=dtype, device=device)
@@ -501,7 +465,7 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
         if not met_b[c]:  # positions [0, e) step by step from the exact beta at e - 1
             rows = torch.cat([dense(_positions(emit, starts[:1], e)), virtual[c][None]], 1)
             lc = torch.cat([log_cond[:, :e], log_cond[:, e : e + 1]], 1)
-            betas[0, :e] = backward(rows, trans, torch.tensor([e + 1], device=device), lc)[0, :e]
+            betas[0, :e] = backward(rows, trans, torch.tensor([e + 1], device=device), lc, backend=backend)[0, :e]
             break
         betas[0, s : e - window] = guess[c, : e - s - window]
         betas[0, e - window : e] = restart[c, :window]
@@ -510,19 +474,24 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     return gamma.div_(gamma.sum(-1, keepdim=True).clamp_min_(torch.finfo(dtype).tiny)), log_cond
 
 
-def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_max: Tensor | None = None
-            ) -> tuple[Tensor, Tensor]:
+def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_max: Tensor | None = None, *,
+            backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
     """(max, +) product: out[b, j] = max_i delta[b, i] + log_trans[i, j], with argmax.
 
-    delta (B, K), log_trans (K, K) shared -> values (B, K), argmax (B, K). O(B K^2). On CPU large
-    products use the compiled kernel of `models.kernels`; otherwise blocks of source states keep memory
-    at O(block_elems), not O(B K^2)."""
-    B, K = delta.shape
-    if delta.device.type == "cpu" and B * K * K >= NATIVE_MAXPLUS_MIN_WORK:
-        from latentlm.models import kernels
+    delta (B, K), log_trans (K, K) shared -> values (B, K), argmax (B, K). O(B K^2). `backend`: "groups" is
+    the compiled kernel of `kernels.maxplus` (exact pruning; auto on CPU from B K^2 >=
+    `backend.NATIVE_MAXPLUS_MIN_WORK`); "torch" broadcasts over blocks of source states, keeping memory at
+    O(block_elems), not O(B K^2). `col_max` = log_trans.amax(0) if the caller has it."""
+    engine = dispatch.max_product(backend, delta, log_trans, rows=delta.shape[0])
+    return _maxplus(delta, log_trans, block_elems, col_max, engine)
 
-        if kernels.HAVE_NUMBA:
-            return kernels.maxplus_cpu(delta, log_trans, col_max)
+
+def _maxplus(delta: Tensor, log_trans: Tensor, block_elems: int, col_max: Tensor | None, engine: Backend
+             ) -> tuple[Tensor, Tensor]:
+    """`maxplus` on a chosen engine ("groups" or "torch")."""
+    if engine is not Backend.TORCH:
+        return maxplus_kernels.maxplus_cpu(delta, log_trans, col_max)
+    B, K = delta.shape
     step = max(1, block_elems // max(1, B * K))
     best = None
     arg = None
@@ -539,24 +508,35 @@ def maxplus(delta: Tensor, log_trans: Tensor, block_elems: int = 1 << 22, col_ma
     return best, arg
 
 
-def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tensor) -> tuple[Tensor, Tensor]:
+# Sum-product and max-product are not written once over a semiring here (as torch-struct does), on purpose.
+# The sum-product runs in probability space with per-step renormalisation so that a step is one GEMM (or
+# BLAS/compiled equivalent); a log-semiring step would be a B x K x K broadcast with logsumexp, 10-50x slower
+# and O(B K^2) memory. The max-product runs in log space, re-centred every step with a float64 offset, so
+# float32 finds the float64 path on 10,000-token sequences; a (max, x) step in probability space would
+# underflow the scores of states far below the best and break that. With the two recursions in different
+# spaces, what they would share is the loop skeleton, while each needs its own state: in-place `out=`
+# buffers and the filtered-marginal outputs for the forward; backpointers, rows frozen at padding and the
+# float64 offset for Viterbi. A generic version parameterised over all of that is longer than the two loops.
+def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tensor, *,
+            backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
     """Max-product in log space. log_init (B, K), log_emit (B, T, K), log_trans (K, K) or t -> (B, K, K).
 
     Returns the best path (B, T) (-1 at padding) and its joint log probability (B,) in float64. Scores are
     re-centred every step (the running maximum moves to a float64 offset), so float32 keeps full
     precision on the differences that decide the path even after 10,000s of steps.
-    O(B T K^2) time, O(B T K) int32 backpointers."""
+    O(B T K^2) time, O(B T K) int32 backpointers. `backend`: "single" runs one sequence's whole recursion in
+    compiled code (auto on CPU from T K^2 >= `backend.NATIVE_MAXPLUS_MIN_WORK`), "groups" the compiled
+    (max, +) product per step, "torch" the broadcast (per-step matrices always)."""
     B, T, K = log_emit.shape
     device = log_emit.device
-    if B == 1 and device.type == "cpu" and isinstance(log_trans, Tensor) and T * K * K >= NATIVE_MAXPLUS_MIN_WORK:
-        from latentlm.models import kernels
-
-        if kernels.HAVE_NUMBA:  # one long sequence: the whole recursion in compiled code
-            L = int(lengths[0])
-            path1, score = kernels.viterbi_one_cpu(log_init[0], log_emit[0, :L], log_trans, log_trans.amax(0))
-            path = torch.full((1, T), -1, dtype=torch.long)
-            path[0, :L] = path1
-            return path, torch.tensor([score], dtype=torch.float64)
+    engine = dispatch.max_product(backend, log_emit, log_trans, rows=B, steps=T)
+    if engine is Backend.SINGLE:  # one long sequence: the whole recursion in compiled code
+        L = int(lengths[0])
+        path1, score = maxplus_kernels.viterbi_one_cpu(log_init[0], log_emit[0, :L], log_trans,  # type: ignore[arg-type]
+                                                       log_trans.amax(0))  # type: ignore[union-attr]
+        path = torch.full((1, T), -1, dtype=torch.long)
+        path[0, :L] = path1
+        return path, torch.tensor([score], dtype=torch.float64)
     mask = valid_mask(lengths, T)
     back = torch.empty(T, B, K, dtype=torch.int32, device=device)
     ident = torch.arange(K, device=device, dtype=torch.int32).expand(B, K)
@@ -566,7 +546,7 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     for t in range(T):
         if t > 0:
             if isinstance(log_trans, Tensor):
-                v, a = maxplus(delta, log_trans, col_max=col_max)
+                v, a = _maxplus(delta, log_trans, 1 << 22, col_max, engine)
             else:
                 v, a = (delta.unsqueeze(2) + log_trans(t)).max(1)
             live = mask[:, t : t + 1]
@@ -586,58 +566,22 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     return path, offset + best.double()
 
 
-class CategoricalTable:
-    """Draws from many categorical distributions at once: probs (R, C), rows summing to 1 ->
-    `draw(rows (n,), generator) -> (n,)` column indices.
-
-    Uses Walker/Vose alias tables (built once in O(R C) by a compiled kernel): a draw is one uniform
-    column and one biased coin, O(1) per sample whatever C is, on any device. `temperature` sharpens
-    (< 1) or flattens (> 1) every row: p^(1/temperature), renormalised."""
-
-    def __init__(self, probs: Tensor, temperature: float = 1.0):
-        from latentlm.models import kernels
-
-        p = probs.double()
-        if temperature != 1.0:
-            p = torch.softmax(p.clamp_min(0).log() / temperature, dim=-1)
-        self.num_cols = p.shape[1]
-        if kernels.HAVE_NUMBA:
-            accept, alias = kernels.alias_tables(p)
-            self.accept, self.alias = accept.to(probs.device), alias.to(probs.device)
-            self.flat = None
-        else:  # inverse CDF on one flat monotone array: row r's cumulative sums shifted by r
-            cum = p.cumsum(-1)
-            cum = cum / cum[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
-            cum[:, -1] = 1.0
-            self.flat = (cum + torch.arange(p.shape[0], dtype=torch.float64, device=p.device)[:, None]).reshape(-1)
-
-    def draw(self, rows: Tensor, generator: torch.Generator) -> Tensor:
-        if self.flat is not None:
-            u = torch.rand(rows.shape, dtype=torch.float64, device=rows.device, generator=generator)
-            idx = torch.searchsorted(self.flat, rows.double() + u, right=True)
-            return (idx - rows * self.num_cols).clamp_(0, self.num_cols - 1)
-        u = torch.rand((2, *rows.shape), dtype=torch.float64, device=rows.device, generator=generator)
-        col = (u[0] * self.num_cols).long().clamp_(max=self.num_cols - 1)
-        keep = u[1] < self.accept[rows, col]
-        return torch.where(keep, col, self.alias[rows, col])
-
-
 def filtered_last(alphas_or_init: Tensor, lengths: Tensor) -> Tensor:
     """Pick each sequence's filtered marginal at its last real position: (B, T, K) -> (B, K)."""
     idx = (lengths - 1).clamp_min(0)
     return alphas_or_init[torch.arange(len(lengths), device=lengths.device), idx]
 
 
-def expected_counts(init: Tensor, emit: Tensor, trans: Tensor, lengths: Tensor
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def expected_counts(init: Tensor, emit: Tensor, trans: Tensor, lengths: Tensor, *,
+                    backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """E-step sufficient statistics for a shared (K, K) transition matrix (Baum-Welch).
 
     Returns (gamma (B, T, K) = p(z_t | x), zeros at padding; start counts (K,) = sum_b gamma[b, 0];
     transition counts (K, K) = sum_{b, t >= 1} p(z_{t-1} = i, z_t = j | x); log_cond (B, T)).
     xi summed over positions is trans * (alpha_{t-1}^T (emit_t * beta_t / c_t)): one (K, B T) x (B T, K)
     GEMM. O(B T K^2)."""
-    log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True)
-    betas = backward(emit, trans, lengths, log_cond)
+    log_cond, alphas = forward(init, emit, trans, lengths, keep_alphas=True, backend=backend)
+    betas = backward(emit, trans, lengths, log_cond, backend=backend)
     B, T, K = emit.shape
     mask = valid_mask(lengths, T)
     gamma = alphas * betas

@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from latentlm.models import chain
+
+from latentlm.models import backend, chain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,9 +34,9 @@ def chunked_calls(monkeypatch, name: str) -> list[int]:
     calls: list[int] = []
     real = getattr(chain, name)
     monkeypatch.setattr(chain, name, lambda *a, **k: calls.append(a[1].shape[1]) or real(*a, **k))
-    monkeypatch.setattr(chain, "LONG_MIN_TOKENS", 600)
+    monkeypatch.setattr(backend, "LONG_MIN_TOKENS", 600)
     monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 100)
-    monkeypatch.setattr(chain, "CHUNK_MIN_STATES", 2)
+    monkeypatch.setattr(backend, "CHUNK_MIN_STATES", 2)
     return calls
 
 
@@ -56,12 +57,14 @@ def assert_close_logprob(chunked, seq, chunks, dtype):
 
 @settings(max_examples=20, deadline=None)
 @given(T=st.integers(64, 400), K=st.integers(1, 24), chunks=st.integers(2, 6), window=st.integers(2, 12),
-       single=st.booleans(), dense=st.booleans(), seed=st.integers(0, 10_000))
-def test_chunked_matches_sequential(T, K, chunks, window, single, dense, seed):
+       single=st.booleans(), dense=st.booleans(), engine=st.sampled_from(["auto", "torch"]),
+       seed=st.integers(0, 10_000))
+def test_chunked_matches_sequential(T, K, chunks, window, single, dense, engine, seed):
+    """On the engine auto picks (compiled on CPU) and on torch ops (what a GPU runs)."""
     dtype = torch.float32 if single else torch.float64
     init, table, rows, trans = mixing_chain(T, K, 7, seed, dtype)
     emit = table[rows] if dense else chain.RowLookup(table, rows)
-    got = chain.forward_chunked(init, emit, trans, chunks=chunks, window=window)
+    got = chain.forward_chunked(init, emit, trans, chunks=chunks, window=window, backend=engine)
     assert got.shape == (1, T) and got.dtype == dtype
     assert_close_logprob(got, sequential(init, emit, trans, T), chunks, dtype)
 
@@ -126,9 +129,11 @@ def test_forward_dispatches_long_single_sequences(monkeypatch):
     assert calls == [700]
     assert_close_logprob(got, sequential(init, emit, trans, 700), 7, torch.float32)
     chain.forward(init, emit, trans, lengths, keep_alphas=True)  # marginals wanted: sequential
-    with chain.plain_torch():  # the baseline never chunks
-        chain.forward(init, emit, trans, lengths)
+    chain.forward(init, emit, trans, lengths, chunk_long=False)  # the baseline: step by step
+    chain.forward(init, emit, trans, lengths, backend="single")  # one compiled recursion
     assert calls == [700]
+    chain.forward(init, emit, trans, lengths, backend="torch")  # torch ops chunk too (what a GPU runs)
+    assert calls == [700, 700]
 
 
 def test_long_sequences_in_a_batch_are_chunked_one_by_one(monkeypatch):
@@ -148,8 +153,8 @@ def test_long_sequences_in_a_batch_are_chunked_one_by_one(monkeypatch):
         assert (got[b, n:] == 0).all()
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_out_last_is_the_filtered_marginal_at_each_last_position(compiled):
+@pytest.mark.parametrize("engine", ["auto", "torch"])
+def test_out_last_is_the_filtered_marginal_at_each_last_position(engine):
     g = torch.Generator().manual_seed(2)
     B, T, K = 6, 9, 5
     init, table, _, trans = mixing_chain(T, K, 7, 4)
@@ -161,17 +166,9 @@ def test_out_last_is_the_filtered_marginal_at_each_last_position(compiled):
     lengths = torch.tensor([9, 1, 5, 9, 3, 7])
     emit = chain.RowLookup(table, rows)
 
-    def run():
-        last = torch.full((B, K), -1.0, dtype=table.dtype)
-        _, alphas = chain.forward(init, emit, trans, lengths, keep_alphas=True)
-        chain.forward(init, emit, trans, lengths, out_last=last)
-        return last, alphas
-
-    if compiled:
-        last, alphas = run()
-    else:
-        with chain.plain_torch():
-            last, alphas = run()
+    last = torch.full((B, K), -1.0, dtype=table.dtype)
+    _, alphas = chain.forward(init, emit, trans, lengths, keep_alphas=True, backend=engine)
+    chain.forward(init, emit, trans, lengths, out_last=last, backend=engine)
     for b in range(B):
         want = torch.zeros(K, dtype=table.dtype) if b == 2 else alphas[b, lengths[b] - 1]
         assert torch.allclose(last[b], want, atol=1e-12), b
@@ -188,7 +185,7 @@ def test_projective_distance():
 
 def sequential_posterior(init, emit, trans, T):
     lengths = torch.tensor([T])
-    cond, alphas = chain._forward_steps(init, emit, trans, lengths, True, None)
+    cond, alphas = chain._forward_steps(init, emit, trans, lengths, True, None, "auto")
     return chain.backward(emit, trans, lengths, cond, alphas=alphas), cond
 
 

@@ -1,0 +1,177 @@
+"""Which engine runs a chain-engine call (`models.chain`), and every threshold behind that choice.
+
+`Backend` names the engines. Each `models.chain` entry point takes `backend=` (default "auto": chosen here
+per call from device, dtype, autograd, batch size B, states K, length T and what this machine offers);
+an explicit backend runs that engine or raises ValueError if it cannot run the call (tests and benchmarks
+name one; `available` says which this machine has).
+
+| backend    | sum-product (forward, backward, posterior)             | max-product (viterbi, maxplus)          |
+|------------|--------------------------------------------------------|-----------------------------------------|
+| "torch"    | torch ops, one GEMM per step; any device, autograd     | broadcast (max, +) in blocks            |
+| "single"   | one sequence's forward whole in compiled code          | one sequence's Viterbi in compiled code |
+|            | (log_cond only; split over two threads when large)     |                                         |
+| "groups"   | ROWS-sequence groups whole in compiled code, no BLAS   | compiled (max, +) product per step      |
+| "lockstep" | compiled per-row sweeps and one BLAS GEMM per step     | - (no GEMM in a max-product)            |
+
+Every compiled engine needs a shared (K, K) matrix on CPU, float32/float64 throughout, no autograd and
+numba; "lockstep" also needs torch's BLAS to be callable (`kernels.blas.HAVE_GEMM`).
+Long sequences are, independently of the engine, scored as batches of chunks (`chunk_long`).
+The thresholds are module constants read at call time (tests lower them with `monkeypatch.setattr`).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import torch
+from torch import Tensor
+
+from latentlm.models.kernels.blas import HAVE_GEMM, HAVE_PACK
+from latentlm.models.kernels.jit import HAVE_NUMBA
+
+
+class Backend(StrEnum):
+    AUTO = "auto"
+    TORCH = "torch"
+    SINGLE = "single"
+    GROUPS = "groups"
+    LOCKSTEP = "lockstep"
+
+
+# -- thresholds (measured on 2-16 core x86 machines; bench/results/hmm_inference.md) -------------------------
+GROUPS_MAX_K = 512  # largest matrix for the ROWS groups in a batch: beyond it any BLAS GEMM wins
+LOCKSTEP_MIN_ROWS = 4  # rows per thread for a GEMM per step to pay (fewer rows in all: ROWS groups)
+PACK_MIN_K = 512  # float32 matrices this large are packed once (MKL's gemm_pack, cached) for lockstep GEMMs
+SPLIT_MIN_K = 128  # one sequence: below this a step is too short to amortise two threads meeting every step
+SPLIT_MIN_WORK = 1 << 24  # T K^2 above which starting a second thread for one sequence pays off
+NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B K^2 (a (max, +) step) or T K^2 (one sequence) for compiled max-product
+LONG_MIN_TOKENS = 4096  # a sequence at least this long is scored as a batch of its own chunks
+CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
+CHUNK_ROWS_PER_THREAD = 8  # chunks per thread on the compiled engines (twice that for K > GROUPS_MAX_K)
+MAX_CHUNKS = 64  # chunks (rows of the per-step GEMM) on the torch engine (GPU)
+
+_FLOATS = (torch.float32, torch.float64)
+
+
+def available(backend: Backend | str) -> bool:
+    """Whether this machine has the engine at all (whether it can run a given call is `sum_product`'s
+    or `max_product`'s to say)."""
+    b = Backend(backend)
+    if b in (Backend.AUTO, Backend.TORCH):
+        return True
+    return HAVE_NUMBA and (b is not Backend.LOCKSTEP or HAVE_GEMM)
+
+
+def _grad(*tensors: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+def compiled_ok(emit, trans, *more: Tensor) -> bool:
+    """Whether a compiled sum-product engine can run: a shared matrix on CPU, float32/float64 throughout, no
+    autograd through any argument, numba present. (`emit`: a tensor or a `chain.RowLookup`.)"""
+    return (HAVE_NUMBA and isinstance(trans, Tensor) and emit.device.type == "cpu" and trans.device.type == "cpu"
+            and emit.dtype in _FLOATS and trans.dtype == emit.dtype and not _grad(emit, trans, *more))
+
+
+def _refuse(b: Backend, why: str) -> ValueError:
+    return ValueError(f"backend {b.value!r} cannot run this call: {why}")
+
+
+def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, marginals: bool = False,
+                last: bool = False) -> Backend:
+    """The engine of one sum-product call over `rows` sequences: `marginals` when it keeps the filtered
+    marginals or runs backward, `last` when it writes each sequence's last marginal.
+
+    auto: "torch" where no compiled engine can run (GPU, autograd, per-step matrices, mixed dtypes);
+    "single" for one sequence wanting only log_cond; "lockstep" where BLAS is callable and there are at
+    least LOCKSTEP_MIN_ROWS rows or more than GROUPS_MAX_K states; else "groups" up to GROUPS_MAX_K states or
+    for one sequence (no GEMM to hand to BLAS anyway); else "torch" (one BLAS GEMM per step)."""
+    b = Backend(backend)
+    if b is Backend.TORCH:
+        return b
+    ok = compiled_ok(emit, trans, *more)
+    one = rows == 1 and not marginals
+    if b is Backend.AUTO:
+        if not ok:
+            return Backend.TORCH
+        if one and not last:
+            return Backend.SINGLE
+        K = trans.shape[-1]
+        if HAVE_GEMM and (rows >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K):
+            return Backend.LOCKSTEP
+        return Backend.GROUPS if K <= GROUPS_MAX_K or one else Backend.TORCH
+    if not ok:
+        raise _refuse(b, "it needs numba and a shared matrix on CPU in the emissions' float dtype, no autograd")
+    if b is Backend.LOCKSTEP and not HAVE_GEMM:
+        raise _refuse(b, "torch's BLAS is not callable here")
+    if b is Backend.SINGLE and not (one and not last):
+        raise _refuse(b, "it scores one sequence, without marginals")
+    return b
+
+
+def max_product(backend: Backend | str, scores: Tensor, log_trans, *, rows: int, steps: int | None = None
+                ) -> Backend:
+    """The engine of a Viterbi recursion over `rows` sequences of `steps` positions, or (steps None) of one
+    (max, +) product over `rows` rows. auto: "single" for one sequence whose T K^2 reaches
+    NATIVE_MAXPLUS_MIN_WORK (the whole recursion compiled), "groups" (the compiled (max, +) product) where
+    B K^2 does, else "torch". Compiled engines only on CPU in float32/float64 with numba and a shared matrix."""
+    b = Backend(backend)
+    if b is Backend.TORCH:
+        return b
+    ok = (HAVE_NUMBA and isinstance(log_trans, Tensor) and scores.device.type == "cpu"
+          and log_trans.device.type == "cpu" and scores.dtype in _FLOATS and log_trans.dtype == scores.dtype)
+    if b is Backend.AUTO:
+        if not ok:
+            return Backend.TORCH
+        K = log_trans.shape[-1]
+        if rows == 1 and steps is not None and steps * K * K >= NATIVE_MAXPLUS_MIN_WORK:
+            return Backend.SINGLE
+        return Backend.GROUPS if rows * K * K >= NATIVE_MAXPLUS_MIN_WORK else Backend.TORCH
+    if b is Backend.LOCKSTEP:
+        raise _refuse(b, "a max-product has no GEMM; use 'groups'")
+    if not ok:
+        raise _refuse(b, "it needs numba and a shared matrix on CPU in the scores' float dtype")
+    if b is Backend.SINGLE and (rows != 1 or steps is None):
+        raise _refuse(b, "it decodes one whole sequence")
+    return b
+
+
+def threads(engine: Backend, rows: int, T: int, K: int) -> int:
+    """Threads for a compiled sum-product call (torch's intra-op thread count at most): "single" splits one
+    sequence over two threads only from SPLIT_MIN_K states and SPLIT_MIN_WORK = T K^2; "lockstep" gives
+    each thread at least LOCKSTEP_MIN_ROWS rows; "groups" takes them all (its driver gives each a group)."""
+    n = torch.get_num_threads()
+    if engine is Backend.SINGLE:
+        return 2 if n >= 2 and K >= SPLIT_MIN_K and T * K * K >= SPLIT_MIN_WORK else 1
+    if engine is Backend.LOCKSTEP:
+        return max(1, min(n, rows // LOCKSTEP_MIN_ROWS))
+    return n
+
+
+def packs(engine: Backend, dtype: torch.dtype, K: int) -> bool:
+    """Whether a lockstep call runs on the matrix packed once by MKL (float32, K >= PACK_MIN_K, packed API
+    exported)."""
+    return engine is Backend.LOCKSTEP and HAVE_PACK and dtype == torch.float32 and K >= PACK_MIN_K
+
+
+def chunk_long(backend: Backend | str, emit, trans, *more: Tensor, wants_states: bool) -> bool:
+    """Whether `forward` / `posterior` may score their sequences of LONG_MIN_TOKENS+ positions as batches of
+    chunks: a shared matrix, no per-position outputs besides log_cond (`wants_states`), no autograd, not the
+    "single" engine, and on CPU at least CHUNK_MIN_STATES states (on fewer a step is too short to be bound by
+    streaming the matrix, which is what chunking saves)."""
+    if wants_states or emit.shape[1] < LONG_MIN_TOKENS or not isinstance(trans, Tensor):
+        return False  # (no tensor op on the common path: a busy server's inference thread waits for the GIL)
+    if Backend(backend) is Backend.SINGLE or (trans.device.type == "cpu" and trans.shape[0] < CHUNK_MIN_STATES):
+        return False
+    return not _grad(trans, emit, *more)
+
+
+def default_chunks(engine: Backend, K: int) -> int:
+    """Chunks per long sequence when the chunk batches run on `engine` (measured,
+    bench/results/hmm_inference.md): on the compiled engines CHUNK_ROWS_PER_THREAD rows per thread, twice that
+    once the matrix outgrows a core's cache (K > GROUPS_MAX_K: each GEMM step streams it, so more rows per
+    pass pay); MAX_CHUNKS rows for one BLAS GEMM per step on torch ops."""
+    if engine is Backend.TORCH:
+        return MAX_CHUNKS
+    per_thread = CHUNK_ROWS_PER_THREAD if K <= GROUPS_MAX_K else 2 * CHUNK_ROWS_PER_THREAD
+    return per_thread * max(1, torch.get_num_threads())

@@ -1,0 +1,176 @@
+"""The BLAS inside torch's CPU library, called from compiled kernels, and the matrices derived for it.
+
+torch's x86 wheels link MKL into libtorch_cpu.so and export its symbols. `BLAS` binds them with ctypes:
+sgemm_/dgemm_ (Fortran interface), MKL_Set_Num_Threads_Local, and MKL's packed-matrix float32 API
+(cblas_sgemm_pack_get_size / _pack / _compute) where exported; `BLAS` is None where the library does not
+export the GEMMs (then `HAVE_GEMM` is False and the engine never picks the lockstep kernels). Compiled code
+calls them through `gemm_rows`, by address: the address is an argument, not a constant, so the calling
+kernels stay in numba's on-disk cache.
+
+`packed_matrix` / `transposed` cache what a lockstep call derives from a model's matrix (MKL's packed copy,
+a transposed copy) while the tensor lives and is not modified in place.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from latentlm.models.kernels.jit import HAVE_NUMBA, njit
+
+
+class TorchBlas(NamedTuple):
+    sgemm: Any
+    dgemm: Any
+    local_threads: Any  # MKL_Set_Num_Threads_Local(n) -> previous n (0: the global setting)
+    pack_size: Any  # the three below: None without MKL's packed API
+    pack: Any
+    compute: Any
+
+
+def _torch_blas() -> TorchBlas | None:
+    """Bind torch's BLAS symbols, or None where libtorch_cpu does not export them."""
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+        gemms = [getattr(lib, name) for name in ("sgemm_", "dgemm_")]
+        # through PyDLL: an instant call that keeps the GIL (a ctypes call releases it, and in a busy server
+        # each reacquisition can wait a whole switch interval)
+        local = ctypes.PyDLL(lib._name).MKL_Set_Num_Threads_Local
+    except (OSError, AttributeError):
+        return None
+    for f in gemms:  # Fortran interface: every argument by reference
+        f.restype, f.argtypes = None, [vp] * 13
+    local.restype, local.argtypes = ci, [ci]
+    try:
+        size, pack, compute = lib.cblas_sgemm_pack_get_size, lib.cblas_sgemm_pack, lib.cblas_sgemm_compute
+    except AttributeError:
+        return TorchBlas(gemms[0], gemms[1], local, None, None, None)
+    size.restype, size.argtypes = ctypes.c_size_t, [ci] * 4
+    pack.restype, pack.argtypes = None, [ci] * 6 + [ctypes.c_float, vp, ci, vp]
+    compute.restype, compute.argtypes = None, [ci] * 6 + [vp, ci, vp, ci, ctypes.c_float, vp, ci]
+    return TorchBlas(gemms[0], gemms[1], local, size, pack, compute)
+
+
+BLAS = _torch_blas() if HAVE_NUMBA else None
+HAVE_GEMM = BLAS is not None  # the lockstep kernels can run
+HAVE_PACK = BLAS is not None and BLAS.pack is not None  # ... and on a float32 matrix packed once
+
+
+def address(fn) -> int:
+    """The address of a ctypes function (what compiled code calls)."""
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+def as_array(x: Tensor) -> np.ndarray:
+    """A C-contiguous numpy view (a copy only where `x` is not contiguous) of a CPU tensor."""
+    return np.ascontiguousarray(x.detach().numpy())
+
+
+_DERIVED: dict = {}  # (id(trans), kind) -> (weakref to trans, its version counter, derived array)
+
+
+def _derived(trans: Tensor, kind: str, build: Callable[[], np.ndarray]) -> np.ndarray:
+    """`build()`, an array derived from `trans`, cached while the tensor lives and is not modified in place
+    (torch's version counter): a model's matrix is transposed or packed once, not on every call."""
+    key = (id(trans), kind)
+    hit = _DERIVED.get(key)
+    if hit is not None and hit[0]() is trans and hit[1] == trans._version:
+        return hit[2]
+    value = build()
+    _DERIVED[key] = (weakref.ref(trans, lambda _ref: _DERIVED.pop(key, None)), trans._version, value)
+    return value
+
+
+def packed_matrix(trans: Tensor, transpose: bool) -> np.ndarray:
+    """trans (K, K) float32 (or trans^T) packed by MKL as the B operand of row-major GEMMs (cached: packing a
+    4 MiB matrix costs as much as several steps). Needs `HAVE_PACK`."""
+    def build() -> np.ndarray:
+        assert BLAS is not None and BLAS.pack is not None
+        K = trans.shape[0]
+        mat = as_array(trans)
+        packed = np.empty(BLAS.pack_size(162, 32, K, K) // 4 + 16, dtype=np.float32)  # 162: B operand; 32: a hint
+        BLAS.pack(101, 162, 112 if transpose else 111, 32, K, K, 1.0, mat.ctypes.data, K, packed.ctypes.data)
+        return packed
+
+    return _derived(trans, f"packed{int(transpose)}", build)
+
+
+def transposed(trans: Tensor) -> np.ndarray:
+    """trans^T as a contiguous array (cached)."""
+    return _derived(trans, "T", lambda: np.ascontiguousarray(trans.detach().numpy().T))
+
+
+def gemm_addresses(dtype: np.dtype) -> tuple[int, int]:
+    """(address of sgemm_ or dgemm_ for `dtype`, address of MKL's packed compute or 0)."""
+    assert BLAS is not None
+    compute = address(BLAS.compute) if BLAS.compute is not None else 0
+    return address(BLAS.sgemm if dtype == np.float32 else BLAS.dgemm), compute
+
+
+def set_local_threads(n: int) -> int:
+    """Hold BLAS calls made by this thread to n threads (0: the global setting); returns the previous value."""
+    assert BLAS is not None
+    return BLAS.local_threads(n)
+
+
+if HAVE_GEMM:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def _fortran_gemm(typingctx, addr, op, dims, coef, a, b, c):  # pragma: no cover - compiled
+        """Call the Fortran ?gemm_ at address `addr` (int64): c = op(a) op(b), column-major, transposes op[0]
+        and op[1] ('N' or 'T'), (M, N, K, lda, ldb, ldc) = dims, (alpha, beta) = coef."""
+        def codegen(context, builder, sig, args):
+            i8p = ir.IntType(8).as_pointer()
+
+            def at(i, k):  # pointer to element k of array argument i
+                data = context.make_array(sig.args[i])(context, builder, args[i]).data
+                return builder.bitcast(builder.gep(data, [ir.Constant(ir.IntType(64), k)]), i8p)
+
+            argv = [at(1, 0), at(1, 1), at(2, 0), at(2, 1), at(2, 2), at(3, 0), at(4, 0), at(2, 3), at(5, 0),
+                    at(2, 4), at(3, 1), at(6, 0), at(2, 5)]
+            fn = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [i8p] * 13).as_pointer())
+            builder.call(fn, argv)
+            return context.get_dummy_value()
+        return types.void(addr, op, dims, coef, a, b, c), codegen
+
+    @intrinsic
+    def _packed_sgemm(typingctx, addr, m, k, a, packed, c):  # pragma: no cover - compiled
+        """Call MKL's cblas_sgemm_compute at address `addr`: c[:m] = a[:m] @ B, row-major float32 with B
+        (k x k) packed by cblas_sgemm_pack into `packed`."""
+        def codegen(context, builder, sig, args):
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+
+            def ptr(i):
+                return builder.bitcast(context.make_array(sig.args[i])(context, builder, args[i]).data, i8p)
+
+            m32, k32 = builder.trunc(args[1], i32), builder.trunc(args[2], i32)
+            row_major, no_trans, packed_b = (ir.Constant(i32, v) for v in (101, 111, 151))
+            argv = [row_major, no_trans, packed_b, m32, k32, k32, ptr(3), k32, ptr(4), k32,
+                    ir.Constant(ir.FloatType(), 0.0), ptr(5), k32]
+            fnty = ir.FunctionType(ir.VoidType(), [i32] * 6 + [i8p, i32, i8p, i32, ir.FloatType(), i8p, i32])
+            builder.call(builder.inttoptr(args[0], fnty.as_pointer()), argv)
+            return context.get_dummy_value()
+        return types.void(addr, m, k, a, packed, c), codegen
+
+    @njit(nogil=True, inline="always", cache=True)
+    def gemm_rows(gemm, compute, packed, x, mat, out, n, dims, coef, op):  # pragma: no cover - compiled
+        """out[:n] = x[:n] @ mat, or x[:n] @ mat^T when op[0] is 'T' (row-major; x, out (m, K), mat (K, K));
+        gemm, compute: function addresses. With `packed` non-empty, by MKL's gemm_compute on the operand
+        packed once; otherwise by Fortran GEMM: in column-major terms out^T = op(mat^T) x^T, as a row-major
+        matrix read column-major is its transpose."""
+        if packed.shape[0] > 0:
+            _packed_sgemm(compute, n, mat.shape[0], x, packed, out)
+            return
+        dims[1] = n
+        _fortran_gemm(gemm, op, dims, coef, mat, x, out)
