@@ -7,15 +7,16 @@ sampling come from here and from `models.chain`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from latentlm.models import chain
-from latentlm.models.chain import CategoricalTable, Emit, Trans
+from latentlm.models.chain import Emit, Trans
 from latentlm.models.errors import InputError
+from latentlm.models.family import Family, perplexity
+from latentlm.models.sampling import CategoricalTable, Samples, run_sampler, slot_to_token
 from torch import Tensor
 
 
@@ -46,64 +47,6 @@ class Batch:
         return chain.valid_mask(self.lengths, self.ids.shape[1])
 
 
-@dataclass
-class Samples:
-    """Sampled continuations: ids and states (n, L) right-padded with -1, lengths (n,)."""
-
-    ids: Tensor
-    states: Tensor
-    lengths: Tensor
-
-
-class Family:
-    """Interface of a model family (HMMs, PCFGs, LDS). Families register in `models.registry`."""
-
-    family: ClassVar[str]
-    operations: ClassVar[frozenset[str]] = frozenset()
-    decode_methods: ClassVar[frozenset[str]] = frozenset()
-    decode_notes: ClassVar[dict[str, str]] = {}  # method -> why this family cannot offer it
-
-    @staticmethod
-    def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], config: dict[str, Any], *, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32) -> Family:
-        raise NotImplementedError
-
-    @property
-    def num_states(self) -> int:
-        raise NotImplementedError
-
-    def describe(self) -> dict[str, Any]:
-        """Family-specific fields for `GET /v1/models`."""
-        return {"num_states": self.num_states}
-
-    # JSON-level operations used by `latentlm.ops` (CLI and service). Each takes validated token-id
-    # sequences and returns one dict per input (or per sample) with the documented fields; a family
-    # that lacks an operation leaves it out of `operations` and `latentlm.ops` answers "unsupported".
-    #   op_score(seqs, *, token_logprobs)            -> logprob, num_tokens, perplexity[, token_logprobs]
-    #   op_posterior(seqs, *, top_k)                 -> marginals
-    #   op_decode(seqs, *, method)                   -> states/tags/tree..., logprob
-    #   op_sample(*, n, max_tokens, seed, prefix, temperature, stop_id) -> ids, states/tree
-    #   op_embed(seqs, *, causal)                    -> embeddings, dim
-
-
-# -- JSON-level operations (what the CLI prints and the service returns, minus `index`/`tokens`) -------
-def json_float(x: float) -> float | None:
-    """Finite floats pass; -inf/inf/NaN become None (JSON has no infinities): null log-prob = probability 0."""
-    return x if math.isfinite(x) else None
-
-
-def perplexity(logprob: float, num_tokens: int) -> float | None:
-    """exp(-logprob / num_tokens), or None when it overflows (probability 0 or underflow)."""
-    try:
-        return json_float(math.exp(-logprob / num_tokens))
-    except OverflowError:
-        return None
-
-
 class ChainOps:
     """Mixin giving ChainFamily the `op_*` methods used by `latentlm.ops` (CLI and service)."""
 
@@ -113,9 +56,9 @@ class ChainOps:
         conds = cond.double().cpu().tolist() if token_logprobs else None
         out = []
         for i, (s, lp) in enumerate(zip(seqs, logps, strict=True)):
-            item = {"logprob": json_float(lp), "num_tokens": len(s), "perplexity": perplexity(lp, len(s))}
+            item = {"logprob": lp, "num_tokens": len(s), "perplexity": perplexity(lp, len(s))}
             if conds is not None:
-                item["token_logprobs"] = [json_float(v) for v in conds[i][: len(s)]]
+                item["token_logprobs"] = conds[i][: len(s)]
             out.append(item)
         return out
 
@@ -134,7 +77,7 @@ class ChainOps:
         if method == "viterbi":
             path, logp = self.viterbi(batch)
             path, logp = path.cpu(), logp.double().cpu()
-            return [{"states": path[i, : len(s)].tolist(), "logprob": json_float(logp[i].item())}
+            return [{"states": path[i, : len(s)].tolist(), "logprob": logp[i].item()}
                     for i, s in enumerate(seqs)]
         states, p = self.mbr(batch)
         states, p = states.cpu(), p.double().cpu()
@@ -187,6 +130,7 @@ class ChainFamily(ChainOps, Family):
 
     operations = _ChainOperations(frozenset({"score", "posterior", "decode", "sample"}))  # type: ignore[assignment]
     decode_methods = frozenset({"viterbi", "mbr"})
+    default_method = "viterbi"
     device: torch.device
     dtype: torch.dtype
 
@@ -262,34 +206,7 @@ class ChainFamily(ChainOps, Family):
         first = self.predictive(prefix) if prefix else self.start_probs()
         first_table = CategoricalTable(first[None].to(torch.float64), temperature)
         z = first_table.draw(torch.zeros(n, dtype=torch.long, device=self.device), generator)
-        return _run_sampler(n, max_tokens, generator, z, stop_id,
-                            emit=lambda z: _slot_to_token(emit_table.draw(z, generator), z, slot_token),
-                            nxt=lambda z: trans_table.draw(z, generator))
-
-
-def _slot_to_token(slot: Tensor, z: Tensor, slot_token: Tensor | None) -> Tensor:
-    return slot if slot_token is None else slot_token[z, slot]
-
-
-def _run_sampler(n: int, max_tokens: int, generator: torch.Generator, z: Tensor, stop_id: int | None,
-                 emit, nxt, state_of=lambda z: z) -> Samples:
-    """Generic ancestral sampling loop: token_t = emit(z_t), z_{t+1} = nxt(z_t)."""
-    device = z.device
-    ids = torch.full((n, max_tokens), -1, dtype=torch.long, device=device)
-    states = torch.full((n, max_tokens), -1, dtype=torch.long, device=device)
-    lengths = torch.full((n,), max_tokens, dtype=torch.long, device=device)
-    done = torch.zeros(n, dtype=torch.bool, device=device)
-    for t in range(max_tokens):
-        x = emit(z)
-        ids[:, t] = torch.where(done, -1, x)
-        states[:, t] = torch.where(done, -1, state_of(z))
-        if stop_id is not None:
-            newly = (~done) & (x == stop_id)
-            lengths = torch.where(newly, t + 1, lengths)
-            done |= newly
-            if bool(done.all()):
-                break
-        if t + 1 < max_tokens:
-            z = nxt(z)
-    return Samples(ids, states, lengths)
+        return run_sampler(n, max_tokens, generator, z, stop_id,
+                           emit=lambda z: slot_to_token(emit_table.draw(z, generator), z, slot_token),
+                           nxt=lambda z: trans_table.draw(z, generator))
 

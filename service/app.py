@@ -61,7 +61,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await state.cache.close()
             state.loader.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="latentlm", version="0.1.0", lifespan=lifespan,
+    # The operation routes are the app's own first routes (matched first, with no included-router layer to
+    # walk); the other routers are included. OpenTelemetry is opt-in (LATENTLM_OTEL=1): FastAPI's native
+    # telemetry checks its providers on every request otherwise.
+    otel = {} if settings.otel else {"tracing": False, "metrics": False, "logs": False}
+    app = FastAPI(title="latentlm", version="0.1.0", lifespan=lifespan, routes=list(operations.router.routes),
+                  telemetry=otel,
                   description="Exact inference for latent-variable language models (HMMs, VL-HMMs, rank-space "
                               "HMMs, PCFGs, LDS) with dynamic batching, a Redis response cache and OpenAI-style "
                               "batch jobs.")
@@ -70,6 +75,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings, state.registry, state.batcher, metrics)
     errors.install(app, on_error=metrics.error)
     app.add_middleware(Guard, settings=settings, metrics=metrics)
-    for router in (health.router, models.router, operations.router, batches.router):
+    for router in (health.router, models.router, batches.router):
         app.include_router(router)
     return app

@@ -38,6 +38,8 @@ class Settings:
     job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
     job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
     retry_after_s: int = 1
+    otel: bool = False                   # FastAPI's native OpenTelemetry (tracing, metrics, logs to the global
+                                         # providers / OTLP exporters); Prometheus /metrics is always on
     gil_switch_interval_ms: float = 0.1  # `serve`: how soon a busy event loop hands the GIL to the inference
                                          # thread (Python's default, 5 ms, stalls each batch several times)
 
@@ -51,7 +53,7 @@ class Settings:
                 continue
             cur = getattr(s, f.name)
             try:
-                val = type(cur)(raw) if not isinstance(cur, Path) else Path(raw)
+                val = Path(raw) if isinstance(cur, Path) else _bool(raw) if isinstance(cur, bool) else type(cur)(raw)
             except ValueError:
                 raise ValueError(f"LATENTLM_{f.name.upper()}: cannot parse {raw!r} as {type(cur).__name__}") from None
             setattr(s, f.name, val)
@@ -67,3 +69,13 @@ class Settings:
     @property
     def cache_redis_url(self) -> str:
         return self.cache_url or self.redis_url
+
+
+def _bool(raw: str) -> bool:
+    """1/true/yes/on or 0/false/no/off (any case)."""
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)

@@ -1,20 +1,23 @@
 """POST /v1/score, /v1/posterior, /v1/decode, /v1/embed and /v1/sample: the one request path for every
 operation.
 
-Every operation route is an `OperationRoute`: a FastAPI route like any other (the same middleware, exception
-handlers and OpenAPI document, generated from the endpoint's request model), except that its body is
-validated straight from the request bytes by that same pydantic model (`model_validate_json`, one pass in
-pydantic-core) rather than parsed to Python objects first and validated second, which costs more CPU than a
-batched forward pass of a 256-state model. Requests of the same model, operation and options are merged by
-the batcher into one batched run on the inference thread.
+Every operation route is an `OperationRoute`: a FastAPI route like any other, behind the same middleware and
+exception handlers, in the same OpenAPI document (generated from the endpoint's request model). Only what
+runs inside the route is leaner than FastAPI's generic request handling, which costs more CPU than a batched
+forward pass of a 256-state model: the body is validated straight from its bytes by that same pydantic model
+(`model_validate_json`, one pass in pydantic-core), and the endpoint is called as `endpoint(req, state)`
+with no dependency injection and no Request object. Errors propagate to the app's exception handlers like
+any route's. Requests of the same model, operation and options are merged by the batcher into one batched
+run on the inference thread.
 """
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any, get_type_hints
 
 import anyio
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
@@ -25,11 +28,11 @@ from latentlm.service.batcher import QueueFull
 from latentlm.service.cache import CACHED_OPS
 from latentlm.service.errors import APIError
 from latentlm.service.schemas import DecodeRequest, EmbedRequest, PosteriorRequest, SampleRequest, ScoreRequest
-from latentlm.service.state import ServiceState
+from latentlm.service.state import ServiceState, get_state
 
 JSON = "application/json"
 BIG_RESPONSE_TOKENS = 2048  # bigger responses are serialised off the event loop
-TICKET = "latentlm.ticket"
+TICKET: ContextVar[list[bool] | None] = ContextVar("latentlm_ticket", default=None)  # Batcher.announce()'s
 
 
 def parse_json(model: type[BaseModel], raw: bytes) -> BaseModel:
@@ -45,32 +48,47 @@ def parse_json(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise errors.describe_validation(errs) from None
 
 
-class OperationRoute(APIRoute):
-    """Calls `endpoint(req, request)` with the body validated by the endpoint's `req` annotation. The batcher
-    hears of the request as soon as it arrives (`announce`), so a batch waits for company that is coming."""
+async def read_body(receive) -> bytes:
+    """The request body (the middleware has already bounded its size and buffered it)."""
+    msg = await receive()
+    body = msg.get("body", b"")
+    if not msg.get("more_body", False):
+        return body
+    chunks = [body]
+    while msg.get("more_body", False):
+        msg = await receive()
+        chunks.append(msg.get("body", b""))
+    return b"".join(chunks)
 
-    def get_route_handler(self):
-        endpoint = self.endpoint
+
+class OperationRoute(APIRoute):
+    """An APIRoute whose ASGI app calls `endpoint(req, state)` with the body validated by the endpoint's
+    `req` annotation. The batcher hears of the request as soon as it arrives (`announce`), so a batch waits
+    for company that is on its way."""
+
+    def __init__(self, path: str, endpoint: Any, **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
         model = get_type_hints(endpoint)["req"]
 
-        async def handler(request: Request) -> Response:
-            state: ServiceState = request.app.state.service
+        async def app(scope, receive, send) -> None:
+            state: ServiceState = scope["app"].state.service
             ticket = state.batcher.announce()
-            request.scope[TICKET] = ticket
+            token = TICKET.set(ticket)
             try:
-                return await endpoint(parse_json(model, await request.body()), request)
+                response = await endpoint(parse_json(model, await read_body(receive)), state)
             finally:
                 state.batcher.retract(ticket)
+                TICKET.reset(token)
+            await response(scope, receive, send)
 
-        return handler
+        self.app = app
 
 
 router = APIRouter(prefix="/v1", tags=["operations"], route_class=OperationRoute)
 
 
-async def run_batched(op: str, req: Any, request: Request) -> Response:
+async def run_batched(op: str, req: Any, state: ServiceState) -> Response:
     """Check, look up the cache, queue for the batcher, shape the body (one write by `ops.dumps`)."""
-    state: ServiceState = request.app.state.service
     state.ensure_ready()
     prep = execute.prepare(state.registry.get(req.model), op, req, state.settings.max_request_tokens)
     cache, key = state.cache, None
@@ -80,7 +98,7 @@ async def run_batched(op: str, req: Any, request: Request) -> Response:
         if hit is not None:
             return Response(hit, media_type=JSON, headers={"X-Cache": "hit"})
     try:
-        results = await state.batcher.submit(prep.model, op, prep.opts, prep.seqs, request.scope.get(TICKET))
+        results = await state.batcher.submit(prep.model, op, prep.opts, prep.seqs, TICKET.get())
     except QueueFull as e:
         raise state.queue_full(e) from None
     data = execute.body(prep, results)
@@ -93,34 +111,33 @@ async def run_batched(op: str, req: Any, request: Request) -> Response:
 
 
 @router.post("/score")
-async def score(req: ScoreRequest, request: Request) -> Response:
+async def score(req: ScoreRequest, state: ServiceState = Depends(get_state)) -> Response:
     """log p(x), perplexity per input [, tokens and token_logprobs]."""
-    return await run_batched("score", req, request)
+    return await run_batched("score", req, state)
 
 
 @router.post("/posterior")
-async def posterior(req: PosteriorRequest, request: Request) -> Response:
+async def posterior(req: PosteriorRequest, state: ServiceState = Depends(get_state)) -> Response:
     """Per-token state marginals, most probable first (top_k per token, or every state)."""
-    return await run_batched("posterior", req, request)
+    return await run_batched("posterior", req, state)
 
 
 @router.post("/decode")
-async def decode(req: DecodeRequest, request: Request) -> Response:
+async def decode(req: DecodeRequest, state: ServiceState = Depends(get_state)) -> Response:
     """Viterbi path (states, logprob) or MBR (states, state_probs); without `method`, the family's default
     (viterbi for HMMs, mbr for PCFGs; see `default_method` in /v1/models)."""
-    return await run_batched("decode", req, request)
+    return await run_batched("decode", req, state)
 
 
 @router.post("/embed")
-async def embed(req: EmbedRequest, request: Request) -> Response:
+async def embed(req: EmbedRequest, state: ServiceState = Depends(get_state)) -> Response:
     """Per-token embeddings (families that support it)."""
-    return await run_batched("embed", req, request)
+    return await run_batched("embed", req, state)
 
 
 @router.post("/sample")
-async def sample(req: SampleRequest, request: Request) -> Response:
+async def sample(req: SampleRequest, state: ServiceState = Depends(get_state)) -> Response:
     """n samples (continuations of `prefix`); `stream: true` sends one SSE event per sample."""
-    state: ServiceState = request.app.state.service
     state.ensure_ready()
     model = state.registry.get(req.model)
     ops.check_supported(model, "sample")

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.hmm import DenseHMM
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
-
 from tests.models.chain_brute import brute
 
 V = 6
@@ -151,8 +151,8 @@ def test_float32_long_sequence_does_not_underflow():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_maxplus_equals_broadcast(dtype):
     """The numba (max, +) kernel agrees with the plain broadcast, including -inf entries and ties."""
-    from latentlm.models import kernels
     from latentlm.models.chain import maxplus
+    from latentlm.models.kernels.maxplus import maxplus_cpu
 
     g = torch.Generator().manual_seed(0)
     for B, K in ((1, 300), (7, 130), (64, 64)):
@@ -162,7 +162,7 @@ def test_compiled_maxplus_equals_broadcast(dtype):
         delta[0, 5] = -math.inf
         cand = delta[:, :, None] + log_trans[None]
         ref_v, ref_a = cand.max(1)
-        v, a = kernels.maxplus_cpu(delta, log_trans)
+        v, a = maxplus_cpu(delta, log_trans)
         assert torch.equal(v, ref_v)
         assert torch.equal(cand.gather(1, a[:, None, :]).squeeze(1), ref_v)  # argmax attains the max
         v2, _ = maxplus(delta, log_trans)
@@ -172,7 +172,7 @@ def test_compiled_maxplus_equals_broadcast(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_single_sequence_viterbi_equals_engine(dtype):
     """One long sequence goes through the compiled recursion; it matches the batched engine path."""
-    from latentlm.models import chain
+    from latentlm.models import backend
 
     t, c = random_hmm(40, 30, 4)
     m = DenseHMM.from_tensors(t, c, dtype=dtype)
@@ -182,7 +182,7 @@ def test_compiled_single_sequence_viterbi_equals_engine(dtype):
     p1, l1 = m.viterbi(one)
     p2, l2 = m.viterbi(two)
     assert torch.equal(p1[0], p2[0]) and l1[0].item() == pytest.approx(l2[0].item(), rel=1e-9)
-    assert chain.NATIVE_MAXPLUS_MIN_WORK <= 400 * 40 * 40  # so `one` really took the compiled path
+    assert backend.NATIVE_MAXPLUS_MIN_WORK <= 400 * 40 * 40  # so `one` really took the compiled path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

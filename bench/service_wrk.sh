@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# POST /v1/score throughput measured by wrk (an outside C load generator) against a real `latentlm serve`
+# with its default settings (default logging included), on a 256-state HMM with V = 10,000 and 50-token
+# inputs (token ids), one input per request, 64 connections, 20 s.
+#
+#   bash bench/service_wrk.sh [REPO_DIR] [PORT]     # REPO_DIR: a checkout to serve (default: this one)
+#
+# Prints wrk's summary; the README quotes its Requests/sec x 50 as tokens/s. Needs `wrk` (Debian package).
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")/.." && pwd)"
+REPO="${1:-$HERE}"
+PORT="${2:-8765}"
+PY="$HERE/.venv/bin/python"
+WORK="$(mktemp -d)"
+trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
+
+# the model, written by this checkout's code (the store format is shared by both layouts)
+"$PY" - "$WORK/store" <<'PYEOF'
+import sys
+from latentlm.models.registry import save_artifact
+from latentlm.models.synthetic import random_hmm
+from latentlm.models.vocab import Preprocessing, Vocabulary
+tensors, config = random_hmm(256, 10000, seed=0)
+V = Vocabulary([f"w{i}" for i in range(10000)], Preprocessing(lowercase=False, unk=None, eos=None, add_eos=False))
+save_artifact(sys.argv[1], "hmm256", "hmm", tensors, V, config=config)
+PYEOF
+cat > "$WORK/post.lua" <<'LUAEOF'
+math.randomseed(1)
+local ids = {}
+for i = 1, 50 do ids[i] = tostring(math.random(0, 9999)) end
+wrk.method = "POST"
+wrk.body = '{"model":"hmm256","input":[[' .. table.concat(ids, ",") .. ']]}'
+wrk.headers["Content-Type"] = "application/json"
+function response(status, headers, body)
+  if status ~= 200 then io.stderr:write("status " .. status .. ": " .. body .. "\n") end
+end
+LUAEOF
+cd "$REPO"
+env -u REDIS_URL "$PY" -m latentlm.cli serve --store "$WORK/store" --port "$PORT" --device cpu >"$WORK/server.log" 2>&1 &
+SERVER=$!
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && break
+  sleep 0.2
+done
+curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null || { cat "$WORK/server.log"; exit 1; }
+echo "== $(lscpu | grep 'Model name' | sed 's/ \+/ /g'), $(nproc) cores; repo $(git -C "$REPO" rev-parse --short HEAD)"
+wrk -t1 -c64 -d5s -s "$WORK/post.lua" "http://127.0.0.1:$PORT/v1/score" >/dev/null  # warm-up
+wrk -t1 -c64 -d20s --latency -s "$WORK/post.lua" "http://127.0.0.1:$PORT/v1/score"
