@@ -50,6 +50,7 @@ __all__ = ["rank_forward_cuda", "blocked_forward_cuda", "score_rank", "score_blo
 # |log p(x_t | x_<t) (bf16 storage) - same (float64 reference)| per token, absolute.
 BF16_TOKEN_ABS_BOUND = 2e-2
 GRAPH_CACHE_SIZE = 16  # captured (model, shape bucket) graphs kept (LRU)
+graph_errors: list[str] = []  # why a capture failed (that shape then runs eagerly)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -296,26 +297,33 @@ class _Runner:
     def __init__(self, body: Callable[[_Runner], None], bufs: dict[str, Tensor]):
         self.body, self.bufs = body, bufs
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.eager_only = False
 
     def run(self, use_graph: bool) -> None:
         dev = self.bufs["ids"].device
-        if not (use_graph and dev.type == "cuda"):
+        if not (use_graph and dev.type == "cuda") or self.eager_only:
             self.body(self)
             return
         if self.graph is not None:
             self.graph.replay()
             return
-        # first call: warm up (compiles the kernels, picks cuBLAS algorithms) on a side stream, then capture
+        # first call: run eagerly on a side stream (compiles the kernels, picks cuBLAS algorithms; its results
+        # are this call's), then capture the same loop (capturing executes nothing) for the next calls
         s = torch.cuda.Stream(device=dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             self.body(self)
         torch.cuda.current_stream(dev).wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self.body(self)
+        try:
+            with torch.cuda.graph(g):
+                self.body(self)
+        except Exception as e:  # an op that cannot be captured: stay eager for this shape, say why
+            graph_errors.append(repr(e)[:500])
+            self.eager_only = True
+            torch.cuda.synchronize(dev)
+            return
         self.graph = g
-        g.replay()
 
 
 def _load(runner: _Runner, ids: Tensor, lengths: Tensor) -> None:

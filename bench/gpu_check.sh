@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# One GPU check in at most ~8 minutes (section limits 100 + 240 + 100 + 30 s), writing one markdown results file:
+#   (a) tests/models/test_triton.py (compiled Triton kernels on CUDA, CUDA graphs; interpreter on CPU)
+#   (b) bench/gpu_bench.py: the kernels next to the shared yardstick, same process (+ matmul peak, copy bandwidth)
+#   (c) `latentlm serve --device cuda` under a load generator (needs fastapi/uvicorn: installed from .whl/ if there)
+#   (d) onnxruntime CUDAExecutionProvider parity (skipped unless that provider exists)
+#
+#   bash bench/gpu_check.sh [--small] [--yardstick PATH] [--out DIR]
+#
+# --small: tiny shapes; without a GPU the Triton kernels run in Triton's interpreter (CI on CPU, ~1-2 minutes).
+# The repository need not be pip-installed: a temporary `latentlm` package of symlinks (latentlm/* plus
+# models/, service/, training/ as latentlm.models, ...) is put first on PYTHONPATH.
+# Yardstick: --yardstick PATH, else ../shared/bench/gpu_yardstick.py when it exists, else
+# bench/.yardstick/gpu_yardstick.py (copy it there: ../shared does not travel to the GPU machine).
+# Python: $PYTHON, else .venv/bin/python when it has torch, else python3.
+set -u
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+SMALL=0
+YARD=""
+OUT="$ROOT/bench/results"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --small) SMALL=1 ;;
+    --yardstick) YARD="$2"; shift ;;
+    --yardstick=*) YARD="${1#*=}" ;;
+    --out) OUT="$2"; shift ;;
+    --out=*) OUT="${1#*=}" ;;
+    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -z "$YARD" ]; then
+  if [ -f "$ROOT/../shared/bench/gpu_yardstick.py" ]; then YARD="$ROOT/../shared/bench/gpu_yardstick.py"
+  else YARD="$ROOT/bench/.yardstick/gpu_yardstick.py"; fi
+fi
+YARD="$(cd "$(dirname "$YARD")" 2>/dev/null && pwd)/$(basename "$YARD")"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$ROOT/.venv/bin/python" ] && "$ROOT/.venv/bin/python" -c "import torch" 2>/dev/null; then
+    PYTHON="$ROOT/.venv/bin/python"
+  else
+    PYTHON=python3
+  fi
+fi
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+WORK="$(mktemp -d /tmp/latentlm-gpucheck.XXXXXX)"
+T_START=$(date +%s)
+
+# importable `latentlm` without installing the repository
+mkdir -p "$WORK/pkg/latentlm"
+for f in "$ROOT"/latentlm/*; do
+  case "$(basename "$f")" in __pycache__) ;; *) ln -s "$f" "$WORK/pkg/latentlm/$(basename "$f")" ;; esac
+done
+for d in models service training; do
+  [ -d "$ROOT/$d" ] && ln -sfn "$ROOT/$d" "$WORK/pkg/latentlm/$d"
+done
+export PYTHONPATH="$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}"
+
+# the service's packages the GPU machine lacks, from wheels in .whl/ (pure-python or cp312 manylinux x86_64),
+# installed into a private dir that is put first on PYTHONPATH for the service section (c) only
+WHEELS="none in .whl/"
+SVC_PATH="$PYTHONPATH"
+if "$PYTHON" -c "import fastapi, uvicorn, pydantic, starlette" 2>/dev/null; then
+  WHEELS="not needed (fastapi importable)"
+elif ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$ROOT"/.whl/*.whl \
+      > "$WORK/pip.log" 2>&1; then
+    SVC_PATH="$WORK/site:$PYTHONPATH"
+    WHEELS="installed $(ls "$ROOT"/.whl/*.whl | wc -l) wheels from .whl/ into a private dir"
+  elif "$PYTHON" -c "import glob, sys, zipfile
+for w in sorted(glob.glob(sys.argv[1] + '/*.whl')):
+    zipfile.ZipFile(w).extractall(sys.argv[2])" "$ROOT/.whl" "$WORK/site" 2>>"$WORK/pip.log"; then
+    SVC_PATH="$WORK/site:$PYTHONPATH"  # no pip: a wheel is a zip of importable files
+    WHEELS="unzipped $(ls "$ROOT"/.whl/*.whl | wc -l) wheels from .whl/ (pip failed: $(tail -1 "$WORK/pip.log"))"
+  else
+    WHEELS="could not install .whl/: $(tail -3 "$WORK/pip.log" | tr '\n' ' ')"
+  fi
+fi
+
+SUFFIX=""; SMALLARG=""
+if [ "$SMALL" = 1 ]; then SUFFIX="_small"; SMALLARG="--small"; fi
+PROBE=$("$PYTHON" -c "
+import sys, torch
+try:
+    import triton; tv = triton.__version__
+except Exception:
+    tv = 'not importable'
+cuda = torch.cuda.is_available()
+print(int(cuda))
+print(torch.cuda.get_device_name() if cuda else 'cpu (no CUDA)')
+print(f'python {sys.version.split()[0]}, torch {torch.__version__}, triton {tv}')" 2>&1)
+HAS_CUDA=$(echo "$PROBE" | sed -n 1p)
+DEVICE=$(echo "$PROBE" | sed -n 2p)
+VERSIONS=$(echo "$PROBE" | sed -n 3p)
+if [ "$HAS_CUDA" != 1 ]; then export TRITON_INTERPRET=1; fi
+REPORT="$OUT/gpu_check$SUFFIX.md"
+
+section() {  # section NAME TIMEOUT_S CMD...: run, keep status, time and output tail
+  local name="$1" limit="$2"; shift 2
+  local t0=$(date +%s) rc
+  # cwd outside the repository: `python -m` puts the cwd first on sys.path, and the repository's own latentlm/
+  # (without models/ etc.) would shadow the assembled package
+  (cd "$WORK/run" && timeout --kill-after=10 "$limit" "$@") > "$WORK/$name.log" 2>&1
+  rc=$?
+  local dt=$(( $(date +%s) - t0 ))
+  local status="ok"
+  [ $rc -ne 0 ] && status="FAILED (exit $rc)"
+  [ $rc -eq 124 ] && status="TIMED OUT after ${limit} s"
+  echo "== $name: $status, ${dt} s" >&2
+  {
+    echo ""
+    echo "## $name: $status (${dt} s)"
+    echo ""
+    echo '```'
+    tail -n "${TAIL_LINES:-40}" "$WORK/$name.log"
+    echo '```'
+  } >> "$WORK/sections.md"
+  return 0
+}
+
+: > "$WORK/sections.md"
+mkdir -p "$WORK/run"
+# (a) tests: on CUDA the compiled kernels (and the `cuda` tests); on CPU the interpreter
+section "a-tests" 100 "$PYTHON" -m pytest "$ROOT/tests/models/test_triton.py" --rootdir "$ROOT" -q -rs \
+  -p no:cacheprovider --import-mode=importlib
+# (b) kernels next to the yardstick
+if [ -f "$YARD" ]; then
+  TAIL_LINES=70 section "b-bench" 240 "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --yardstick "$YARD" --deadline-s 200 \
+    --out "$OUT/gpu_bench$SUFFIX.md" --json "$OUT/gpu_bench$SUFFIX.jsonl"
+else
+  printf '\n## b-bench: skipped: no yardstick at %s (pass --yardstick PATH)\n' "$YARD" >> "$WORK/sections.md"
+fi
+# (c) the service under load
+if PYTHONPATH="$SVC_PATH" "$PYTHON" -c "import fastapi, uvicorn, pydantic, httpx" 2>"$WORK/fastapi.err"; then
+  PYTHONPATH="$SVC_PATH" section "c-service" 100 "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode service \
+    --json "$OUT/gpu_service$SUFFIX.jsonl"
+else
+  printf '\n## c-service: skipped: no fastapi (%s)\n' "$(tail -1 "$WORK/fastapi.err")" >> "$WORK/sections.md"
+fi
+# (d) onnxruntime CUDA provider parity
+section "d-onnx" 30 "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode onnx
+
+T_END=$(date +%s)
+{
+  echo "# GPU check ($DEVICE)"
+  echo ""
+  echo "date $(date -u +%Y-%m-%dT%H:%MZ), $VERSIONS; \`bash bench/gpu_check.sh${SMALLARG:+ $SMALLARG}\`, total $((T_END - T_START)) s."
+  echo "Yardstick: \`$YARD\`. Service wheels: $WHEELS. TRITON_INTERPRET=${TRITON_INTERPRET:-0}."
+  if [ -f "$OUT/gpu_bench$SUFFIX.md" ] && [ "$(find "$OUT/gpu_bench$SUFFIX.md" -newermt "@$T_START" 2>/dev/null)" ]; then
+    echo ""
+    echo "Kernel benchmark table: \`gpu_bench$SUFFIX.md\` (below)."
+    echo ""
+    sed -n '3,$p' "$OUT/gpu_bench$SUFFIX.md"
+  fi
+  cat "$WORK/sections.md"
+} > "$REPORT"
+echo "wrote $REPORT" >&2
+rm -rf "$WORK"
