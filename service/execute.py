@@ -44,7 +44,7 @@ def parse(op: str, body: Any) -> BaseModel:
 def options(model: ops.LoadedModel, op: str, req: BaseModel) -> dict[str, Any]:
     """The keyword options `ops.run` takes for `op`: every request field but `model` and `input` (they are
     named as in the CLI), with `top_k` parsed and a missing decode `method` set to the family's default."""
-    opts = req.model_dump(exclude={"model", "input"})
+    opts = {k: getattr(req, k) for k in type(req).model_fields if k != "model" and k != "input"}
     if "top_k" in opts:
         opts["top_k"] = ops.parse_top_k(opts["top_k"])
     if op == "decode" and opts.get("method") is None:
