@@ -106,7 +106,7 @@ section() {  # section NAME TIMEOUT_S CMD...: run, keep status, time and output 
   rc=$?
   local dt=$(( $(date +%s) - t0 ))
   local status="ok"
-  [ $rc -ne 0 ] && status="FAILED (exit $rc)"
+  [ $rc -ne 0 ] && status="FAILED (exit $rc)" && ANY_FAILED=1
   [ $rc -eq 124 ] && status="TIMED OUT after ${limit} s"
   echo "== $name: $status, ${dt} s" >&2
   {
@@ -121,6 +121,7 @@ section() {  # section NAME TIMEOUT_S CMD...: run, keep status, time and output 
 }
 
 : > "$WORK/sections.md"
+ANY_FAILED=0  # every section runs; the script's exit status says whether one failed
 mkdir -p "$WORK/run"
 # (a) tests: on CUDA the compiled kernels (and the `cuda` tests); on CPU the interpreter
 section "a-tests" 100 "$PYTHON" -m pytest "$ROOT/tests/models/test_triton.py" --rootdir "$ROOT" -q -rs \
@@ -158,3 +159,4 @@ T_END=$(date +%s)
 } > "$REPORT"
 echo "wrote $REPORT" >&2
 rm -rf "$WORK"
+exit $ANY_FAILED

@@ -12,7 +12,6 @@ This module imports neither torch nor onnx at import time: scoring needs onnxrun
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from latentlm.models.errors import ArtifactError, InputError
+from latentlm.models.family import length_batches, perplexity
 
 META = "latentlm."
 DEFAULT_MAX_BATCH_TOKENS = 16384
@@ -133,7 +133,7 @@ class OnnxScorer:
         self._check(ids)
         logps: list[float] = [0.0] * len(ids)
         toks: list[list[float]] = [[] for _ in ids]
-        for idx in _length_batches(ids, self.max_batch_tokens):
+        for idx in length_batches(ids, self.max_batch_tokens):
             lens = np.array([len(ids[i]) for i in idx], dtype=np.int64)
             padded = np.zeros((len(idx), int(lens.max())), dtype=np.int64)
             for r, i in enumerate(idx):
@@ -146,39 +146,14 @@ class OnnxScorer:
         return logps, toks
 
     def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[dict]:
-        """The dicts `Family.op_score` returns (logprob, num_tokens, perplexity[, token_logprobs]; null for
-        probability 0), so `latentlm.ops.run`-style callers can use this object in place of `model.impl`."""
+        """The dicts `Family.op_score` returns (logprob, num_tokens, perplexity[, token_logprobs]; -inf for
+        probability 0, written as null by `latentlm.ops.dumps`), so `latentlm.ops.run` can use this object in
+        place of `model.impl` for scoring."""
         logps, toks = self.score(seqs)
         out = []
         for s, lp, tk in zip(seqs, logps, toks, strict=True):
-            item: dict[str, Any] = {"logprob": _json_float(lp), "num_tokens": len(s),
-                                    "perplexity": _perplexity(lp, len(s))}
+            item: dict[str, Any] = {"logprob": lp, "num_tokens": len(s), "perplexity": perplexity(lp, len(s))}
             if token_logprobs:
-                item["token_logprobs"] = [_json_float(v) for v in tk]
+                item["token_logprobs"] = tk
             out.append(item)
         return out
-
-
-def _length_batches(seqs: list[list[int]], max_batch_tokens: int) -> list[list[int]]:
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i]) > max_batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-def _json_float(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def _perplexity(logprob: float, n: int) -> float | None:
-    try:
-        return _json_float(math.exp(-logprob / n))
-    except OverflowError:
-        return None

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import orjson
 import torch
 
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
-from latentlm.models.family import OPERATIONS, Family
+from latentlm.models.family import OPERATIONS, Family, length_batches
 from latentlm.models.registry import get_family, load_artifact
 from latentlm.models.store import Artifact, model_path
 from latentlm.models.vocab import Vocabulary
@@ -37,6 +37,30 @@ class LoadedModel:
     artifact: Artifact
     impl: Family
     device: torch.device
+    runners: dict[str, Any] = field(default_factory=dict)  # operation -> what runs it instead of `impl`
+    backend_notes: dict[str, str] = field(default_factory=dict)  # operation -> why it stayed on torch
+
+    def runner(self, op: str) -> Any:
+        """What answers `op`: the ONNX Runtime scorer where one was attached (`use_onnx`), else the family."""
+        return self.runners.get(op, self.impl)
+
+    def use_onnx(self, cache_dir: Path) -> None:
+        """Score through onnxruntime: export the scoring graph once per content hash into `cache_dir` (reused
+        while the model is unchanged) and attach an `OnnxScorer` for `score`. Families the graph does not
+        cover, and every other operation, stay on torch (said in `describe()`)."""
+        from latentlm import onnx_backend
+        from latentlm.models import onnx_graph
+
+        if self.family not in onnx_graph.FAMILIES:
+            self.backend_notes["score"] = f"no ONNX graph for family {self.family}"
+            return
+        path = Path(cache_dir) / f"{self.name}-{self.content_hash[:16]}.onnx"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.onnx")
+            onnx_backend.export_model(self, tmp)
+            tmp.rename(path)
+        self.runners["score"] = onnx_backend.OnnxScorer(path, expected_hash=self.content_hash)
 
     @property
     def vocab(self) -> Vocabulary:
@@ -58,6 +82,9 @@ class LoadedModel:
             **self.impl.describe(),
             "operations": sorted(self.impl.operations),
             "decode_methods": sorted(self.impl.decode_methods),
+            "default_method": self.impl.default_method,
+            "backends": {op: ("onnx" if op in self.runners else "torch") for op in sorted(self.impl.operations)},
+            **({"backend_notes": self.backend_notes} if self.backend_notes else {}),
             "preprocessing": m.get("preprocessing", {}),
             "content_hash": self.content_hash,
             "created": m.get("provenance", {}).get("created"),
@@ -80,16 +107,26 @@ def resolve_device(spec: str | None) -> torch.device:
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
+BACKENDS = ("torch", "onnx")
+ONNX_CACHE = ".onnx"  # inside the store: exported graphs, named by model and content hash
+
+
 def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
-               dtype: str = "float32") -> LoadedModel:
-    """Verify and load `<store>/<name>` onto `device`."""
+               dtype: str = "float32", backend: str = "torch") -> LoadedModel:
+    """Verify and load `<store>/<name>` onto `device`; with `backend="onnx"`, scoring runs through
+    onnxruntime (the graph exported to `<store>/.onnx/` on first use)."""
+    if backend not in BACKENDS:
+        raise InputError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}", param="backend")
     if dtype not in DTYPES:
         raise InputError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
     art = load_artifact(model_path(store, name))
     fam = get_family(art.family)
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     impl = fam.from_tensors(art.tensors, art.config, device=dev, dtype=DTYPES[dtype])
-    return LoadedModel(name=name, artifact=art, impl=impl, device=dev)
+    model = LoadedModel(name=name, artifact=art, impl=impl, device=dev)
+    if backend == "onnx":
+        model.use_onnx(Path(store) / ONNX_CACHE)
+    return model
 
 
 def encode_inputs(vocab: Vocabulary, inputs: list[Any], *, as_ids: bool | None = None,
@@ -135,22 +172,6 @@ def check_supported(model: LoadedModel, op: str, method: str | None = None) -> N
             f"{', '.join(sorted(impl.decode_methods))}", param="method")
 
 
-def length_batches(seqs: list[list[int]], max_batch_tokens: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length whose padded size stays <= max_batch_tokens."""
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        longest = len(seqs[i])  # sorted ascending: the newest is the longest
-        if cur and (len(cur) + 1) * longest > max_batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
-
-
 def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens: int = 16384,
         **opts: Any) -> list[dict]:
     """Run `op` over token-id sequences in length-sorted batches; returns one dict per input in input
@@ -158,7 +179,7 @@ def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens:
     if op == "decode" and opts.get("method") is None:
         opts["method"] = default_method(model)
     check_supported(model, op, opts.get("method"))
-    fn = getattr(model.impl, f"op_{op}")
+    fn = getattr(model.runner(op), f"op_{op}")
     results: list[dict | None] = [None] * len(seqs)
     for idx in length_batches(seqs, max_batch_tokens):
         for i, res in zip(idx, fn([seqs[i] for i in idx], **opts), strict=True):

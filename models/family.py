@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from latentlm.models.vocab import Vocabulary
 from torch import Tensor
+
+from latentlm.models.vocab import Vocabulary
 
 OPERATIONS: tuple[str, ...] = ("score", "posterior", "decode", "sample", "embed")
 """Every operation a family may offer, in the order the CLI and the API list them."""
@@ -111,3 +112,19 @@ def perplexity(logprob: float, num_tokens: int) -> float:
 def path_read(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Importers take a `Path`; accept a string too."""
     return lambda path, **kw: fn(Path(path), **kw)
+
+
+def length_batches(seqs: list[list[int]], max_batch_tokens: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length whose padded size stays <= max_batch_tokens."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        longest = len(seqs[i])  # sorted ascending: the newest is the longest
+        if cur and (len(cur) + 1) * longest > max_batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches

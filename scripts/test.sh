@@ -17,7 +17,7 @@ if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   "$PY" -m venv .venv
 fi
-echo "==> installing latentlm with test extras (torch pinned to the CPU build 2.13.0)"
+echo "==> installing latentlm with the test extras (train, onnx, triton for its CPU interpreter; torch pinned to the CPU build 2.13.0)"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e '.[test]'
 
@@ -30,5 +30,10 @@ fi
 
 echo "==> ruff"
 .venv/bin/ruff check .
+echo "==> bench/gpu_check.sh --small (the GPU check's code paths on this CPU: Triton interpreter, tiny shapes)"
+GPU_SMALL_OUT="$(mktemp -d)"
+PYTHON=.venv/bin/python bash bench/gpu_check.sh --small --out "$GPU_SMALL_OUT" >"$GPU_SMALL_OUT/log" 2>&1 || {
+  cat "$GPU_SMALL_OUT/log"; echo "gpu_check.sh --small failed"; exit 1; }
+tail -n 3 "$GPU_SMALL_OUT/log"
 echo "==> pytest"
 exec .venv/bin/python -m pytest "$@"

@@ -34,7 +34,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     state = ServiceState(
         settings=settings, metrics=metrics,
-        registry=ModelRegistry(settings.store, device=ops.resolve_device(settings.device), dtype=settings.dtype),
+        registry=ModelRegistry(settings.store, device=ops.resolve_device(settings.device), dtype=settings.dtype,
+                               backend=settings.backend),
         batcher=Batcher(metrics, max_batch_tokens=settings.max_batch_tokens,
                         max_queue_delay_ms=settings.max_queue_delay_ms, max_queue=settings.max_queue))
 

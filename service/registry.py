@@ -14,9 +14,11 @@ from pathlib import Path
 import torch
 
 from latentlm import ops
+from latentlm.models import backend as dispatch
 from latentlm.models import kernels
 from latentlm.models.errors import LatentLMError, ModelNotFound
 from latentlm.models.store import list_models, read_manifest
+from latentlm.service.settings import Settings
 
 log = logging.getLogger("latentlm.service")
 
@@ -30,8 +32,13 @@ def manifest_hash(path: Path) -> str:
 class ModelRegistry:
     """name -> LoadedModel; `reload()` loads new/changed artifacts and drops removed ones."""
 
-    def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32"):
-        self.store, self.device, self.dtype = Path(store), device, dtype
+    def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32",
+                 backend: str = "torch", storage_dtype: str | None = None):
+        """`storage_dtype`: precision of the fused CUDA scoring path of rank_hmm / blocked_hmm ("float32",
+        "bfloat16"); None reads the setting (LATENTLM_STORAGE_DTYPE, default float32)."""
+        self.store, self.device, self.dtype, self.backend = Path(store), device, dtype, backend
+        self.storage_dtype = dispatch.storage_dtype(
+            Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype)
         self.models: dict[str, ops.LoadedModel] = {}
         self.failed: dict[str, str] = {}
         self.ready = False
@@ -61,7 +68,11 @@ class ModelRegistry:
                     if old is not None and manifest_hash(self.store / name) == old.content_hash:
                         new[name] = old
                         continue
-                    new[name] = ops.load_model(self.store, name, device=self.device, dtype=self.dtype)
+                    model = ops.load_model(self.store, name, device=self.device, dtype=self.dtype,
+                                           backend=self.backend)
+                    if hasattr(model.impl, "set_storage_dtype"):  # chain families: fused CUDA scoring's precision
+                        model.impl.set_storage_dtype(self.storage_dtype)
+                    new[name] = model
                     kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
                     (updated if old is not None else added).append(name)
                 except Exception as e:  # a bad artifact must not keep the others from serving
@@ -73,5 +84,18 @@ class ModelRegistry:
                         new[name] = old
             removed = sorted(set(current) - set(new))
             self.models, self.failed = new, errors  # one reference swap: readers see old or new
+            if removed or updated:
+                _clear_fused_cache()
             self.ready = True
             return {"added": added, "updated": updated, "removed": removed, "failed": failed}
+
+
+def _clear_fused_cache() -> None:
+    """Drop `triton_chain`'s captured CUDA graphs and storage-dtype copies: they hold the tensors of models
+    that were just unloaded or replaced (the models still loaded capture theirs again on their next call)."""
+    try:
+        from latentlm.models import triton_chain
+
+        triton_chain.clear_cache()
+    except Exception as e:  # never let a cache sweep fail a reload
+        log.warning("cannot clear the fused scoring cache: %s", e)

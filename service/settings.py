@@ -21,6 +21,7 @@ class Settings:
     store: Path = field(default_factory=default_store)
     device: str = "auto"
     dtype: str = "float32"
+    storage_dtype: str = "float32"       # fused CUDA scoring (rank_hmm, blocked_hmm) only: float32 or bfloat16
     torch_threads: int = 0               # intra-op threads for inference; 0 = torch's default
     max_batch_tokens: int = 16384        # tokens (sum of lengths) merged into one batched call
     max_queue_delay_ms: float = 2.0      # how long the first request of a batch waits for company
@@ -38,6 +39,7 @@ class Settings:
     job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
     job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
     retry_after_s: int = 1
+    backend: str = "torch"               # torch, or onnx: scoring through onnxruntime (`latentlm serve --backend`)
     otel: bool = False                   # FastAPI's native OpenTelemetry (tracing, metrics, logs to the global
                                          # providers / OTLP exporters); Prometheus /metrics is always on
     gil_switch_interval_ms: float = 0.1  # `serve`: how soon a busy event loop hands the GIL to the inference

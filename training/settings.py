@@ -220,13 +220,13 @@ def train(ns: argparse.Namespace) -> Path:
 
 
 def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu", dtype: str = "float32",
-                      max_batch_tokens: int = 16384) -> dict[str, Any]:
+                      max_batch_tokens: int = 16384, backend: str = "torch") -> dict[str, Any]:
     """Perplexity of a stored model on `data` through `latentlm.ops` (the service's code path):
     exp(-sum log p / sum tokens) over sentences, `<eos>` included."""
     from latentlm.training.data import eval_corpus
 
 
-    model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype)
+    model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype, backend=backend)
     seqs = eval_corpus(data, model.vocab)
     rows = ops.run(model, "score", seqs, max_batch_tokens=max_batch_tokens)
     logp = math.fsum(r["logprob"] for r in rows)

@@ -27,6 +27,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(ops.DTYPES), default="float32")
 
 
+def add_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=ops.BACKENDS, default="torch",
+                   help="onnx: score through onnxruntime (hmm, blocked_hmm, rank_hmm; graph cached in the store)")
+
+
 def positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
@@ -44,4 +49,5 @@ def emit_json(rows: list[dict]) -> None:
 
 def load(args: argparse.Namespace) -> ops.LoadedModel:
     device = ops.resolve_device(getattr(args, "device", "cpu"))
-    return ops.load_model(args.store, args.model, device=device, dtype=args.dtype)
+    return ops.load_model(args.store, args.model, device=device, dtype=args.dtype,
+                          backend=getattr(args, "backend", "torch"))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from latentlm import ops
-from latentlm.cli.common import CLIError, add_model_args, add_store, emit_json, load, positive_int
+from latentlm.cli.common import CLIError, add_backend, add_model_args, add_store, emit_json, load, positive_int
 from latentlm.models.errors import LatentLMError
 from latentlm.models.family import DECODE_METHODS, OPERATIONS
 from latentlm.models.store import list_models
@@ -82,10 +82,29 @@ def cmd_list(args: argparse.Namespace) -> None:
             emit_json([{"id": name, "error": e.message}])
 
 
+def cmd_export_onnx(args: argparse.Namespace) -> None:
+    from latentlm import onnx_backend
+
+    model = ops.load_model(args.store, args.model)
+    out = args.out or Path(f"{args.model}.onnx")
+    try:
+        onnx_backend.export_model(model, out)
+    except ValueError as e:
+        raise CLIError(f"--model: {e}", param="model") from None
+    print(f"wrote the scoring graph of {args.model} (family {model.family}, content hash "
+          f"{model.content_hash[:12]}...) to {out}", file=sys.stderr)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="list the models in the store")
     add_store(p)
     p.set_defaults(func=cmd_list)
+    p = sub.add_parser("export-onnx", help="write a model's scoring graph (log p(x), per-token log-probs over a "
+                                           "padded batch) as ONNX, for onnxruntime without torch")
+    p.add_argument("--model", required=True, help="model name in the store (hmm, blocked_hmm or rank_hmm)")
+    add_store(p)
+    p.add_argument("--out", type=Path, default=None, help="output file (default NAME.onnx)")
+    p.set_defaults(func=cmd_export_onnx)
     for op in OPERATIONS:
         if op == "sample":
             continue
@@ -96,6 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--batch-tokens", type=positive_int, default=16384, help="max padded tokens per batch")
         if op == "score":
             p.add_argument("--token-logprobs", action="store_true", help="add tokens and token_logprobs")
+            add_backend(p)
         if op == "decode":
             p.add_argument("--method", choices=DECODE_METHODS, default=None,
                            help="default: the family's (viterbi for HMMs, mbr for PCFGs)")

@@ -49,9 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from latentlm.service.settings import Settings
     from latentlm.service.transport import CoalescingHttpToolsProtocol
 
-
-
-    settings = Settings.from_env(store=args.store, device=args.device)
+    settings = Settings.from_env(store=args.store, device=args.device, backend=args.backend)
     ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
     ensure_default_model(settings.store)
     set_threads(settings.torch_threads)
@@ -83,6 +81,9 @@ def register(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="default auto")
+    p.add_argument("--backend", choices=ops.BACKENDS, default=None,
+                   help="torch (default) or onnx: score through onnxruntime where the family has a graph; "
+                        "/v1/models says which backend runs each operation")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 

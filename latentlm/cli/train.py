@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from latentlm.cli.common import add_store
+from latentlm.cli.common import add_backend, add_store
 from latentlm.training import settings, tagging
 from latentlm.training.settings import OPTIONS, RECIPES, corpus_perplexity, resolve_settings
 
@@ -20,7 +20,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
-                            max_batch_tokens=args.batch_tokens)
+                            max_batch_tokens=args.batch_tokens, backend=args.backend)
     print(json.dumps(res))
 
 
@@ -49,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--batch-tokens", type=int, default=16384)
+    add_backend(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("train-tagger", help="train a tagging_hmm on Brown and report tagging accuracy against the "

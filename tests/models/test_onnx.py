@@ -24,6 +24,7 @@ from latentlm.models.registry import save_artifact
 from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
 from latentlm.models.vocab import Vocabulary
 from latentlm.onnx_backend import OnnxScorer, export_model
+from latentlm.ops import dumps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -156,8 +157,9 @@ def test_probability_zero_gives_minus_inf_like_torch(tmp_path):
     assert tok[2] == [-math.inf] == ref_tok[2]
     assert not any(math.isnan(v) for row in tok for v in row)
     res = scorer.op_score(seqs, token_logprobs=True)
-    assert res[0]["logprob"] is None and res[0]["perplexity"] is None
-    assert res[0]["token_logprobs"][1:] == [None, None, None]
+    assert res[0]["logprob"] == -math.inf and res[0]["perplexity"] == math.inf
+    assert res[0]["token_logprobs"][1:] == [-math.inf] * 3
+    assert b'"logprob":null' in dumps(res[0]) and b'"perplexity":null' in dumps(res[0])  # JSON: null
     assert res[1]["logprob"] == pytest.approx(2 * math.log(0.5))
 
 

@@ -1,0 +1,81 @@
+"""`--backend onnx` end to end: `latentlm export-onnx`, `latentlm score --backend onnx` and the service's
+`backend=onnx` give what the torch backend gives; families without a graph fall back to torch, said in
+/v1/models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from fastapi.testclient import TestClient
+
+from latentlm.cli import main
+from latentlm.models.registry import save_artifact
+from latentlm.models.synthetic import random_blocked_hmm, random_hmm
+from latentlm.models.vocab import Preprocessing, Vocabulary
+from latentlm.onnx_backend import OnnxScorer
+from latentlm.service.app import create_app
+from latentlm.service.settings import Settings
+
+V = 12
+LINES = "0 1 2 3\n4 5\n6 7 8 9 10 11 0 1\n"
+
+
+@pytest.fixture()
+def store(tmp_path):
+    vocab = Vocabulary([f"w{i}" for i in range(V)], Preprocessing(lowercase=False, unk=None, eos=None, add_eos=False))
+    t, c = random_hmm(6, V, seed=1)
+    save_artifact(tmp_path / "store", "dense", "hmm", t, vocab, config=c)
+    t, c = random_blocked_hmm(3, 2, V, seed=2)
+    save_artifact(tmp_path / "store", "blocked", "blocked_hmm", t, vocab, config=c)
+    return tmp_path / "store"
+
+
+def score(capsys, monkeypatch, store, model, *extra):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(LINES))
+    assert main(["score", "--model", model, "--store", str(store), "--ids", "--token-logprobs", *extra, "-"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("model", ["dense", "blocked"])
+def test_cli_onnx_backend_matches_torch(store, capsys, monkeypatch, model):
+    ref = score(capsys, monkeypatch, store, model)
+    got = score(capsys, monkeypatch, store, model, "--backend", "onnx")
+    assert len(got) == 3
+    for a, b in zip(got, ref, strict=True):
+        assert a["logprob"] == pytest.approx(b["logprob"], rel=1e-5)
+        assert a["token_logprobs"] == pytest.approx(b["token_logprobs"], rel=1e-5, abs=1e-6)
+        assert a["tokens"] == b["tokens"]
+    assert list((store / ".onnx").glob(f"{model}-*.onnx"))  # the graph is cached in the store
+
+
+def test_export_onnx_writes_a_checked_graph(store, tmp_path, capsys):
+    out = tmp_path / "m.onnx"
+    assert main(["export-onnx", "--model", "dense", "--store", str(store), "--out", str(out)]) == 0
+    scorer = OnnxScorer(out)
+    assert scorer.family == "hmm" and scorer.name == "dense"
+    lp, _ = scorer.score([[0, 1, 2, 3]])
+    assert math.isfinite(lp[0]) and lp[0] < 0
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_service_onnx_backend(store, tmp_path):
+    app = create_app(Settings(store=store, device="cpu", state_dir=tmp_path, backend="onnx"))
+    with TestClient(app) as c:
+        while c.get("/ready").status_code != 200:
+            pass
+        models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+        assert models["dense"]["backends"]["score"] == "onnx"
+        assert models["dense"]["backends"]["posterior"] == "torch"
+        got = c.post("/v1/score", json={"model": "blocked", "input": [[0, 1, 2], [3, 4]]}).json()["data"]
+    ref = create_app(Settings(store=store, device="cpu", state_dir=tmp_path))
+    with TestClient(ref) as c:
+        while c.get("/ready").status_code != 200:
+            pass
+        assert c.get("/v1/models/dense").json()["backends"]["score"] == "torch"
+        want = c.post("/v1/score", json={"model": "blocked", "input": [[0, 1, 2], [3, 4]]}).json()["data"]
+    assert [g["logprob"] for g in got] == pytest.approx([w["logprob"] for w in want], rel=1e-5)
