@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+
 from latentlm.models.checks import Validator
 from latentlm.models.errors import ArtifactError, ModelNotFound
 from latentlm.models.vocab import Preprocessing, Vocabulary
-from safetensors.torch import load_file, save_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -78,9 +79,13 @@ class Artifact:
 
     @functools.cached_property
     def content_hash(self) -> str:
-        """SHA-256 over the hashes of every file: changes whenever any byte of the model changes."""
-        files = self.manifest["files"]
-        return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+        return content_hash(self.manifest["files"])
+
+
+def content_hash(files: dict[str, str]) -> str:
+    """A model's identity: SHA-256 over the manifest's per-file hashes, so it changes whenever any byte of
+    the model changes; computable from the manifest alone (the service checks for changes that way)."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def write_artifact(
