@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
+
 from latentlm.models import chain
 from latentlm.models.base import Batch
-from latentlm.models.store import save_artifact
+from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training import common
 from latentlm.training.data import load_training_split
-from torch import Tensor
 
 
 @dataclass
@@ -157,6 +158,7 @@ def train(ns: argparse.Namespace) -> Path:
     """`latentlm train --family hmm`: EM for `--epochs` iterations (or `--max-steps`), early stopping on
     validation perplexity with `--patience`, checkpoint after every iteration (and every
     `--checkpoint-every` E-step batches, with the partial counts), export of the best."""
+    common.check_resume(ns)
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
     device = common.resolve_device(ns.device)
@@ -194,7 +196,7 @@ def train(ns: argparse.Namespace) -> Path:
                                {"iteration": it, "batch": done, "history": history.to_json(),
                                 "seconds": time.perf_counter() - t0,
                                 **({} if counts is None else {"partial_loglik": counts.loglik,
-                                                              "partial_tokens": counts.tokens})})
+                                                              "partial_tokens": counts.tokens})}, ns)
 
     for it in range(it0, iters):
         c = e_step(p, batches, on_batch=lambda n, loss: bar.update(n, loss), start=first, partial=partial,

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from latentlm.models.base import Batch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
+
+from latentlm.models.base import Batch
 
 
 def seed_all(seed: int) -> torch.Generator:
@@ -65,8 +66,72 @@ def checkpoint_dir(store: Path | str, name: str) -> Path:
     return Path(store) / ".train" / name
 
 
-def save_checkpoint(path: Path, tensors: dict[str, Tensor], state: dict[str, Any]) -> None:
-    """Write tensors.safetensors + state.json atomically (state.json last, so it marks completeness)."""
+# the settings that fix a family's parameter shapes: a checkpoint only continues the run that wrote it
+SHAPE_SETTINGS: dict[str, tuple[str, ...]] = {
+    "hmm": ("states",),
+    "densehmm": ("states", "hidden"),
+    "blocked_hmm": ("states", "clusters", "hidden"),
+    "rank_hmm": ("states", "rank", "hidden"),
+    "pcfg": ("nt", "pt", "rank", "hidden"),
+    "lds": ("dim", "lags"),
+}
+_DESCRIBE = {"states": "{} states", "clusters": "{} clusters", "rank": "rank {}", "hidden": "hidden size {}",
+             "nt": "{} nonterminals", "pt": "{} preterminals", "dim": "latent dimension {}", "lags": "{} lags"}
+
+
+def shape_settings(ns: Any) -> dict[str, Any]:
+    """`family` and the shape settings of `ns` (what `save_checkpoint` records and `check_resume` compares)."""
+    family = getattr(ns, "family", None)
+    return {"family": family, **{k: getattr(ns, k, None) for k in SHAPE_SETTINGS.get(family, ())}}
+
+
+def _inferred_settings(path: Path) -> dict[str, Any]:
+    """Shape settings of a checkpoint written before they were recorded (EM families: from `best_trans`)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path / "tensors.safetensors"), "pt") as f:
+            keys = set(f.keys())
+            if "best_trans" not in keys:
+                return {}
+            family = "densehmm" if any(k.startswith("model.") for k in keys) else "hmm"
+            return {"family": family, "states": int(f.get_slice("best_trans").get_shape()[0])}
+    except OSError:
+        return {}
+
+
+def check_resume(ns: Any) -> None:
+    """For `--resume`: refuse (InputError naming the flag) when the checkpoint of `ns.name` was written with
+    another family or other shape settings than `ns` asks for, before any data is read. Without this the
+    parameters would silently take the checkpoint's shapes while the settings (and the progress label,
+    the manifest) say otherwise."""
+    from latentlm.models.errors import InputError
+
+    if not getattr(ns, "resume", False):
+        return
+    path = checkpoint_dir(ns.store, ns.name)
+    if not (path / "state.json").is_file():
+        raise InputError(f"--resume: no checkpoint for {ns.name!r} in {path}", param="resume")
+    state = json.loads((path / "state.json").read_text("utf-8"))
+    saved = state.get("settings") or _inferred_settings(path)
+    want = shape_settings(ns)
+    fam = saved.get("family")
+    if fam is not None and fam != want["family"]:
+        raise InputError(f"--family: the checkpoint of {ns.name!r} is a {fam} run, not {want['family']}; "
+                         f"drop --resume or use --family {fam}", param="family")
+    for key in SHAPE_SETTINGS.get(want["family"], ()):
+        have = saved.get(key)
+        if have is not None and have != want[key]:
+            flag = "--" + key.replace("_", "-")
+            raise InputError(f"{flag}: the checkpoint of {ns.name!r} has {_DESCRIBE[key].format(have)}, not "
+                             f"{want[key]}; drop --resume or use {flag} {have}", param=key)
+
+
+def save_checkpoint(path: Path, tensors: dict[str, Tensor], state: dict[str, Any], ns: Any = None) -> None:
+    """Write tensors.safetensors + state.json atomically (state.json last, so it marks completeness).
+    With the run's settings `ns`, state.json records its shape settings for `check_resume`."""
+    if ns is not None:
+        state = {**state, "settings": shape_settings(ns)}
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / "tensors.safetensors.tmp"
     save_file({k: v.detach().cpu().clone().contiguous() for k, v in tensors.items()}, str(tmp))

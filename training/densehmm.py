@@ -18,10 +18,11 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
+
 from latentlm.training import baum_welch as bw
 from latentlm.training import common
 from latentlm.training.data import load_training_split
-from torch import Tensor, nn
 
 
 class DenseParams(nn.Module):
@@ -72,6 +73,7 @@ def cooc_loss(model: DenseParams, left: Tensor, right: Tensor, weight: Tensor) -
 
 def train(ns: argparse.Namespace) -> Path:
     """`latentlm train --family densehmm [--fit em|cooc]`: export as an `hmm` artifact with vectors."""
+    common.check_resume(ns)
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
     vocab, train_seqs, valid_seqs = load_training_split(ns)
@@ -125,7 +127,7 @@ def train(ns: argparse.Namespace) -> Path:
         if counts is not None:
             tensors.update(partial_start=counts.start, partial_trans=counts.trans, partial_emit=counts.emit)
             state.update(partial_loglik=counts.loglik, partial_tokens=counts.tokens)
-        common.save_checkpoint(ckdir, tensors, state)
+        common.save_checkpoint(ckdir, tensors, state, ns)
 
     every = ns.checkpoint_every or 0
     for it in range(it0, iters):

@@ -24,15 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
+
 from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.rank_hmm import RankHMM
-from latentlm.models.store import save_artifact
+from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training import common
 from latentlm.training.data import load_training_split
-from torch import Tensor, nn
 
 
 # -- building blocks ----------------------------------------------------------------------------------
@@ -296,6 +297,7 @@ def fix_start_for_streams(model: VLHMM, tensors: dict[str, Tensor], seqs: list[l
 
 def train(ns: argparse.Namespace) -> Path:
     """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory."""
+    common.check_resume(ns)
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
     device = common.resolve_device(ns.device)
@@ -389,7 +391,7 @@ def train(ns: argparse.Namespace) -> Path:
             if evaluating or stop or at_limit or (ns.checkpoint_every and pos.step % ns.checkpoint_every == 0):
                 pos.epoch, pos.batch = (epoch + 1, 0) if last_batch else (epoch, bi + 1)
                 _save(ckdir, model, opt, best_state, gen, history, pos, time.perf_counter() - t0, stop,
-                      carry if ns.bptt and not last_batch else None)
+                      carry if ns.bptt and not last_batch else None, ns)
             if stop or at_limit:
                 stop = True
                 break
@@ -430,10 +432,11 @@ class Position:
 
 
 def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Generator, history,
-          pos: Position, seconds: float, early_stopped: bool, carry: Tensor | None = None) -> None:
+          pos: Position, seconds: float, early_stopped: bool, carry: Tensor | None = None,
+          ns: argparse.Namespace | None = None) -> None:
     """Checkpoint everything a resume needs to continue bit-for-bit: parameters, best parameters, AdamW
     state, both generators (state dropout; torch's global one, used by nn.Dropout), the position in the
-    epoch and the BPTT carry."""
+    epoch and the BPTT carry (and, given the run's settings `ns`, its shape settings)."""
     ot, ometa = common.optimizer_tensors(opt)
     tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
                **{f"best.{k}": v for k, v in best_state.items()}, **ot, **common.rng_tensors(gen)}
@@ -442,4 +445,4 @@ def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Gener
     common.save_checkpoint(ckdir, tensors, {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step,
                                             "tokens": pos.tokens, "history": history.to_json(),
                                             "optimizer": ometa, "seconds": seconds,
-                                            "early_stopped": early_stopped})
+                                            "early_stopped": early_stopped}, ns)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from latentlm.models.store import save_artifact
+
+from latentlm.models.registry import save_artifact
 from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
 from latentlm.models.vocab import Vocabulary
 
@@ -108,27 +109,18 @@ def worker(store: Path, tmp: Path, env: dict[str, str]) -> Proc:
 
 
 def add_other_families(store: Path) -> list[str]:
-    """A rank-space PCFG and an LDS (embeddings), when those families are present."""
-    added = []
-    try:
-        from latentlm.models.pcfg import random_pcfg
+    """A rank-space PCFG and an LDS (embeddings). Both families are part of the package: an ImportError
+    here is a broken install and fails the tests that use the store."""
+    import torch
 
-        t, c = random_pcfg(3, 4, 4, V, seed=3)
-        save_artifact(store, "pcfg", "pcfg", t, vocab(), config=c)
-        added.append("pcfg")
-    except ImportError:
-        pass
-    try:
-        import torch
+    from latentlm.models.pcfg import random_pcfg
+    from latentlm.training.lds import random_lds_tensors
 
-        from tests.models.test_lds import random_lds
-
-        t = {k: torch.from_numpy(v) for k, v in random_lds(V, 3, 4).items()}
-        save_artifact(store, "lds", "lds", t, vocab(), config={"dim": 3, "lags": 3})
-        added.append("lds")
-    except ImportError:
-        pass
-    return added
+    t, c = random_pcfg(3, 4, 4, V, seed=3)
+    save_artifact(store, "pcfg", "pcfg", t, vocab(), config=c)
+    t = {k: torch.from_numpy(v) for k, v in random_lds_tensors(V, 3, 4).items()}
+    save_artifact(store, "lds", "lds", t, vocab(), config={"dim": 3, "lags": 3})
+    return ["pcfg", "lds"]
 
 
 @pytest.fixture(scope="session")

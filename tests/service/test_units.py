@@ -13,9 +13,9 @@ import pytest
 from latentlm import ops
 from latentlm.cli.serve import ServeError, ensure_default_model
 from latentlm.models.errors import InputError, LimitExceeded, ModelNotFound, UnsupportedOperation
+from latentlm.ops import dumps
 from latentlm.service.batcher import Batcher, QueueFull
 from latentlm.service.errors import describe_validation, from_model_error
-from latentlm.ops import dumps
 from latentlm.service.jobs import parse_input_file
 from latentlm.service.metrics import Metrics
 from latentlm.service.registry import ModelRegistry
@@ -184,6 +184,43 @@ def test_ready_503_until_models_load(base_store, tmp_path):
             assert time.monotonic() < deadline, "not ready 60 s after the models could load"
             threading.Event().wait(0.05)
         assert c.post("/v1/score", json={"model": "tiny", "input": "w1"}).status_code == 200
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_health_answers_while_a_batch_computes(base_store, tmp_path, monkeypatch):
+    """The batch is held inside the model call until /health has answered: no timing involved."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from latentlm.service.app import create_app
+
+    entered, release = threading.Event(), threading.Event()
+    real = ops.run
+
+    def held_run(model, op, seqs, **kw):
+        entered.set()
+        assert release.wait(60), "the test never released the batch"
+        return real(model, op, seqs, **kw)
+
+    monkeypatch.setattr(ops, "run", held_run)
+    app = create_app(Settings(store=base_store, device="cpu", state_dir=tmp_path))
+    with TestClient(app) as c, ThreadPoolExecutor(1) as pool:
+        deadline = time.monotonic() + 60
+        while c.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, "models not loaded after 60 s"
+            threading.Event().wait(0.05)
+        pending = pool.submit(c.post, "/v1/score", json={"model": "tiny", "input": [[1, 2, 3]]})
+        try:
+            assert entered.wait(60), "the batch never reached the model call"
+            assert not pending.done()
+            assert c.get("/health").json() == {"status": "ok"}  # answered while the batch is held
+            assert not pending.done()
+        finally:
+            release.set()
+        r = pending.result(60)
+    assert r.status_code == 200, r.text
+    close(r.json()["data"], real(ops.load_model(base_store, "tiny"), "score", [[1, 2, 3]]))
 
 
 def test_worker_needs_redis_and_serve_checks_device(tmp_path, capsys):

@@ -7,10 +7,10 @@ import json
 
 import pytest
 import torch
-from latentlm.training import baum_welch, common, densehmm, neural
-from latentlm.training.cli import resolve_settings
 from safetensors.torch import load_file
 
+from latentlm.training import baum_welch, common, densehmm, neural
+from latentlm.training.settings import resolve_settings
 from tests.training.helpers import train_args
 
 
@@ -22,8 +22,8 @@ def interrupt_after_checkpoint(monkeypatch, n: int) -> None:
     """Make the n-th checkpoint write complete and then kill the run (a crash right after saving)."""
     real, calls = common.save_checkpoint, [0]
 
-    def save(path, tensors, state):
-        real(path, tensors, state)
+    def save(path, tensors, state, *settings):
+        real(path, tensors, state, *settings)
         calls[0] += 1
         if calls[0] == n:
             raise Interrupted
@@ -121,3 +121,57 @@ def test_checkpoint_every_writes_position_and_generators(tmp_path):
     assert (state["epoch"], state["batch"], state["step"]) == (0, 2, 2)
     tensors = load_file(str(ck / "tensors.safetensors"))
     assert tensors["rng"].dtype == tensors["torch_rng"].dtype == torch.uint8
+
+
+# -- a checkpoint only continues the run that wrote it ----------------------------------------------------
+@pytest.mark.parametrize("family,first,second,flag,message", [
+    ("hmm", {"states": 8}, {"states": 12}, "states",
+     "--states: the checkpoint of 'run' has 8 states, not 12; drop --resume or use --states 8"),
+    ("densehmm", {"states": 8, "hidden": 4}, {"states": 8, "hidden": 6}, "hidden",
+     "--hidden: the checkpoint of 'run' has hidden size 4, not 6; drop --resume or use --hidden 4"),
+    ("rank_hmm", {"states": 8, "rank": 4, "hidden": 8}, {"states": 8, "rank": 2, "hidden": 8}, "rank",
+     "--rank: the checkpoint of 'run' has rank 4, not 2; drop --resume or use --rank 4"),
+    ("blocked_hmm", {"states": 16, "clusters": 4, "hidden": 8}, {"states": 16, "clusters": 8, "hidden": 8},
+     "clusters", "--clusters: the checkpoint of 'run' has 4 clusters, not 8; drop --resume or use --clusters 4"),
+])
+def test_resume_refuses_other_shape_settings(tmp_path, monkeypatch, family, first, second, flag, message):
+    from latentlm.models.errors import InputError
+    from latentlm.training import settings as cli
+
+    trainer = cli.train
+    data = tiny_corpus(tmp_path)
+    kw = {"data": [data], "epochs": 1, "batch": 16, "max_steps": 2, "name": "run", "lr": 0.02}
+    trainer(resolve_settings(train_args(tmp_path, family, **kw, **first)))
+    ck = common.checkpoint_dir(tmp_path, "run")
+    assert json.loads((ck / "state.json").read_text())["settings"] == {"family": family, **first}
+    before = (ck / "tensors.safetensors").read_bytes()
+    loaded = []
+    monkeypatch.setattr(common, "load_checkpoint", lambda *a: loaded.append(a))  # refused before loading
+    with pytest.raises(InputError) as e:
+        trainer(resolve_settings(train_args(tmp_path, family, resume=True, **kw, **second)))
+    assert str(e.value) == message and e.value.param == flag and not loaded
+    assert (ck / "tensors.safetensors").read_bytes() == before  # the checkpoint is untouched
+    monkeypatch.undo()
+    # the same settings resume (the run was at its step limit: it exports the best parameters again)
+    trainer(resolve_settings(train_args(tmp_path, family, resume=True, **kw, **first)))
+
+
+def test_resume_refuses_another_family_and_old_checkpoints_by_their_shape(tmp_path, capsys):
+    from latentlm.cli import main
+
+    data = tiny_corpus(tmp_path)
+    base = ["train", "--data", data, "--name", "run", "--store", str(tmp_path), "--epochs", "1",
+            "--batch", "16", "--no-progress"]
+    assert main([*base, "--family", "hmm", "--states", "8"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--family", "densehmm", "--states", "8", "--hidden", "4", "--resume"]) == 2
+    assert ("--family: the checkpoint of 'run' is a hmm run, not densehmm; drop --resume or use --family hmm"
+            in capsys.readouterr().err)
+    # a checkpoint written before the settings were recorded: the state count is read from its tensors
+    state_file = common.checkpoint_dir(tmp_path, "run") / "state.json"
+    state = json.loads(state_file.read_text())
+    del state["settings"]
+    state_file.write_text(json.dumps(state))
+    assert main([*base, "--family", "hmm", "--states", "16", "--resume"]) == 2
+    assert "--states: the checkpoint of 'run' has 8 states, not 16" in capsys.readouterr().err
+    assert main([*base, "--family", "hmm", "--states", "8", "--resume"]) == 0

@@ -8,11 +8,11 @@ import json
 import math
 
 import torch
+
 from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.training import baum_welch as bw
-from latentlm.training.cli import corpus_perplexity, resolve_settings
-
+from latentlm.training.settings import corpus_perplexity, resolve_settings
 from tests.training.helpers import train_args
 
 
@@ -70,6 +70,8 @@ def test_hmm_training_lowers_validation_ppl_and_export_matches(tmp_path):
     m = json.loads((path / "manifest.json").read_text())
     rows = m["provenance"]["curve"]
     assert rows[-1]["valid_ppl"] < rows[0]["valid_ppl"]
+    # the uniform model over the 10,000 PTB words has perplexity 10,000 (the noisy start is above it)
+    assert m["vocab_size"] == 10000 and m["provenance"]["best_valid_ppl"] < m["vocab_size"] / 4
     assert (path / "curve.png").read_bytes()[:4] == b"\x89PNG"
     res = corpus_perplexity(tmp_path, ns.name, "ptb:valid")
     best = m["provenance"]["best_valid_ppl"]
@@ -84,7 +86,7 @@ def test_hmm_resume_continues_iterations_and_seed_is_deterministic(tmp_path):
     rows = json.loads((p2 / "manifest.json").read_text())["provenance"]["curve"]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert p1 == p2
-    from latentlm.models.store import load_artifact
+    from latentlm.models.registry import load_artifact
 
     a = load_artifact(bw.train(resolve_settings(train_args(tmp_path, "hmm", epochs=2, name="again", **kw))))
     b = load_artifact(p2)
