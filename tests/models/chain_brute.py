@@ -10,11 +10,12 @@ import itertools
 import math
 
 import torch
-from latentlm.models.base import Family
+from torch import Tensor
+
 from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.family import Family
 from latentlm.models.hmm import DenseHMM
 from latentlm.models.rank_hmm import RankHMM
-from torch import Tensor
 
 
 def joint_tables(model: Family) -> tuple[Tensor, Tensor]:

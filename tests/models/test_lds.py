@@ -8,10 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from latentlm.models.base import Batch
 from latentlm.models.errors import ArtifactError
 from latentlm.models.lds import LDS, spd_power, sym
-from latentlm.models.store import load_artifact, save_artifact
+from latentlm.models.registry import load_artifact, save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training.lds import random_lds_tensors
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from latentlm.models.dense_pcfg import DensePCFG, dense_from_factors
 from latentlm.models.errors import ArtifactError, LimitExceeded, UnsupportedOperation
 from latentlm.models.pcfg import RankPCFG, random_pcfg
-from latentlm.models.store import load_artifact, save_artifact
+from latentlm.models.registry import load_artifact, save_artifact
 from latentlm.models.vocab import Preprocessing, Vocabulary
-
 from tests.models.test_dense_pcfg import chi_square_pvalue, sentence_probs
 from tests.models.tree_brute import brute
 
@@ -172,9 +172,8 @@ def test_served_through_ops(tmp_path):
 def test_training_smoke(tmp_path):
     import argparse
 
-    from latentlm.training.pcfg import train
-
     from latentlm import ops
+    from latentlm.training.pcfg import train
 
     data = tmp_path / "corpus.txt"
     data.write_text("\n".join(["the dog barks", "a cat sleeps", "the cat sees a dog", "dogs bark"] * 10) + "\n")

@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from latentlm.models.errors import ArtifactError, ModelNotFound
-from latentlm.models.store import MANIFEST, VOCAB, WEIGHTS, list_models, load_artifact, save_artifact
+from latentlm.models.registry import load_artifact, save_artifact
+from latentlm.models.store import MANIFEST, VOCAB, WEIGHTS, list_models
 from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
 from latentlm.models.vocab import Preprocessing, Vocabulary
-from safetensors.torch import save_file
 
 
 def vocab(V: int) -> Vocabulary:

@@ -13,9 +13,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from latentlm.models.errors import ArtifactError
 from latentlm.models.hmm import DenseHMM
-from latentlm.models.store import save_artifact
+from latentlm.models.registry import save_artifact
 from latentlm.models.synthetic import random_hmm
 from latentlm.models.tagging_hmm import TaggingHMM
 from latentlm.models.vocab import Preprocessing, Vocabulary

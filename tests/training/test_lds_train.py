@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import scipy.linalg as sl
 import scipy.sparse as sp
+
 from latentlm.models.lds import LDS, lowrank_noise_info, smoother_matrices, spd_inv, spd_power, steady_state
 from latentlm.training.lds import LagStats, asos_em, collect_lag_stats, export, ssid, token_chunks
 
@@ -143,9 +144,8 @@ def test_50k_vocabulary_never_dense():
 
 
 def test_train_end_to_end_and_cli_embed(tmp_path, capsys):
-    from latentlm.training.lds import train
-
     from latentlm.cli import main
+    from latentlm.training.lds import train
 
     text = tmp_path / "corpus.txt"
     words = [f"w{i}" for i in range(30)]

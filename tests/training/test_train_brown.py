@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+
 from latentlm.training.brown import _Window, brown_clusters
 from latentlm.training.data import build_vocab, encode_corpus
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from latentlm.models.errors import InputError
 from latentlm.models.vocab import Preprocessing
 from latentlm.training.data import (
