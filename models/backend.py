@@ -12,11 +12,18 @@ name one; `available` says which this machine has).
 |            | (log_cond only; split over two threads when large)     |                                         |
 | "groups"   | ROWS-sequence groups whole in compiled code, no BLAS   | compiled (max, +) product per step      |
 | "lockstep" | compiled per-row sweeps and one BLAS GEMM per step     | - (no GEMM in a max-product)            |
+| "cuda_fused" | a family's `score` only (log p(x), log_cond): fused   | -                                       |
+|            | Triton kernels + CUDA graphs (`models.triton_chain`)   |                                         |
 
 Every compiled engine needs a shared (K, K) matrix on CPU, float32/float64 throughout, no autograd and
 numba; "lockstep" also needs torch's BLAS to be callable (`kernels.blas.HAVE_GEMM`).
 Long sequences are, independently of the engine, scored as batches of chunks (`chunk_long`).
 The thresholds are module constants read at call time (tests lower them with `monkeypatch.setattr`).
+
+"cuda_fused" is not a chain-engine call: `ChainFamily.score` asks `score` whether the family's whole scoring
+(rank_hmm, blocked_hmm: `triton_chain.score_rank` / `score_blocked`) runs fused; every other operation
+(posteriors, Viterbi, sampling, filtered marginals) and every other family stays on the engines above. Its
+storage precision (`STORAGE_DTYPES`: float32, or bfloat16 opt-in) applies to that path alone.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class Backend(StrEnum):
     SINGLE = "single"
     GROUPS = "groups"
     LOCKSTEP = "lockstep"
+    CUDA_FUSED = "cuda_fused"
 
 
 # -- thresholds (measured on 2-16 core x86 machines; bench/results/hmm_inference.md) -------------------------
@@ -49,6 +57,10 @@ LONG_MIN_TOKENS = 4096  # a sequence at least this long is scored as a batch of 
 CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
 CHUNK_ROWS_PER_THREAD = 8  # chunks per thread on the compiled engines (twice that for K > GROUPS_MAX_K)
 MAX_CHUNKS = 64  # chunks (rows of the per-step GEMM) on the torch engine (GPU)
+FUSED_MAX_TOKENS = LONG_MIN_TOKENS  # auto: wider (padded) batches score on the chain engine, which chunks long
+#                                     sequences (the fused path runs, and graph-captures, every step in turn)
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # of the matrices on the fused path
 
 _FLOATS = (torch.float32, torch.float64)
 
@@ -59,6 +71,8 @@ def available(backend: Backend | str) -> bool:
     b = Backend(backend)
     if b in (Backend.AUTO, Backend.TORCH):
         return True
+    if b is Backend.CUDA_FUSED:
+        return _fused_ready("cuda")
     return HAVE_NUMBA and (b is not Backend.LOCKSTEP or HAVE_GEMM)
 
 
@@ -77,6 +91,62 @@ def _refuse(b: Backend, why: str) -> ValueError:
     return ValueError(f"backend {b.value!r} cannot run this call: {why}")
 
 
+def _fused_ready(device: torch.device | str) -> bool:
+    """Whether `triton_chain`'s kernels run on `device` (CUDA with triton; CPU only under TRITON_INTERPRET=1)."""
+    from latentlm.models import triton_chain  # (triton itself is imported lazily there)
+
+    return triton_chain.available(device)
+
+
+def storage_dtype(value: torch.dtype | str | None) -> torch.dtype:
+    """The storage dtype of the fused scoring path from a name ("float32", "bfloat16") or dtype; None: float32."""
+    if value is None:
+        return torch.float32
+    if isinstance(value, torch.dtype):
+        if value in STORAGE_DTYPES.values():
+            return value
+    elif value.lower() in STORAGE_DTYPES:
+        return STORAGE_DTYPES[value.lower()]
+    raise ValueError(f"storage dtype: expected one of {sorted(STORAGE_DTYPES)}, got {value!r}")
+
+
+_NOT_CHAIN = "it scores whole families (rank_hmm, blocked_hmm: `family.score(batch, backend=...)`), not chain calls"
+_FUSED_WHY = "it runs on CUDA tensors and the model is on {}; (TRITON_INTERPRET=1 runs its kernels on CPU in " \
+             "Triton's interpreter, for tests)"
+
+
+def score(backend: Backend | str, *, device: torch.device | str, dtype: torch.dtype, fused: bool,
+          grad: bool = False, width: int = 0, ready: bool | None = None) -> Backend:
+    """The engine of a family's `score` (log p(x) and log_cond, nothing per state): "cuda_fused" or what the
+    chain engine gets (`backend` itself; "auto" is then decided per call by `sum_product`).
+
+    `fused`: the family has a fused path (rank_hmm, blocked_hmm); `grad`: autograd runs through the model's
+    tensors; `width`: the batch's padded length; `ready`: whether `triton_chain` runs on `device` (asked
+    when None; tests pass it). auto: "cuda_fused" on a CUDA device for a float32 model without autograd when
+    triton is there and width < FUSED_MAX_TOKENS; else the chain engine. An explicit "cuda_fused" raises
+    ValueError saying why where it cannot run (any width)."""
+    b = Backend(backend)
+    device = torch.device(device)
+    if b is Backend.AUTO:
+        if (device.type == "cuda" and fused and dtype == torch.float32 and not grad and width < FUSED_MAX_TOKENS
+                and (ready if ready is not None else _fused_ready(device))):
+            return Backend.CUDA_FUSED
+        return b
+    if b is not Backend.CUDA_FUSED:
+        return b
+    if not fused:
+        raise _refuse(b, "this family has no fused scoring path (rank_hmm and blocked_hmm have)")
+    if not (ready if ready is not None else _fused_ready(device)):
+        if device.type != "cuda":
+            raise _refuse(b, _FUSED_WHY.format(device))
+        raise _refuse(b, f"triton is not importable or CUDA is not available here (device {device})")
+    if dtype != torch.float32:
+        raise _refuse(b, f"it needs a float32 model (this one is {dtype}; the fused path writes float32)")
+    if grad:
+        raise _refuse(b, "it does not run under autograd (the model's tensors require grad)")
+    return b
+
+
 def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, marginals: bool = False,
                 last: bool = False) -> Backend:
     """The engine of one sum-product call over `rows` sequences: `marginals` when it keeps the filtered
@@ -89,6 +159,8 @@ def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, m
     b = Backend(backend)
     if b is Backend.TORCH:
         return b
+    if b is Backend.CUDA_FUSED:
+        raise _refuse(b, _NOT_CHAIN)
     ok = compiled_ok(emit, trans, *more)
     one = rows == 1 and not marginals
     if b is Backend.AUTO:
@@ -129,6 +201,8 @@ def max_product(backend: Backend | str, scores: Tensor, log_trans, *, rows: int,
         return Backend.GROUPS if rows * K * K >= NATIVE_MAXPLUS_MIN_WORK else Backend.TORCH
     if b is Backend.LOCKSTEP:
         raise _refuse(b, "a max-product has no GEMM; use 'groups'")
+    if b is Backend.CUDA_FUSED:
+        raise _refuse(b, _NOT_CHAIN)
     if not ok:
         raise _refuse(b, "it needs numba and a shared matrix on CPU in the scores' float dtype")
     if b is Backend.SINGLE and (rows != 1 or steps is None):

@@ -12,12 +12,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
+
+from latentlm.models import backend as dispatch
 from latentlm.models import chain
+from latentlm.models.backend import Backend
 from latentlm.models.chain import Emit, Trans
 from latentlm.models.errors import InputError
 from latentlm.models.family import Family, perplexity
 from latentlm.models.sampling import CategoricalTable, Samples, run_sampler, slot_to_token
-from torch import Tensor
 
 
 @dataclass
@@ -133,6 +136,8 @@ class ChainFamily(ChainOps, Family):
     default_method = "viterbi"
     device: torch.device
     dtype: torch.dtype
+    has_fused_score: bool = False  # `score_fused` exists (`triton_chain`; rank_hmm, blocked_hmm)
+    storage_dtype: torch.dtype = torch.float32  # of the matrices on the fused scoring path only (`set_storage_dtype`)
 
     # -- what a family supplies ---------------------------------------------------------------------
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
@@ -165,16 +170,57 @@ class ChainFamily(ChainOps, Family):
     def start_probs(self) -> Tensor:
         return self.start
 
+    def score_fused(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """`score` on the fused CUDA path (`models.triton_chain`), in `storage_dtype`; families with
+        `has_fused_score` supply it."""
+        raise NotImplementedError
+
+    # -- engine choice ------------------------------------------------------------------------------
+    def set_storage_dtype(self, value: torch.dtype | str | None) -> None:
+        """Storage precision of the fused scoring path: "float32" (default) or "bfloat16" (opt-in; its error
+        bound is `triton_chain.BF16_TOKEN_ABS_BOUND` per token). Every other path stays in the model's dtype."""
+        self.storage_dtype = dispatch.storage_dtype(value)
+
+    def _grad(self) -> bool:
+        return torch.is_grad_enabled() and any(isinstance(v, Tensor) and v.requires_grad for v in vars(self).values())
+
+    def score_backend(self, backend: Backend | str = Backend.AUTO, width: int = 0) -> Backend:
+        """The engine `score` runs on for a batch `width` positions wide (`backend.score` decides)."""
+        return dispatch.score(backend, device=self.device, dtype=self.dtype, fused=self.has_fused_score,
+                              grad=self._grad(), width=width)
+
+    def backends(self) -> dict[str, str]:
+        """What `describe` reports: the engine of `score` for a batch of a few short sequences on this model's
+        device ("cuda_fused", "lockstep", "torch", ...; the chain engine still decides per call) and the
+        storage dtype it scores in."""
+        engine = self.score_backend()
+        if engine is Backend.CUDA_FUSED:
+            return {"score": engine.value, "storage_dtype": str(self.storage_dtype).removeprefix("torch.")}
+        rows = dispatch.LOCKSTEP_MIN_ROWS
+        batch = Batch(torch.zeros(rows, 1, dtype=torch.long, device=self.device),
+                      torch.ones(rows, dtype=torch.long, device=self.device))
+        init, emit, trans = self.chain(batch)
+        engine = dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=rows)
+        return {"score": engine.value, "storage_dtype": str(self.dtype).removeprefix("torch.")}
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "backend": self.backends()}
+
     # -- operations ---------------------------------------------------------------------------------
     def to(self, batch: Batch) -> Batch:
         return Batch(batch.ids.to(self.device), batch.lengths.to(self.device))
 
-    def score(self, batch: Batch) -> tuple[Tensor, Tensor]:
+    def score(self, batch: Batch, *, backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
         """log p(x) (B,) float64 (summed in float64) and per-token log p(x_t | x_<t) (B, T) (0 at padding).
-        O(T K^2) per sequence."""
+        O(T K^2) per sequence. `backend` as in `models.backend.score`: "cuda_fused" (auto on CUDA for the
+        families that have it) runs `score_fused`, any other the chain engine's `forward`."""
         batch = self.to(batch)
+        engine = self.score_backend(backend, batch.ids.shape[1])
+        if engine is Backend.CUDA_FUSED:
+            logp, log_cond = self.score_fused(batch)
+            return logp, log_cond.to(self.dtype)
         init, emit, trans = self.chain(batch)
-        log_cond, _ = chain.forward(init, emit, trans, batch.lengths)
+        log_cond, _ = chain.forward(init, emit, trans, batch.lengths, backend=engine)
         return log_cond.double().sum(1), log_cond
 
     def posterior(self, batch: Batch) -> tuple[Tensor, Tensor]:

@@ -17,17 +17,20 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch import Tensor
+
+from latentlm.models import triton_chain
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, InputError
 from latentlm.models.family import Recipe
 from latentlm.models.sampling import CategoricalTable
-from torch import Tensor
 
 
 class BlockedHMM(ChainFamily):
     family = "blocked_hmm"
+    has_fused_score = True  # on CUDA `score` runs `triton_chain.blocked_forward_cuda` (see `models.backend.score`)
     recipes = (Recipe("blocked_hmm", {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64,
                                       "lr": 1e-2, "checkpoint_every": 200},
                       positive=("states", "epochs", "batch", "clusters", "hidden"), check=lambda s: check_recipe(s)),)
@@ -72,18 +75,25 @@ class BlockedHMM(ChainFamily):
                 f"{per_state[c, i].item():.6g} over its cluster's words (tolerance 0.0001)", param="emit")
 
     @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32) -> BlockedHMM:
+    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None) -> BlockedHMM:
+        """`storage_dtype` ("float32" default, "bfloat16"): precision of the fused CUDA scoring path only."""
         t = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
              for k, v in tensors.items()}
         extras = {k: v for k, v in t.items() if k not in ("start", "trans", "emit", "word_cluster")}
-        return cls(t["start"], t["trans"], t["emit"], t["word_cluster"], config["num_clusters"], extras)
+        model = cls(t["start"], t["trans"], t["emit"], t["word_cluster"], config["num_clusters"], extras)
+        model.set_storage_dtype(storage_dtype)
+        return model
 
     @property
     def num_states(self) -> int:
         return self.trans.shape[0]
 
     def describe(self) -> dict[str, Any]:
-        return {"num_states": self.num_states, "num_clusters": self.M, "states_per_cluster": self.k}
+        return {"num_states": self.num_states, "num_clusters": self.M, "states_per_cluster": self.k,
+                "backend": self.backends()}
+
+    def score_fused(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        return triton_chain.score_blocked(self, batch, storage_dtype=self.storage_dtype)
 
     def _clusters(self, batch: Batch) -> Tensor:
         return self.word_cluster[batch.ids]

@@ -14,7 +14,9 @@ Cost per sequence: O(T K^2) for forward, backward and Viterbi.
 
 Engines: every entry point takes `backend=` ("auto", "torch", "single", "groups", "lockstep"; see
 `models.backend`, which picks the engine of each call and holds every threshold). The torch recursions are
-written here; the compiled ones are in `models.kernels`. Sampling is in `models.sampling`.
+written here; the compiled ones are in `models.kernels`. Sampling is in `models.sampling`. ("cuda_fused", the
+fused Triton scoring of rank_hmm / blocked_hmm in `models.triton_chain`, is chosen per family in
+`ChainFamily.score`, not here: these entry points refuse it.)
 """
 
 from __future__ import annotations

@@ -22,14 +22,15 @@ from functools import cached_property
 from typing import Any
 
 import torch
-from latentlm.models import chain
+from torch import Tensor
+
+from latentlm.models import chain, triton_chain
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, LimitExceeded
 from latentlm.models.family import Recipe
 from latentlm.models.sampling import CategoricalTable, Samples, run_sampler
-from torch import Tensor
 
 VITERBI_MAX_ELEMENTS = 1 << 26  # m * m entries of the per-token state-space matrix (256 MiB in float32)
 
@@ -40,6 +41,7 @@ class RankHMM(ChainFamily):
                                    "dropout": 0.1, "checkpoint_every": 200},
                       positive=("states", "epochs", "batch", "rank", "hidden")),)
     viterbi_max_elements = VITERBI_MAX_ELEMENTS
+    has_fused_score = True  # on CUDA `score` runs `triton_chain.rank_forward_cuda` (see `models.backend.score`)
 
     def __init__(self, t: dict[str, Tensor]):
         self.start, self.state_in, self.state_out = t["start"], t["state_in"], t["state_out"]
@@ -71,8 +73,11 @@ class RankHMM(ChainFamily):
                                 f"(max error {max(err_t, err_s):.3g})", param=bad)
 
     @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32) -> RankHMM:
-        return cls({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
+    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None) -> RankHMM:
+        """`storage_dtype` ("float32" default, "bfloat16"): precision of the fused CUDA scoring path only."""
+        model = cls({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()})
+        model.set_storage_dtype(storage_dtype)
+        return model
 
     @property
     def num_states(self) -> int:
@@ -83,7 +88,10 @@ class RankHMM(ChainFamily):
         return self.rank_trans.shape[0]
 
     def describe(self) -> dict[str, Any]:
-        return {"num_states": self.num_states, "rank": self.rank}
+        return {"num_states": self.num_states, "rank": self.rank, "backend": self.backends()}
+
+    def score_fused(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        return triton_chain.score_rank(self, batch, storage_dtype=self.storage_dtype)
 
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         """Rank-space chain: init (B, r), emit (B, T, r), shared (r, r) step."""

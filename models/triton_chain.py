@@ -570,7 +570,8 @@ def blocked_forward_cuda(start: Tensor, trans: Tensor, emit_table: Tensor, word_
 
 
 # ---------------------------------------------------------------------------------------------------------
-# family entry points (what a chain backend would call for `score`)
+# family entry points: `RankHMM.score_fused` / `BlockedHMM.score_fused`, which `ChainFamily.score` runs where
+# `models.backend.score` picks "cuda_fused" (auto on CUDA)
 def score_rank(model: Any, batch: Any, **kw: Any) -> tuple[Tensor, Tensor]:
     """`RankHMM.score` through `rank_forward_cuda`: (log p(x) float64 (B,), log_cond (B, T))."""
     ids, lengths = batch.ids.to(model.device), batch.lengths.to(model.device)
