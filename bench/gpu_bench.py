@@ -151,11 +151,11 @@ def bench_rank(yard, shape: dict, dev: torch.device, peak: dict) -> None:
             batch = Batch(ids, lengths)
             with torch.no_grad():
                 t = best_of(lambda batch=batch: model.score(batch), dev)
-            emit({"case": "rank", "B": B, "impl": "RankHMM.score (engine, fp32)", "tokens_per_s": B * T / t,
+            emit({"case": "rank", "B": B, "impl": "RankHMM.score (auto backend, fp32)", "tokens_per_s": B * T / t,
                   "ratio": B * T / t / y_tps, "tflops": flops / t / 1e12,
                   "pct_peak": 100 * flops / t / 1e12 / peak["matmul_fp32_tflops"]})
         except Exception as e:
-            emit({"case": "rank", "B": B, "impl": "RankHMM.score (engine, fp32)", "error": repr(e)[:400]})
+            emit({"case": "rank", "B": B, "impl": "RankHMM.score (auto backend, fp32)", "error": repr(e)[:400]})
         exact = None
         for name, kw, pk in (("triton fp32", dict(), "fp32"), ("triton tf32", dict(allow_tf32=True), "tf32"),
                              ("triton bf16", dict(storage_dtype=torch.bfloat16), "bf16"),
@@ -242,10 +242,10 @@ def bench_blocked(yard, shape: dict, dev: torch.device, peak: dict) -> None:
                     with torch.no_grad():
                         t = best_of(lambda batch=batch, model=model: model.score(batch), dev)
                     tps = B * T / t
-                    emit({"case": "blocked", "B": B, "draw": draw, "impl": "BlockedHMM.score (engine, fp32)",
+                    emit({"case": "blocked", "B": B, "draw": draw, "impl": "BlockedHMM.score (auto backend, fp32)",
                           "tokens_per_s": tps, "ratio": tps / y_tps, "gbps_gathered": k * k * 4 * B * T / t / 1e9})
                 except Exception as e:
-                    emit({"case": "blocked", "B": B, "draw": draw, "impl": "BlockedHMM.score (engine, fp32)",
+                    emit({"case": "blocked", "B": B, "draw": draw, "impl": "BlockedHMM.score (auto backend, fp32)",
                           "error": repr(e)[:400]})
                 model = batch = None
                 free(dev)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.rank_hmm import RankHMM

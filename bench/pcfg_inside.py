@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from latentlm.models.dense_pcfg import DensePCFG, dense_from_factors
 from latentlm.models.pcfg import RankPCFG, random_pcfg
 from latentlm.models.tree import inside

@@ -27,9 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from latentlm.models.store import list_models  # noqa: E402
-
 from latentlm import ops  # noqa: E402
+from latentlm.models.store import list_models  # noqa: E402
 
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from latentlm.models.errors import ArtifactError
 
 NORMALISATION_TOL = 1e-4

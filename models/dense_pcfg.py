@@ -15,13 +15,14 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from latentlm.models.checks import check_distribution, check_positive_ints, check_shape
 from latentlm.models.errors import ArtifactError
 from latentlm.models.family import Family, Importer, Option
 from latentlm.models.grammar_text import read_grammar_file
 from latentlm.models.sampling import CategoricalTable
 from latentlm.models.tree import DEFAULT_MAX_LENGTH, PCFGOps, bracket, by_length, check_possible, viterbi
-from torch import Tensor
 
 
 class DensePCFG(PCFGOps, Family):

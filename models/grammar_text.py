@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from latentlm.models.errors import InputError, read_text_file
 from latentlm.models.vocab import Preprocessing, Vocabulary
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
+
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_config, check_distribution, check_shape
@@ -20,7 +22,6 @@ from latentlm.models.errors import InputError
 from latentlm.models.family import Importer, Recipe
 from latentlm.models.sampling import CategoricalTable
 from latentlm.models.vocab import Preprocessing, Vocabulary
-from torch import Tensor
 
 
 class DenseHMM(ChainFamily):

@@ -25,12 +25,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
+
 from latentlm.models.base import Batch
 from latentlm.models.chain import valid_mask
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError
 from latentlm.models.family import Family, Recipe
-from torch import Tensor
 
 SQUARE = ("A", "noise_lowrank", "sigma_pred", "sigma_filt", "sigma_smooth", "filter_trans", "smooth_J",
           "smooth_L", "embed_whiten")

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from latentlm.models.base import Batch, ChainOps
 from latentlm.models.checks import NORMALISATION_TOL, check_shape
 from latentlm.models.errors import ArtifactError, InputError, UnsupportedOperation
 from latentlm.models.family import Family, Importer, Option
 from latentlm.models.vocab import Preprocessing, Vocabulary
-from torch import Tensor
 
 LN10 = math.log(10.0)
 ARPA_BOS, ARPA_EOS, ARPA_UNK = "<s>", "</s>", "<unk>"

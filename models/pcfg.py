@@ -24,12 +24,13 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from latentlm.models.checks import check_distribution, check_positive_ints, check_shape
 from latentlm.models.errors import ArtifactError, UnsupportedOperation
 from latentlm.models.family import Family, Recipe
 from latentlm.models.sampling import CategoricalTable
 from latentlm.models.tree import DEFAULT_MAX_LENGTH, PCFGOps
-from torch import Tensor
 
 FACTORS = ("start", "parent", "left", "right", "emit")
 CACHED = ("rank_left", "rank_right", "word_left", "word_right", "rank_root")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.checks import Validator
 from latentlm.models.dense_pcfg import DensePCFG

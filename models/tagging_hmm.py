@@ -18,12 +18,13 @@ from functools import cached_property
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from latentlm.models.base import Batch
 from latentlm.models.chain import Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError
 from latentlm.models.hmm import DenseHMM
-from torch import Tensor
 
 
 class TaggingHMM(DenseHMM):

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import Tensor
+
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
 from latentlm.models.family import perplexity
 from latentlm.models.sampling import CategoricalTable
-from torch import Tensor
 
 DEFAULT_MAX_LENGTH = 200  # words per sentence a PCFG model accepts unless its config says `max_length`
 
