@@ -5,8 +5,6 @@ request in flight; the old version is dropped when the last request holding it f
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 from pathlib import Path
@@ -17,7 +15,7 @@ from latentlm import ops
 from latentlm.models import backend as dispatch
 from latentlm.models import kernels
 from latentlm.models.errors import LatentLMError, ModelNotFound
-from latentlm.models.store import list_models, read_manifest
+from latentlm.models.store import content_hash, list_models, read_manifest
 from latentlm.service.settings import Settings
 
 log = logging.getLogger("latentlm.service")
@@ -25,8 +23,7 @@ log = logging.getLogger("latentlm.service")
 
 def manifest_hash(path: Path) -> str:
     """Content hash of an artifact from its manifest alone (same value as `Artifact.content_hash`)."""
-    files = read_manifest(path)["files"]
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return content_hash(read_manifest(path)["files"])
 
 
 class ModelRegistry:
