@@ -124,7 +124,7 @@ section() {  # section NAME TIMEOUT_S CMD...: run, keep status, time and output 
 ANY_FAILED=0  # every section runs; the script's exit status says whether one failed
 mkdir -p "$WORK/run"
 # (a) tests: on CUDA the compiled kernels (and the `cuda` tests); on CPU the interpreter
-section "a-tests" 100 "$PYTHON" -m pytest "$ROOT/tests/models/test_triton.py" "$ROOT/tests/models/test_backend_cuda.py" --rootdir "$ROOT" -q -rs \
+PYTHONPATH="$SVC_PATH" section "a-tests" 100 "$PYTHON" -m pytest "$ROOT/tests/models/test_triton.py" "$ROOT/tests/models/test_backend_cuda.py" --rootdir "$ROOT" -q -rs \
   -p no:cacheprovider --import-mode=importlib
 # (b) kernels next to the yardstick
 if [ -f "$YARD" ]; then
