@@ -77,13 +77,17 @@ class LoadedModel:
     def describe(self) -> dict[str, Any]:
         """The `GET /v1/models` entry."""
         m = self.artifact.manifest
+        family = self.impl.describe()
+        # which engine answers: the family's own report (e.g. score on "lockstep" or "cuda_fused"), with the
+        # operations an ONNX Runtime scorer took over marked "onnx"
+        backend = {**family.pop("backend", {}), **{op: "onnx" for op in self.runners}}
         return {
             "id": self.name, "object": "model", "family": self.family, "vocab_size": len(self.vocab),
-            **self.impl.describe(),
+            **family,
             "operations": sorted(self.impl.operations),
             "decode_methods": sorted(self.impl.decode_methods),
             "default_method": self.impl.default_method,
-            "backends": {op: ("onnx" if op in self.runners else "torch") for op in sorted(self.impl.operations)},
+            "backend": backend,
             **({"backend_notes": self.backend_notes} if self.backend_notes else {}),
             "preprocessing": m.get("preprocessing", {}),
             "content_hash": self.content_hash,
