@@ -25,7 +25,7 @@ from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, InputError
 from latentlm.models.family import Recipe
-from latentlm.models.sampling import CategoricalTable
+from latentlm.models.sampling import CategoricalTable, tables_at
 
 
 class BlockedHMM(ChainFamily):
@@ -141,13 +141,7 @@ class BlockedHMM(ChainFamily):
         return words
 
     def sampling_tables(self, temperature: float):
-        if temperature == 1.0:
-            return self._tables_t1
-        return self._tables(temperature)
-
-    @cached_property
-    def _tables_t1(self):
-        return self._tables(1.0)
+        return tables_at(self, temperature, self._tables)
 
     def _tables(self, temperature: float):
         words = self._cluster_words  # (M, W)

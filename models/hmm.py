@@ -20,7 +20,7 @@ from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_config, check_distribution, check_shape
 from latentlm.models.errors import InputError
 from latentlm.models.family import Importer, Recipe
-from latentlm.models.sampling import CategoricalTable
+from latentlm.models.sampling import CategoricalTable, tables_at
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
 
@@ -78,11 +78,7 @@ class DenseHMM(ChainFamily):
         return torch.arange(self.num_states, device=self.device).expand(B, T, -1)
 
     def sampling_tables(self, temperature: float):
-        return self._tables(temperature) if temperature != 1.0 else self._tables_t1
-
-    @cached_property
-    def _tables_t1(self):
-        return self._tables(1.0)
+        return tables_at(self, temperature, self._tables)
 
     def _tables(self, temperature: float):
         return CategoricalTable(self.trans, temperature), CategoricalTable(self.emit, temperature), None

@@ -20,7 +20,6 @@ Span marginals by autograd (same order), MBR trees by CKY over them. There is no
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from torch import Tensor
 from latentlm.models.checks import check_distribution, check_positive_ints, check_shape
 from latentlm.models.errors import ArtifactError, UnsupportedOperation
 from latentlm.models.family import Family, Recipe
-from latentlm.models.sampling import CategoricalTable
+from latentlm.models.sampling import CategoricalTable, tables_at
 from latentlm.models.tree import DEFAULT_MAX_LENGTH, PCFGOps
 
 FACTORS = ("start", "parent", "left", "right", "emit")
@@ -136,16 +135,12 @@ class RankPCFG(PCFGOps, Family):
         raise UnsupportedOperation(NO_VITERBI, param="method")
 
     # -- sampling: A -> q ~ U[A] -> (B ~ V[q], C ~ W[q]) ------------------------------------------------
-    @cached_property
-    def _tables_t1(self):
-        return self._tables(1.0)
-
     def _tables(self, temperature: float):
         return tuple(CategoricalTable(t, temperature)
                      for t in (self.start[None], self.parent, self.left, self.right, self.emit))
 
     def sampling_tables(self, temperature: float):
-        root, parent, left, right, emit = self._tables_t1 if temperature == 1.0 else self._tables(temperature)
+        root, parent, left, right, emit = tables_at(self, temperature, self._tables)
 
         def expand(a: Tensor, g: torch.Generator) -> tuple[Tensor, Tensor]:
             q = parent.draw(a, g)

@@ -18,7 +18,6 @@ matrix U^T diag(W[:, x_t]) V: O(T m^2 r) time and O(m^2) memory, refused beyond 
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, LimitExceeded
 from latentlm.models.family import Recipe
-from latentlm.models.sampling import CategoricalTable, Samples, run_sampler
+from latentlm.models.sampling import CategoricalTable, Samples, run_sampler, tables_at
 
 VITERBI_MAX_ELEMENTS = 1 << 26  # m * m entries of the per-token state-space matrix (256 MiB in float32)
 
@@ -152,17 +151,13 @@ class RankHMM(ChainFamily):
         return torch.cat(paths), torch.cat(logps)
 
     # -- sampling: q_t -> (x_t ~ W[q_t], z_t ~ V[q_t]) -> q_{t+1} ~ U[:, z_t] ----------------------------
-    @cached_property
-    def _tables_t1(self):
-        return self._tables(1.0)
-
     def _tables(self, temperature: float):
         return (CategoricalTable(self.emit.T, temperature), CategoricalTable(self.state_out, temperature),
                 CategoricalTable(self.state_in, temperature))
 
     def sample(self, n: int, max_tokens: int, generator: torch.Generator, *, prefix: list[int] | None = None,
                temperature: float = 1.0, stop_id: int | None = None) -> Samples:
-        word_t, state_t, rank_t = self._tables_t1 if temperature == 1.0 else self._tables(temperature)
+        word_t, state_t, rank_t = tables_at(self, temperature, self._tables)
         if prefix:
             batch = Batch.from_lists([prefix], self.device)
             init, emit, trans = self.chain(batch)

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from latentlm.models.kernels import alias as alias_kernels
 from latentlm.models.kernels.jit import HAVE_NUMBA
+
+T = TypeVar("T")
 
 
 class CategoricalTable:
@@ -56,6 +59,17 @@ class CategoricalTable:
         col = (u[0] * self.num_cols).long().clamp_(max=self.num_cols - 1)
         keep = u[1] < self.accept[rows, col]
         return torch.where(keep, col, self.alias[rows, col])
+
+
+def tables_at(owner: object, temperature: float, build: Callable[[float], T]) -> T:
+    """A family's sampling tables, `build(temperature)`. Those at temperature 1 (the default) are built once
+    and kept on `owner` (alias tables cost O(table size) to build); other temperatures are built per call."""
+    if temperature != 1.0:
+        return build(temperature)
+    kept = owner.__dict__
+    if "_sampling_tables_t1" not in kept:
+        kept["_sampling_tables_t1"] = build(1.0)
+    return kept["_sampling_tables_t1"]
 
 
 @dataclass
