@@ -11,6 +11,8 @@ from latentlm.service.errors import APIError
 from latentlm.service.metrics import Metrics
 from latentlm.service.settings import Settings
 
+BODY = "latentlm.body"  # scope key: the request body, read (and bounded) once here
+
 
 class Guard:
     """ASGI middleware: payload limit (413 before the app sees the body) and request metrics."""
@@ -42,13 +44,15 @@ class Guard:
                 limit = s.max_file_bytes if scope["path"] == "/v1/files" else s.max_payload_bytes
                 if scope["path"] != "/v1/files":
                     scope = _json_content_type(scope)
-                receive = await self._buffer(scope, receive, limit)
-                if receive is None:
+                body = await read_body(scope, receive, limit)
+                if body is None:
                     e = APIError(413, f"request body exceeds the limit of {limit} bytes", param="body",
                                  code="payload_too_large")
                     self.metrics.error(413, "payload_too_large")
                     await errors.error_response(e)(scope, _empty_receive, send_)
                     return
+                scope[BODY] = body  # the operation routes take the bytes from here
+                receive = _replay(body, receive)
             await self.app(scope, receive, send_)
         finally:
             route = scope.get("route")
@@ -58,22 +62,19 @@ class Guard:
     def _auth(self, scope) -> APIError | None:
         return check_auth(scope, self.keys)
 
-    @staticmethod
-    async def _buffer(scope, receive, limit: int):
-        """Read the whole body (<= limit bytes) and replay it; None when it is too big."""
-        body = await read_body(scope, receive, limit)
-        if body is None:
-            return None
-        sent = False
 
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+def _replay(body: bytes, receive):
+    """`receive` that hands out the buffered body first, then the connection's own messages."""
+    sent = False
 
-        return replay
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 def check_auth(scope, keys: list[str]) -> APIError | None:
@@ -121,6 +122,8 @@ async def read_body(scope, receive, limit: int) -> bytes | None:
 
 def _json_content_type(scope):
     """Bodies of JSON routes are JSON whatever the client says (e.g. `curl -d` sends a form type)."""
+    if (b"content-type", b"application/json") in scope.get("headers", ()):
+        return scope
     headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
     return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 

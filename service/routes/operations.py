@@ -27,6 +27,7 @@ from latentlm.service import errors, execute
 from latentlm.service.batcher import QueueFull
 from latentlm.service.cache import CACHED_OPS
 from latentlm.service.errors import APIError
+from latentlm.service.middleware import BODY
 from latentlm.service.schemas import DecodeRequest, EmbedRequest, PosteriorRequest, SampleRequest, ScoreRequest
 from latentlm.service.state import ServiceState, get_state
 
@@ -88,7 +89,10 @@ class OperationRoute(APIRoute):
             ticket = state.batcher.announce()
             token = TICKET.set(ticket)
             try:
-                response = await endpoint(parse_json(model, await read_body(receive)), state)
+                raw = scope.get(BODY)
+                if raw is None:
+                    raw = await read_body(receive)
+                response = await endpoint(parse_json(model, raw), state)
             finally:
                 state.batcher.retract(ticket)
                 TICKET.reset(token)
