@@ -34,6 +34,8 @@ done
 if [ -z "$YARD" ]; then
   if [ -f "$ROOT/../shared/bench/gpu_yardstick.py" ]; then YARD="$ROOT/../shared/bench/gpu_yardstick.py"
   else YARD="$ROOT/bench/.yardstick/gpu_yardstick.py"; fi
+  # --small without the shared yardstick (CI): a stand-in with the same entry points, so section (b) runs
+  if [ "$SMALL" = 1 ] && [ ! -f "$YARD" ]; then YARD="$ROOT/bench/small_yardstick.py"; fi
 fi
 YARD="$(cd "$(dirname "$YARD")" 2>/dev/null && pwd)/$(basename "$YARD")"
 if [ -z "${PYTHON:-}" ]; then

@@ -32,7 +32,7 @@ echo "==> ruff"
 .venv/bin/ruff check .
 echo "==> bench/gpu_check.sh --small (the GPU check's code paths on this CPU: Triton interpreter, tiny shapes)"
 GPU_SMALL_OUT="$(mktemp -d)"
-PYTHON=.venv/bin/python bash bench/gpu_check.sh --small --out "$GPU_SMALL_OUT" >"$GPU_SMALL_OUT/log" 2>&1 || {
+PYTHON="$PWD/.venv/bin/python" bash bench/gpu_check.sh --small --out "$GPU_SMALL_OUT" >"$GPU_SMALL_OUT/log" 2>&1 || {
   cat "$GPU_SMALL_OUT/log"; echo "gpu_check.sh --small failed"; exit 1; }
 tail -n 3 "$GPU_SMALL_OUT/log"
 echo "==> pytest"
