@@ -149,6 +149,13 @@ def eval_corpus(spec: str, vocab: Vocabulary) -> list[list[int]]:
     return encode_corpus(sents, vocab)
 
 
+def running_text(seqs: Sequence[Sequence[int]]) -> list[int]:
+    """Sentences (each ending in its `<eos>` where the vocabulary appends one) joined into one token stream,
+    in corpus order: the running text BPTT training sees, scored as one sequence so each sentence is
+    conditioned on the state carried over from the ones before it. O(tokens)."""
+    return [t for s in seqs for t in s]
+
+
 def load_training_split(ns) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:
     """(vocab, train ids, valid ids) for a `latentlm train` namespace: `--data`, vocabulary options and the
     `--train-sentences` / `--valid-sentences` caps (0 = all)."""

@@ -220,16 +220,34 @@ def train(ns: argparse.Namespace) -> Path:
 
 
 def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu", dtype: str = "float32",
-                      max_batch_tokens: int = 16384, backend: str = "torch") -> dict[str, Any]:
+                      max_batch_tokens: int = 16384, backend: str = "torch",
+                      running_text: bool = False) -> dict[str, Any]:
     """Perplexity of a stored model on `data` through `latentlm.ops` (the service's code path):
-    exp(-sum log p / sum tokens) over sentences, `<eos>` included."""
-    from latentlm.training.data import eval_corpus
+    exp(-sum log p / sum tokens) over sentences, `<eos>` included (`"mode": "sentences"`, each sentence
+    scored from the start distribution; the figure compared with KenLM).
 
+    With `running_text`, the whole corpus is one token stream (sentences joined, each with its `<eos>`)
+    scored exactly as one sequence, so every sentence is conditioned on the state carried over from the
+    previous ones, as BPTT training sees the corpus (`"mode": "running_text"`). Only chain families (hmm,
+    blocked_hmm, rank_hmm, tagging_hmm) carry a state across sentences; the others are refused
+    (InputError naming `--running-text`)."""
+    from latentlm.models.base import ChainFamily
+    from latentlm.training.data import eval_corpus
+    from latentlm.training.data import running_text as join_sentences
 
     model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype, backend=backend)
+    if running_text and not isinstance(model.impl, ChainFamily):
+        raise InputError(f"--running-text: model {name!r} is a {model.family} model, which scores sentences one "
+                         "at a time and carries no state across them; running-text evaluation needs a chain "
+                         "family (hmm, blocked_hmm, rank_hmm, tagging_hmm). Leave out --running-text for the "
+                         "sentence-level perplexity", param="running_text")
     seqs = eval_corpus(data, model.vocab)
-    rows = ops.run(model, "score", seqs, max_batch_tokens=max_batch_tokens)
+    if running_text:
+        stream = join_sentences(seqs)
+        rows = ops.run(model, "score", [stream], max_batch_tokens=max(max_batch_tokens, len(stream)))
+    else:
+        rows = ops.run(model, "score", seqs, max_batch_tokens=max_batch_tokens)
     logp = math.fsum(r["logprob"] for r in rows)
     n = sum(r["num_tokens"] for r in rows)
-    return {"model": name, "data": data, "perplexity": math.exp(-logp / n), "logprob": logp, "num_tokens": n,
-            "num_sequences": len(seqs)}
+    return {"model": name, "data": data, "mode": "running_text" if running_text else "sentences",
+            "perplexity": math.exp(-logp / n), "logprob": logp, "num_tokens": n, "num_sequences": len(seqs)}

@@ -20,7 +20,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
-                            max_batch_tokens=args.batch_tokens, backend=args.backend)
+                            max_batch_tokens=args.batch_tokens, backend=args.backend,
+                            running_text=args.running_text)
     print(json.dumps(res))
 
 
@@ -49,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--running-text", action="store_true",
+                   help="score the whole split as one token stream (sentences joined, each with its <eos>), "
+                        "carrying the state across sentences as BPTT training sees the corpus (chain families "
+                        "only); default: sentence by sentence, the figure compared with KenLM")
     add_backend(p)
     p.set_defaults(func=cmd_eval)
 
