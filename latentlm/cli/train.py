@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from latentlm import ops
 from latentlm.cli.common import add_backend, add_store
 from latentlm.training import settings, tagging
 from latentlm.training.settings import OPTIONS, RECIPES, corpus_perplexity, resolve_settings
@@ -22,7 +22,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
                             max_batch_tokens=args.batch_tokens, backend=args.backend,
                             running_text=args.running_text)
-    print(json.dumps(res))
+    print(ops.dumps(res).decode())
 
 
 def register(sub: argparse._SubParsersAction) -> None:

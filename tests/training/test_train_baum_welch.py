@@ -91,18 +91,3 @@ def test_hmm_resume_continues_iterations_and_seed_is_deterministic(tmp_path):
     a = load_artifact(bw.train(resolve_settings(train_args(tmp_path, "hmm", epochs=2, name="again", **kw))))
     b = load_artifact(p2)
     assert torch.equal(a.tensors["trans"], b.tensors["trans"])
-
-
-def test_default_model_builder_runs_a_small_configuration(tmp_path, monkeypatch):
-    from latentlm.training import default
-
-    monkeypatch.setitem(default.DEFAULT_SETTINGS, "states", 8)
-    monkeypatch.setitem(default.DEFAULT_SETTINGS, "epochs", 1)
-    monkeypatch.setitem(default.DEFAULT_SETTINGS, "train_sentences", 300)
-    monkeypatch.setitem(default.DEFAULT_SETTINGS, "valid_sentences", 50)
-    path = default.build_default_model(tmp_path, "ptb-hmm", progress=False)
-    from latentlm import ops
-
-    m = ops.load_model(tmp_path, "ptb-hmm")
-    assert path.name == "ptb-hmm" and m.family == "hmm" and len(m.vocab) == 10000
-    assert m.artifact.manifest["preprocessing"]["add_eos"] is True
