@@ -9,6 +9,8 @@ this device reaches. Errors of the fast variants are reported against the exact 
 
     python bench/gpu_bench.py [--yardstick PATH] [--out bench/results/gpu_bench.md] [--json FILE]
     python bench/gpu_bench.py --small     # tiny shapes; on CPU the Triton kernels run in the interpreter
+    python bench/gpu_bench.py --mode service [--small]   # `latentlm serve` under load (warm-up pass, measured
+        pass with the batcher's figures from /metrics), then a batch job through /v1/files + /v1/batches
 
 Prints one JSON line per measurement and writes a markdown table (device name and date in its header).
 """
@@ -296,7 +298,37 @@ def make_store(store: Path, small: bool) -> tuple[str, int]:
     return "blocked4096", V
 
 
+def _metrics(text: str) -> dict[str, float]:
+    """Sums of the batcher's Prometheus series for operation "score" (+ the tokens counter)."""
+    out: dict[str, float] = {}
+    for ln in text.splitlines():
+        if ln.startswith("#") or 'operation="score"' not in ln:
+            continue
+        name = ln.split("{", 1)[0]
+        if name.endswith(("_sum", "_count")) or name == "latentlm_tokens_processed_total":
+            out[name] = out.get(name, 0.0) + float(ln.rsplit(" ", 1)[1])
+    return out
+
+
+def _batcher_figures(before: dict, after: dict, wall: float) -> dict:
+    """What the inference thread did during a load: batches, mean tokens and requests per batch, mean batch
+    (inference) seconds, the share of the wall it was busy, mean queue wait."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    n = d.get("latentlm_batch_seconds_count", 0.0)
+    if not n:
+        return {}
+    return {"batches": int(n), "tokens_per_batch": d.get("latentlm_batch_tokens_sum", 0.0) / n,
+            "requests_per_batch": d.get("latentlm_batch_requests_sum", 0.0) / n,
+            "batch_ms": 1e3 * d.get("latentlm_batch_seconds_sum", 0.0) / n,
+            "inference_busy": d.get("latentlm_batch_seconds_sum", 0.0) / wall,
+            "queue_wait_ms": 1e3 * d.get("latentlm_queue_wait_seconds_sum", 0.0)
+            / max(1.0, d.get("latentlm_queue_wait_seconds_count", 0.0))}
+
+
 def service_load(args, dev: torch.device) -> dict:
+    """`latentlm serve` (device defaults: on CUDA large merged batches) under `--concurrency` connections of
+    8 x 50-token /v1/score requests: a warm-up pass (captures one CUDA graph per shape bucket), then the measured
+    pass; then a batch job of `--job-lines` such lines through /v1/files + /v1/batches, timed end to end."""
     import asyncio
     import random
     import signal
@@ -324,6 +356,7 @@ def service_load(args, dev: torch.device) -> dict:
     url = f"http://127.0.0.1:{port}"
     row = {"case": "service", "device": device, "model_build_s": build_s,
            "model": "blocked_hmm 4 x 16 states" if args.small else "blocked_hmm 16 x 256 states"}
+    job: dict = {"case": "service_batch_job", "device": device, "model": row["model"]}
     try:
         deadline = time.time() + args.ready_timeout
         while True:
@@ -340,13 +373,18 @@ def service_load(args, dev: torch.device) -> dict:
             time.sleep(0.25)
         row["ready_s"] = time.time() - t0 - build_s
         rng = random.Random(0)
-        n_req, conc, seqs, toks = (32, 8, 8, 50) if args.small else (args.requests, 64, 8, 50)
-        bodies = [json.dumps({"model": name, "input": [[rng.randrange(V - 2) for _ in range(toks)]
-                                                       for _ in range(seqs)]}).encode() for _ in range(n_req)]
+        conc, seqs, toks = (8 if args.small else args.concurrency), 8, 50
+        n_req = 32 if args.small else args.requests
+        n_warm = 16 if args.small else args.warmup_requests
 
-        async def drive() -> tuple[float, list[tuple[int, float, bytes]]]:
-            out: list = [None] * n_req
-            it = iter(range(n_req))
+        def body() -> list[list[int]]:
+            return [[rng.randrange(V - 2) for _ in range(toks)] for _ in range(seqs)]
+
+        bodies = [json.dumps({"model": name, "input": body()}).encode() for _ in range(max(n_req, n_warm))]
+
+        async def drive(n: int) -> tuple[float, float, list]:
+            out: list = [None] * n
+            it = iter(range(n))
             limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
             async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
                 await client.post("/v1/score", content=bodies[0], headers={"content-type": "application/json"})
@@ -360,22 +398,32 @@ def service_load(args, dev: torch.device) -> dict:
                                               headers={"content-type": "application/json"})
                         out[i] = (r.status_code, time.perf_counter() - t1, r.content)
 
-                w0 = time.perf_counter()
+                w0, c0 = time.perf_counter(), time.process_time()
                 await asyncio.gather(*(worker() for _ in range(conc)))
-                return time.perf_counter() - w0, out
+                return time.perf_counter() - w0, time.process_time() - c0, out
 
-        wall, res = asyncio.run(drive())
-        res = [r for r in res if r is not None]
-        n_req = len(res)
-        ok = [r for r in res if r[0] == 200]
-        lat = sorted(r[1] for r in ok) or [math.nan]
-        sample = json.loads(ok[0][2]) if ok else None
-        finite = sample is not None and "logprob" in json.dumps(sample) and "null" not in json.dumps(sample)
-        row.update(requests=n_req, concurrency=conc, seqs_per_request=seqs, tokens_per_seq=toks, ok=len(ok),
-                   errors=n_req - len(ok), wall_s=wall, tokens_per_s=len(ok) * seqs * toks / wall,
-                   requests_per_s=len(ok) / wall, p50_ms=1e3 * lat[len(lat) // 2],
-                   p99_ms=1e3 * lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))], finite_logprobs=finite,
-                   first_error=next((r[2][:300].decode(errors="replace") for r in res if r[0] != 200), None))
+        def load(n: int) -> dict:
+            before = _metrics(httpx.get(url + "/metrics", timeout=30).text)
+            wall, cpu, res = asyncio.run(drive(n))
+            after = _metrics(httpx.get(url + "/metrics", timeout=30).text)
+            res = [r for r in res if r is not None]
+            ok = [r for r in res if r[0] == 200]
+            lat = sorted(r[1] for r in ok) or [math.nan]
+            sample = json.loads(ok[0][2]) if ok else None
+            finite = sample is not None and "logprob" in json.dumps(sample) and "null" not in json.dumps(sample)
+            return dict(requests=len(res), ok=len(ok), errors=len(res) - len(ok), wall_s=wall,
+                        tokens_per_s=len(ok) * seqs * toks / wall, requests_per_s=len(ok) / wall,
+                        p50_ms=1e3 * lat[len(lat) // 2],
+                        p99_ms=1e3 * lat[min(len(lat) - 1, int(0.99 * (len(lat) - 1) + 0.5))],
+                        finite_logprobs=finite, client_cpu_share=cpu / wall,  # ~1: the load generator is the limit
+                        batcher=_batcher_figures(before, after, wall),
+                        first_error=next((r[2][:300].decode(errors="replace") for r in res if r[0] != 200), None))
+
+        warm = load(n_warm)
+        row.update(concurrency=conc, seqs_per_request=seqs, tokens_per_seq=toks, **load(n_req),
+                   warmup={k: warm[k] for k in ("requests", "tokens_per_s", "p99_ms", "batcher")})
+        job.update(batch_job(url, name, V, 64 if args.small else args.job_lines, seqs, toks, rng,
+                             args.job_timeout))
     except Exception as e:
         row["error"] = repr(e)[:1500]
     finally:
@@ -386,7 +434,54 @@ def service_load(args, dev: torch.device) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+    if "error" not in row:
+        emit(job)
+        if "error" in job:
+            row["error"] = "batch job: " + job["error"]
     return emit(row)
+
+
+def batch_job(url: str, name: str, V: int, lines: int, seqs: int, toks: int, rng, timeout: float) -> dict:
+    """A /v1/score batch job of `lines` requests (seqs x toks tokens each): a small warm-up job, then the measured
+    one: upload (/v1/files), run (/v1/batches until completed, polled every 10 ms), download; tokens/s of the run
+    and end to end."""
+    import httpx
+
+    def make(n: int, tag: str) -> bytes:
+        return "".join(json.dumps({"custom_id": f"{tag}{i}", "method": "POST", "url": "/v1/score",
+                                   "body": {"model": name, "input": [[rng.randrange(V - 2) for _ in range(toks)]
+                                                                     for _ in range(seqs)]}}) + "\n"
+                       for i in range(n)).encode()
+
+    def run(c: httpx.Client, data: bytes) -> dict:
+        t0 = time.perf_counter()
+        r = c.post("/v1/files", files={"file": ("in.jsonl", data, "application/jsonl")}, data={"purpose": "batch"})
+        r.raise_for_status()
+        t1 = time.perf_counter()
+        b = c.post("/v1/batches", json={"input_file_id": r.json()["id"], "endpoint": "/v1/score"}).json()
+        while b.get("status") not in ("completed", "failed", "cancelled", "expired"):
+            if time.perf_counter() - t1 > timeout:
+                return {"error": f"batch job not done after {timeout} s: {b.get('status')} "
+                                 f"{b.get('request_counts')}", "upload_s": t1 - t0}
+            time.sleep(0.01)
+            b = c.get(f"/v1/batches/{b['id']}").json()
+        t2 = time.perf_counter()
+        if b["status"] != "completed" or not b.get("output_file_id"):
+            return {"error": f"batch job {b['status']}: {json.dumps(b.get('errors'))[:300]}"}
+        out = c.get(f"/v1/files/{b['output_file_id']}/content").content
+        t3 = time.perf_counter()
+        return {"status": b["status"], "request_counts": b["request_counts"], "upload_s": t1 - t0, "run_s": t2 - t1,
+                "download_s": t3 - t2, "output_bytes": len(out), "e2e_s": t3 - t0}
+
+    with httpx.Client(base_url=url, timeout=120) as c:
+        warm = run(c, make(min(64, lines), "w"))
+        if "error" in warm:
+            return warm
+        res = run(c, make(lines, "r"))
+    n_tok = lines * seqs * toks
+    if "error" not in res:
+        res.update(tokens_per_s=n_tok / res["run_s"], e2e_tokens_per_s=n_tok / res["e2e_s"])
+    return {"lines": lines, "tokens": n_tok, **res, "warmup_run_s": warm["run_s"]}
 
 
 # -- onnxruntime CUDA provider parity (--mode onnx) --------------------------------------------------------------
@@ -500,9 +595,14 @@ def main() -> None:
     ap.add_argument("--cases", default="rank,blocked")
     ap.add_argument("--mode", choices=["kernels", "service", "onnx"], default="kernels",
                     help="kernels: the benchmark above; service: `latentlm serve --device cuda` under a load "
-                    "generator (8 x 50-token sequences per request, 64 connections) on a 4,096-state blocked_hmm; "
+                    "generator (8 x 50-token sequences per request, 64 connections) on a 4,096-state blocked_hmm, "
+                    "then a batch job of such requests (/v1/files + /v1/batches); "
                     "onnx: onnxruntime CUDAExecutionProvider parity")
     ap.add_argument("--requests", type=int, default=1280, help="service mode: requests to send (at most)")
+    ap.add_argument("--warmup-requests", type=int, default=640, help="service mode: requests of the warm-up pass")
+    ap.add_argument("--concurrency", type=int, default=64, help="service mode: connections")
+    ap.add_argument("--job-lines", type=int, default=2000, help="service mode: lines (requests) of the batch job")
+    ap.add_argument("--job-timeout", type=float, default=30.0, help="service mode: give the batch job this long")
     ap.add_argument("--load-seconds", type=float, default=30.0, help="service mode: stop sending after this")
     ap.add_argument("--ready-timeout", type=float, default=60.0)
     ap.add_argument("--deadline-s", type=float, default=math.inf, help="kernels mode: start no variant after this")

@@ -176,16 +176,55 @@ def check_supported(model: LoadedModel, op: str, method: str | None = None) -> N
             f"{', '.join(sorted(impl.decode_methods))}", param="method")
 
 
-def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens: int = 16384,
+CPU_BATCH_TOKENS = 16384  # padded tokens of one batched call on CPU (the compiled engines' sweet spot)
+CUDA_BATCH_TOKENS = 1 << 18  # on CUDA: a call costs a few launches or one graph replay whatever its size, so
+#                              large batches (up to `triton_chain`'s rows per graph call at 64 tokens) pay
+CUDA_SPLIT_ROWS = 256  # on CUDA a length-sorted batch this large is cut where its longest would pass twice its
+#                        shortest (padding to the longest costs steps), smaller ones are kept whole
+
+
+def batch_tokens(device: torch.device | str, requested: int | None = None) -> int:
+    """The padded-token cap of one batched call: `requested` when positive, else by device (CPU_BATCH_TOKENS,
+    CUDA_BATCH_TOKENS on a GPU)."""
+    if requested is not None and requested > 0:
+        return int(requested)
+    return CUDA_BATCH_TOKENS if torch.device(device).type == "cuda" else CPU_BATCH_TOKENS
+
+
+def device_batches(seqs: list[list[int]], max_batch_tokens: int, device: torch.device | str) -> list[list[int]]:
+    """Indices in length-sorted batches of at most `max_batch_tokens` padded tokens (`length_batches`); on CUDA
+    batches are larger, and one of CUDA_SPLIT_ROWS+ rows is also cut where the length doubles."""
+    if torch.device(device).type != "cuda":
+        return length_batches(seqs, max_batch_tokens)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    shortest = 0
+    for i in order:
+        n = len(seqs[i])
+        if cur and ((len(cur) + 1) * n > max_batch_tokens or (len(cur) >= CUDA_SPLIT_ROWS and n > 2 * shortest)):
+            batches.append(cur)
+            cur = []
+        if not cur:
+            shortest = n
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens: int | None = None,
         **opts: Any) -> list[dict]:
     """Run `op` over token-id sequences in length-sorted batches; returns one dict per input in input
-    order, each with `index` and the operation's fields (and `tokens` where they help)."""
+    order, each with `index` and the operation's fields (and `tokens` where they help). `max_batch_tokens`:
+    padded tokens per batched call (None or 0: `batch_tokens` for the model's device)."""
     if op == "decode" and opts.get("method") is None:
         opts["method"] = default_method(model)
     check_supported(model, op, opts.get("method"))
     fn = getattr(model.runner(op), f"op_{op}")
     results: list[dict | None] = [None] * len(seqs)
-    for idx in length_batches(seqs, max_batch_tokens):
+    cap = batch_tokens(model.device, max_batch_tokens)
+    for idx in device_batches(seqs, cap, model.device):
         for i, res in zip(idx, fn([seqs[i] for i in idx], **opts), strict=True):
             results[i] = res
     out = []
@@ -230,8 +269,8 @@ def parse_top_k(value: Any) -> int | None:
     return k
 
 
-def run_merged(model: LoadedModel, op: str, groups: Sequence[list[list[int]]], *, max_batch_tokens: int = 16384,
-               **opts: Any) -> list[list[dict] | Exception]:
+def run_merged(model: LoadedModel, op: str, groups: Sequence[list[list[int]]], *,
+               max_batch_tokens: int | None = None, **opts: Any) -> list[list[dict] | Exception]:
     """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run`; each group gets
     its own results renumbered from 0. When the merged run raises, each group runs alone, so one bad request
     never fails its neighbours: a group's entry is then its own results or its exception."""
@@ -274,4 +313,5 @@ def dumps(obj: Any) -> bytes:
 
 
 __all__ = ["LoadedModel", "load_model", "encode_inputs", "run", "run_merged", "sample", "resolve_device",
+           "batch_tokens", "device_batches",
            "parse_top_k", "dumps", "default_method", "LimitExceeded", "OPERATIONS"]

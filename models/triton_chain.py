@@ -23,7 +23,16 @@ one group with tensor-core `tl.dot` (bf16, or tf32 with `allow_tf32`), reading t
 With `storage_dtype=bfloat16` the matrix is kept as a bf16 (M, M, k, k) copy (each block contiguous).
 
 The whole T-step loop (sorting included) is captured in a CUDA graph per (batch, length) bucket and replayed
-(`use_graph=True`): no host synchronisation and no per-step launch overhead.
+(`use_graph=True`): no host synchronisation and no per-step launch overhead. Under dynamic batching nearly every
+batch has another (B, T), and a capture (an eager run, then the capture, on the inference thread that competes
+with the event loop for the GIL) costs tens of milliseconds, so the buckets are few: B and T are padded up to the
+next of 8, 16, 24, 32, 48, 64, 96, 128, 192, ... (`_bucket`: two shapes per octave), padded rows have length 0
+and padded positions lie beyond every length, so no result changes (the kernels skip them; the rank GEMM is
+row-independent). Batches of more than `_rows_cap(T)` rows (at most MAX_GRAPH_ROWS, and MAX_GRAPH_SLOTS padded
+positions) run as several calls of that many rows. The runners (static buffers + graph) are kept in an LRU of
+GRAPH_CACHE_SIZE entries and GRAPH_CACHE_BYTES of buffers; `stats` counts runners made (= captures on CUDA),
+captures and replays. Calls from several threads (the batcher's inference thread, the batch-job thread) are
+serialised by one lock: a runner's static buffers are shared state.
 
 Triton is imported lazily; without it (or on CPU without TRITON_INTERPRET=1) the same loop runs with PyTorch
 ops (`impl="torch"`), which is also what the tests compare against. On CPU with TRITON_INTERPRET=1 set before
@@ -35,6 +44,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -49,8 +59,13 @@ __all__ = ["rank_forward_cuda", "blocked_forward_cuda", "score_rank", "score_blo
 # Documented error bound of bf16 storage (checked in tests/models/test_triton.py on random Dirichlet models):
 # |log p(x_t | x_<t) (bf16 storage) - same (float64 reference)| per token, absolute.
 BF16_TOKEN_ABS_BOUND = 2e-2
-GRAPH_CACHE_SIZE = 16  # captured (model, shape bucket) graphs kept (LRU)
+GRAPH_CACHE_SIZE = 64  # captured (model, shape bucket) graphs kept (LRU) ...
+GRAPH_CACHE_BYTES = 4 << 30  # ... and at most this many bytes of their static buffers (the oldest go first)
+MAX_GRAPH_ROWS = 4096  # rows of one graph call; a larger batch runs as several calls
+MAX_GRAPH_SLOTS = 1 << 21  # padded positions (rows x length) of one graph call
 graph_errors: list[str] = []  # why a capture failed (that shape then runs eagerly)
+stats = {"runners": 0, "captures": 0, "replays": 0, "evictions": 0}  # runners made (= captures on CUDA), ...
+_lock = threading.RLock()  # one fused call at a time: the runners' static buffers are shared
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,12 +231,23 @@ def _pow2(n: int) -> int:
 
 
 def _bucket(n: int) -> int:
-    """Graph shape bucket: n rounded up to a multiple of 8 up to 64, else to 1/8 of its power of two (at most
-    12.5% padding)."""
-    if n <= 64:
-        return max(8, -(-n // 8) * 8)
-    step = _pow2(n) // 8
-    return -(-n // step) * step
+    """Graph shape bucket: the smallest of 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, ... (2^j and 3 2^(j-2)
+    from 24 on) that holds n: two shapes per octave (few captures under dynamic batching), padding < 50%."""
+    if n <= 8:
+        return 8
+    p = _pow2(n)
+    three_q = p * 3 // 4
+    return three_q if n <= three_q and three_q % 8 == 0 else p
+
+
+def _rows_cap(Tb: int) -> int:
+    """Rows of one graph call for (bucketed) length Tb: a bucket size, at most MAX_GRAPH_ROWS and MAX_GRAPH_SLOTS
+    padded positions (at least 8)."""
+    want = max(8, min(MAX_GRAPH_ROWS, MAX_GRAPH_SLOTS // max(1, Tb)))
+    b = 8
+    while _bucket(b + 1) <= want:  # the largest bucket size <= want
+        b = _bucket(b + 1)
+    return b
 
 
 @contextmanager
@@ -242,9 +268,12 @@ _graph_cache: OrderedDict[tuple, _Runner] = OrderedDict()
 
 
 def clear_cache() -> None:
-    """Drop captured graphs and storage-dtype copies of model tensors."""
-    _prep_cache.clear()
-    _graph_cache.clear()
+    """Drop captured graphs and storage-dtype copies of model tensors (and zero `stats`)."""
+    with _lock:
+        _prep_cache.clear()
+        _graph_cache.clear()
+        for k in stats:
+            stats[k] = 0
 
 
 def _tkey(t: Tensor) -> tuple:
@@ -254,15 +283,16 @@ def _tkey(t: Tensor) -> tuple:
 def _prepared(src: Tensor, what: str, dtype: torch.dtype, make: Callable[[], Tensor]) -> Tensor:
     """A derived copy of `src` (storage dtype, layout), cached while `src` is unchanged (keeps `src` alive)."""
     key = (_tkey(src), what, dtype)
-    hit = _prep_cache.get(key)
-    if hit is not None:
-        _prep_cache.move_to_end(key)
-        return hit[1]
-    out = make()
-    _prep_cache[key] = (src, out)
-    while len(_prep_cache) > 8:
-        _prep_cache.popitem(last=False)
-    return out
+    with _lock:
+        hit = _prep_cache.get(key)
+        if hit is not None:
+            _prep_cache.move_to_end(key)
+            return hit[1]
+        out = make()
+        _prep_cache[key] = (src, out)
+        while len(_prep_cache) > 8:
+            _prep_cache.popitem(last=False)
+        return out
 
 
 def _use_triton(device: torch.device, impl: str) -> bool:
@@ -298,6 +328,7 @@ class _Runner:
         self.body, self.bufs = body, bufs
         self.graph: torch.cuda.CUDAGraph | None = None
         self.eager_only = False
+        self.nbytes = sum(b.numel() * b.element_size() for b in bufs.values())
 
     def run(self, use_graph: bool) -> None:
         dev = self.bufs["ids"].device
@@ -305,44 +336,59 @@ class _Runner:
             self.body(self)
             return
         if self.graph is not None:
+            stats["replays"] += 1
             self.graph.replay()
             return
         # first call: run eagerly on a side stream (compiles the kernels, picks cuBLAS algorithms; its results
-        # are this call's), then capture the same loop (capturing executes nothing) for the next calls
-        s = torch.cuda.Stream(device=dev)
+        # are this call's), then capture the same loop (capturing executes nothing) for the next calls.
+        # thread_local: another thread's CUDA work (the batch-job thread, a posterior on the batcher's) does not
+        # break this capture, nor this capture that work
+        s = _side_stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
             self.body(self)
         torch.cuda.current_stream(dev).wait_stream(s)
         g = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, stream=s, capture_error_mode="thread_local"):
                 self.body(self)
         except Exception as e:  # an op that cannot be captured: stay eager for this shape, say why
             graph_errors.append(repr(e)[:500])
             self.eager_only = True
+            _side_stream.cache_clear()  # a fresh side stream for the next capture
             torch.cuda.synchronize(dev)
             return
+        stats["captures"] += 1
         self.graph = g
+
+
+@functools.cache
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for warm-up runs and captures (a pool of streams would do as well)."""
+    return torch.cuda.Stream(device=dev)
 
 
 def _load(runner: _Runner, ids: Tensor, lengths: Tensor) -> None:
     B, T = ids.shape
     bi, bl = runner.bufs["ids"], runner.bufs["lengths"]
-    if bi.shape != ids.shape:
-        bi.zero_()
-        bl.zero_()
-    bi[:B, :T].copy_(ids)
-    bl[:B].copy_(lengths)
+    if bl.shape[0] != B:
+        bl[B:].zero_()  # padded rows: length 0 (skipped at every step)
+    # positions beyond a row's length are never read as tokens that count (t >= length), whatever they hold
+    bi[:B, :T].copy_(ids, non_blocking=True)
+    bl[:B].copy_(lengths, non_blocking=True)
 
 
 def _get_runner(key: tuple, make: Callable[[], _Runner]) -> _Runner:
     r = _graph_cache.get(key)
     if r is None:
         r = make()
+        stats["runners"] += 1
         _graph_cache[key] = r
-        while len(_graph_cache) > GRAPH_CACHE_SIZE:
-            _graph_cache.popitem(last=False)
+        total = sum(x.nbytes for x in _graph_cache.values())
+        while len(_graph_cache) > 1 and (len(_graph_cache) > GRAPH_CACHE_SIZE or total > GRAPH_CACHE_BYTES):
+            _, old = _graph_cache.popitem(last=False)
+            total -= old.nbytes
+            stats["evictions"] += 1
     else:
         _graph_cache.move_to_end(key)
     return r
@@ -357,14 +403,16 @@ def _check(ids: Tensor, lengths: Tensor) -> None:
 # rank_hmm
 def rank_forward_cuda(init: Tensor, emit_table: Tensor, ids: Tensor, lengths: Tensor, trans: Tensor, *,
                       storage_dtype: torch.dtype = torch.float32, use_graph: bool = True, allow_tf32: bool = False,
-                      impl: str = "auto") -> Tensor:
+                      impl: str = "auto", bucket: bool | None = None) -> Tensor:
     """Scaled forward of a chain with one shared (r, r) step matrix: log_cond (B, T) float32.
 
     init (r,) or (B, r); emit_table (V, r) (row x = p(x | state)); ids (B, T) int64, lengths (B,);
     trans (r, r) row-stochastic. storage_dtype float32 or bfloat16 (trans and emit_table stored in it);
     allow_tf32: TF32 GEMMs for float32 storage (default exact float32). use_graph: capture the T-step loop
     in a CUDA graph per shape bucket (CUDA only). impl "auto" | "triton" | "torch" (fused Triton epilogue or
-    PyTorch ops). Any device; the Triton kernels need CUDA, or the interpreter on CPU."""
+    PyTorch ops). bucket: pad (B, T) up to `_bucket` sizes and split rows beyond `_rows_cap` into several calls
+    (default: where graphs are used; the results are the same either way). Any device; the Triton kernels need
+    CUDA, or the interpreter on CPU."""
     _check(ids, lengths)
     dev = trans.device
     B, T = ids.shape
@@ -378,7 +426,16 @@ def rank_forward_cuda(init: Tensor, emit_table: Tensor, ids: Tensor, lengths: Te
         _prepared(emit_table, "emit", sd, lambda: emit_table.to(sd).contiguous())
     shared = init.ndim == 1
     graph = use_graph and dev.type == "cuda"
-    Bb, Tb = (_bucket(B), _bucket(T)) if graph else (B, T)
+    if graph if bucket is None else bucket:
+        Bb, Tb = _bucket(B), _bucket(T)
+        cap = _rows_cap(Tb)
+        if B > cap:
+            return torch.cat([rank_forward_cuda(init if shared else init[i:i + cap], emit_table, ids[i:i + cap],
+                                                lengths[i:i + cap], trans, storage_dtype=storage_dtype,
+                                                use_graph=use_graph, allow_tf32=allow_tf32, impl=impl, bucket=True)
+                              for i in range(0, B, cap)])
+    else:
+        Bb, Tb = B, T
     key = ("rank", _tkey(R), _tkey(E), (_tkey(init) if shared else None), shared, Bb, Tb, sd, allow_tf32, use_tr,
            graph)
 
@@ -419,12 +476,14 @@ def rank_forward_cuda(init: Tensor, emit_table: Tensor, ids: Tensor, lengths: Te
 
         return _Runner(body, bufs)
 
-    runner = _get_runner(key, make)
-    _load(runner, ids, lengths)
-    if not shared:
-        runner.bufs["init"][:B].copy_(init)
-    runner.run(graph)
-    return _dead(runner.bufs["log_cond"][:B, :T].clone(), lengths)
+    with _lock:
+        runner = _get_runner(key, make)
+        _load(runner, ids, lengths)
+        if not shared:
+            runner.bufs["init"][:B].copy_(init)
+        runner.run(graph)
+        out = runner.bufs["log_cond"][:B, :T].clone()
+    return _dead(out, lengths)
 
 
 @functools.lru_cache(maxsize=8)
@@ -469,7 +528,7 @@ def _tiles(sk: Tensor, BM: int) -> Tensor:
 def blocked_forward_cuda(start: Tensor, trans: Tensor, emit_table: Tensor, word_cluster: Tensor, ids: Tensor,
                          lengths: Tensor, *, storage_dtype: torch.dtype = torch.float32, use_graph: bool = True,
                          allow_tf32: bool = False, block_rows: int | None = None, block_k: int | None = None,
-                         num_warps: int | None = None, impl: str = "auto") -> Tensor:
+                         num_warps: int | None = None, impl: str = "auto", bucket: bool | None = None) -> Tensor:
     """Scaled forward of a blocked HMM: log_cond (B, T) float32.
 
     start (Z,); trans (Z, Z) row-stochastic, states ordered by cluster (Z = M k); emit_table (V, k):
@@ -477,7 +536,7 @@ def blocked_forward_cuda(start: Tensor, trans: Tensor, emit_table: Tensor, word_
     storage_dtype float32 (the matrix is read in place, no copy) or bfloat16 (a (M, M, k, k) bf16 copy, cached).
     block_rows 1 (one sequence per program, fp32 FMA) or 16 (tile of one group, tl.dot; tf32 with allow_tf32 for
     float32 storage). Default: 1. block_k, num_warps: kernel tiling (defaults 32 and 4).
-    use_graph / impl as in `rank_forward_cuda`."""
+    use_graph / impl / bucket as in `rank_forward_cuda`."""
     _check(ids, lengths)
     dev = trans.device
     B, T = ids.shape
@@ -514,7 +573,18 @@ def blocked_forward_cuda(start: Tensor, trans: Tensor, emit_table: Tensor, word_
     S0 = start.float().view(M, k).contiguous()
     wc = word_cluster.to(dev)
     graph = use_graph and dev.type == "cuda"
-    Bb, Tb = (_bucket(B), _bucket(T)) if graph else (B, T)
+    if graph if bucket is None else bucket:
+        Bb, Tb = _bucket(B), _bucket(T)
+        cap = _rows_cap(Tb)
+        if B > cap:
+            return torch.cat([blocked_forward_cuda(start, trans, emit_table, word_cluster, ids[i:i + cap],
+                                                   lengths[i:i + cap], storage_dtype=storage_dtype,
+                                                   use_graph=use_graph, allow_tf32=allow_tf32,
+                                                   block_rows=block_rows, block_k=block_k, num_warps=num_warps,
+                                                   impl=impl, bucket=True)
+                              for i in range(0, B, cap)])
+    else:
+        Bb, Tb = B, T
     key = ("blocked", _tkey(src), _tkey(emit_table), _tkey(start), _tkey(word_cluster), Bb, Tb, sd, BM, BK, warps,
            prec, use_tr, graph)
 
@@ -563,10 +633,12 @@ def blocked_forward_cuda(start: Tensor, trans: Tensor, emit_table: Tensor, word_
 
         return _Runner(body, bufs)
 
-    runner = _get_runner(key, make)
-    _load(runner, ids, lengths)
-    runner.run(graph)
-    return _dead(runner.bufs["log_cond"][:B, :T].clone(), lengths)
+    with _lock:
+        runner = _get_runner(key, make)
+        _load(runner, ids, lengths)
+        runner.run(graph)
+        out = runner.bufs["log_cond"][:B, :T].clone()
+    return _dead(out, lengths)
 
 
 # ---------------------------------------------------------------------------------------------------------

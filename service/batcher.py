@@ -8,7 +8,9 @@ free (no hand-off through the event loop, which under load is busy with HTTP wor
 results back with one loop callback. A batch is taken when its oldest request has waited
 `max_queue_delay`, or earlier when it holds `max_batch_tokens` tokens or no other request is on its way
 (see `announce`); while the thread is busy, new requests accumulate and are merged. More than `max_queue`
-waiting requests -> QueueFull."""
+waiting requests -> QueueFull. The token cap is per model: `max_batch_tokens`, or where that is None or 0
+`ops.batch_tokens` of the model's device (16k on CPU, 256k on CUDA, where one batch costs a graph replay whatever
+its size)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ class _Queue:
     model: ops.LoadedModel
     op: str
     opts: dict[str, Any]
+    cap: int = 16384  # max_batch_tokens for this model
     items: deque[_Item] = field(default_factory=deque)
     tokens: int = 0
 
@@ -53,7 +56,7 @@ class _Queue:
 class Batcher:
     """`await submit(model, op, opts, seqs)` -> the per-input result dicts of that request (index from 0)."""
 
-    def __init__(self, metrics: Metrics, *, max_batch_tokens: int = 16384, max_queue_delay_ms: float = 2.0,
+    def __init__(self, metrics: Metrics, *, max_batch_tokens: int | None = None, max_queue_delay_ms: float = 2.0,
                  max_queue: int = 512):
         self.metrics = metrics
         self.max_batch_tokens, self.max_queue = max_batch_tokens, max_queue
@@ -103,7 +106,7 @@ class Batcher:
             q.tokens += item.tokens
             self.depth += 1
             # wake the thread when it sleeps without a deadline, or when waiting for company is over
-            if self._idle or q.tokens >= self.max_batch_tokens or self.arriving == 0:
+            if self._idle or q.tokens >= q.cap or self.arriving == 0:
                 self._cv.notify()
 
     async def submit(self, model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]],
@@ -113,8 +116,12 @@ class Batcher:
         fut = asyncio.get_running_loop().create_future()
         self.retract(ticket)
         item = _Item(seqs, fut, time.perf_counter(), tokens=sum(len(s) for s in seqs))
-        self._enqueue(key, lambda: _Queue(model, op, dict(opts)), item)
+        self._enqueue(key, lambda: _Queue(model, op, dict(opts), self.cap_for(model)), item)
         return await fut
+
+    def cap_for(self, model: ops.LoadedModel) -> int:
+        """Padded tokens of one batch for `model`: max_batch_tokens, or (None, 0) by its device."""
+        return ops.batch_tokens(getattr(model, "device", "cpu"), self.max_batch_tokens)
 
     async def call(self, model: ops.LoadedModel, op: str, fn: Callable[[], Any]) -> Any:
         """Run unmergeable work (sampling) on the inference thread, in queue order."""
@@ -153,7 +160,7 @@ class Batcher:
                 key = min(self.queues, key=lambda k: self.queues[k].items[0].enqueued)
                 q = self.queues[key]
                 wait = q.items[0].enqueued + self.delay - time.perf_counter()
-                if wait > 0 and q.tokens < self.max_batch_tokens and q.items[0].call is None and (
+                if wait > 0 and q.tokens < q.cap and q.items[0].call is None and (
                         self._company_coming()):
                     self._cv.wait(wait)
                     continue
@@ -162,11 +169,11 @@ class Batcher:
                     return q, items
 
     def _take(self, key: tuple) -> list[_Item]:
-        """Pop the oldest requests of one queue up to max_batch_tokens (always at least one); holds _cv."""
+        """Pop the oldest requests of one queue up to its token cap (always at least one); holds _cv."""
         q = self.queues[key]
         items: list[_Item] = []
         tokens = 0
-        while q.items and (not items or tokens + q.items[0].tokens <= self.max_batch_tokens):
+        while q.items and (not items or tokens + q.items[0].tokens <= q.cap):
             it = q.items.popleft()
             q.tokens -= it.tokens
             self.depth -= 1
@@ -212,8 +219,7 @@ class Batcher:
         m.batch_requests.labels(q.op).observe(len(items))
         m.batch_sequences.labels(q.op).observe(len(seqs))
         m.batch_tokens.labels(q.op).observe(ntok)
-        parts = ops.run_merged(q.model, q.op, [it.seqs for it in items], max_batch_tokens=self.max_batch_tokens,
-                               **q.opts)
+        parts = ops.run_merged(q.model, q.op, [it.seqs for it in items], max_batch_tokens=q.cap, **q.opts)
         m.tokens.labels(q.model.name, q.op).inc(ntok)
         return [(not isinstance(p, Exception), p) for p in parts]
 

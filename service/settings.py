@@ -14,6 +14,12 @@ def _env(name: str, default: str | None = None) -> str | None:
     return default if v is None or v == "" else v
 
 
+# Defaults where the service's device is CUDA (`--device cuda`, or auto with a GPU), unless set explicitly: a GPU
+# batch costs a graph replay whatever its size, so the dynamic batcher and batch jobs hand it large merged batches
+# (a batch job's chunk of 512 lines of 8 x 50 tokens is one 200k-token call; on CPU 32 lines and 16k tokens).
+CUDA_DEFAULTS = {"max_batch_tokens": 1 << 18, "job_chunk_size": 512}
+
+
 @dataclass
 class Settings:
     """Every knob of the service; `Settings.from_env()` reads LATENTLM_<UPPER NAME> for each field."""
@@ -23,7 +29,7 @@ class Settings:
     dtype: str = "float32"
     storage_dtype: str = "float32"       # fused CUDA scoring (rank_hmm, blocked_hmm) only: float32 or bfloat16
     torch_threads: int = 0               # intra-op threads for inference; 0 = torch's default
-    max_batch_tokens: int = 16384        # tokens (sum of lengths) merged into one batched call
+    max_batch_tokens: int = 16384        # padded tokens of one batched call (`from_env` on CUDA: CUDA_DEFAULTS)
     max_queue_delay_ms: float = 2.0      # how long the first request of a batch waits for company
     max_queue: int = 512                 # queued requests before 429
     max_request_tokens: int = 200_000    # tokens in one request before 413
@@ -35,7 +41,7 @@ class Settings:
     cache_url: str = ""                  # LATENTLM_CACHE_URL: cache on another Redis (default REDIS_URL)
     cache_ttl_s: int = 3600
     state_dir: Path = Path(".latentlm")  # local batch-job files when Redis is not configured
-    job_chunk_size: int = 32             # batch-job lines committed together
+    job_chunk_size: int = 32             # batch-job lines committed together (and scored as one merged call)
     job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
     job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
     retry_after_s: int = 1
@@ -47,12 +53,14 @@ class Settings:
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
-        """Defaults < environment < explicit overrides (CLI flags)."""
+        """Defaults (CUDA_DEFAULTS where the device is CUDA) < environment < explicit overrides (CLI flags)."""
         s = cls()
+        given = {k for k, v in overrides.items() if v is not None}
         for f in fields(cls):
             raw = _env("REDIS_URL") if f.name == "redis_url" else _env(f"LATENTLM_{f.name.upper()}")
             if raw is None:
                 continue
+            given.add(f.name)
             cur = getattr(s, f.name)
             try:
                 val = Path(raw) if isinstance(cur, Path) else _bool(raw) if isinstance(cur, bool) else type(cur)(raw)
@@ -62,7 +70,21 @@ class Settings:
         for k, v in overrides.items():
             if v is not None:
                 setattr(s, k, Path(v) if k in ("store", "state_dir") else v)
+        if s.on_cuda:
+            for k, v in CUDA_DEFAULTS.items():
+                if k not in given:
+                    setattr(s, k, v)
         return s
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether models load onto a GPU (`device` cuda, or auto on a machine with one)."""
+        d = str(self.device).lower()
+        if d == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return d.startswith("cuda")
 
     @property
     def keys(self) -> list[str]:

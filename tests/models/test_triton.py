@@ -250,3 +250,124 @@ def test_cuda_graph_blocked(block_rows):
     check_bf16(bf, ref, lengths)
     tf = tc.blocked_forward_cuda(*args, block_rows=16, allow_tf32=True)
     check_bf16(tf, ref, lengths)  # tf32 inputs: at least as close as bf16
+
+
+# -- shape buckets (what keeps CUDA-graph captures rare under dynamic batching); on CPU with `bucket=True` ----
+def test_bucket_sizes_are_few_and_hold_n():
+    sizes = {tc._bucket(n) for n in range(1, 4097)}
+    assert sizes == {8, 16} | {s for j in range(5, 13) for s in (3 << (j - 2), 1 << j)}  # 2 per octave from 16
+    for n in range(1, 4097):
+        b = tc._bucket(n)
+        assert b >= n and b % 8 == 0 and (n <= 8 or b < 2 * n)
+    assert len(sizes) == 18  # for B or T up to 4096
+    for T in (1, 50, 64, 600, 4096, 10**6):
+        cap = tc._rows_cap(T)
+        assert tc._bucket(cap) == cap and 8 <= cap <= tc.MAX_GRAPH_ROWS
+        assert cap * T <= tc.MAX_GRAPH_SLOTS or cap == 8
+
+
+def _varied(V, seed, B, T):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    return ids.to(DEV), lengths.to(DEV)
+
+
+@needs_triton
+@pytest.mark.parametrize("block_rows", [1, 16])
+def test_blocked_bucketed_equals_unbucketed_exactly(block_rows):
+    model, *_ = blocked_case(M=4, k=8, V=30, seed=11)
+    args = (model.start, model.trans, model.emit, model.word_cluster)
+    for B, T in ((5, 7), (9, 17), (3, 1)):  # padded to (8, 8), (16, 24), (8, 8)
+        ids, lengths = _varied(30, B * T, B, T)
+        plain = tc.blocked_forward_cuda(*args, ids, lengths, use_graph=False, bucket=False, block_rows=block_rows)
+        padded = tc.blocked_forward_cuda(*args, ids, lengths, use_graph=False, bucket=True, block_rows=block_rows)
+        assert padded.shape == (B, T)
+        assert torch.equal(plain, padded), (plain - padded).abs().max()
+
+
+@needs_triton
+def test_rank_bucketed_equals_unbucketed():
+    model, *_ = rank_case(seed=12)
+    for B, T in ((5, 7), (9, 17)):
+        ids, lengths = _varied(30, B + T, B, T)
+        a = tc.rank_forward_cuda(model.rank_start, model.emit, ids, lengths, model.rank_trans, use_graph=False,
+                                 bucket=False)
+        b = tc.rank_forward_cuda(model.rank_start, model.emit, ids, lengths, model.rank_trans, use_graph=False,
+                                 bucket=True)
+        # row-independent GEMM: padded rows change nothing (BLAS may pick another kernel for another row count)
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@needs_triton
+def test_rows_beyond_the_cap_run_as_several_calls(monkeypatch):
+    monkeypatch.setattr(tc, "MAX_GRAPH_ROWS", 8)
+    model, *_ = blocked_case(M=4, k=8, V=30, seed=13)
+    args = (model.start, model.trans, model.emit, model.word_cluster)
+    ids, lengths = _varied(30, 3, 21, 6)  # 21 rows: calls of 8 + 8 + 5 (-> 8) rows
+    plain = tc.blocked_forward_cuda(*args, ids, lengths, use_graph=False, bucket=False)
+    tc.clear_cache()
+    split = tc.blocked_forward_cuda(*args, ids, lengths, use_graph=False, bucket=True)
+    assert torch.equal(plain, split)
+    assert tc.stats["runners"] == 1  # all three calls share one (8, 8) runner
+    rmodel, *_ = rank_case(seed=14)
+    init = rmodel.rank_start.expand(21, -1).contiguous()  # per-row init is sliced with the rows
+    a = tc.rank_forward_cuda(init, rmodel.emit, ids, lengths, rmodel.rank_trans, use_graph=False, bucket=False)
+    b = tc.rank_forward_cuda(init, rmodel.emit, ids, lengths, rmodel.rank_trans, use_graph=False, bucket=True)
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@needs_triton
+def test_dynamic_batch_shapes_reuse_a_few_runners():
+    """What the service's batcher produces: every batch another (B, T). With buckets, runners (captures on
+    CUDA) are made once per bucket, and the cache keeps them all."""
+    model, *_ = blocked_case(M=4, k=8, V=30, seed=15)
+    args = (model.start, model.trans, model.emit, model.word_cluster)
+    shapes = [(b, t) for b in range(1, 41, 3) for t in (45, 50, 52)]
+    for B, T in shapes * 2:
+        ids, lengths = _varied(30, B, B, T)
+        tc.blocked_forward_cuda(*args, ids, lengths, use_graph=False, bucket=True, impl="torch")
+    buckets = {(tc._bucket(b), tc._bucket(t)) for b, t in shapes}
+    assert tc.stats["runners"] == len(buckets) == 10 and tc.stats["evictions"] == 0
+    assert len(shapes) == 42
+
+
+def test_graph_cache_is_bounded_by_entries_and_bytes(monkeypatch):
+    model, *_ = blocked_case(M=4, k=8, V=30, seed=16)
+    args = (model.start, model.trans, model.emit, model.word_cluster)
+    monkeypatch.setattr(tc, "GRAPH_CACHE_SIZE", 3)
+    for T in (8, 16, 24, 32, 48):
+        ids, lengths = _varied(30, T, 4, T)
+        tc.blocked_forward_cuda(*args, ids, lengths, use_graph=False, bucket=True, impl="torch")
+    assert len(tc._graph_cache) == 3 and tc.stats["evictions"] == 2
+    monkeypatch.setattr(tc, "GRAPH_CACHE_BYTES", 1)  # one entry is always kept
+    ids, lengths = _varied(30, 1, 4, 64)
+    tc.blocked_forward_cuda(*args, ids, lengths, use_graph=False, bucket=True, impl="torch")
+    assert len(tc._graph_cache) == 1
+
+
+def test_concurrent_calls_share_runners_safely():
+    """The batcher's thread and the batch-job thread may score at once: the lock keeps each call's static
+    buffers its own until its result is copied out."""
+    import threading
+
+    model, *_ = blocked_case(M=4, k=8, V=30, seed=17)
+    args = (model.start, model.trans, model.emit, model.word_cluster)
+    inputs = [_varied(30, s, 6, 7) for s in range(8)]  # one bucket: every thread uses the same runner
+    want = [tc.blocked_forward_cuda(*args, i, n, use_graph=False, bucket=False, impl="torch") for i, n in inputs]
+    bad: list[int] = []
+
+    def work(j: int) -> None:
+        for _ in range(5):
+            for s, (i, n) in enumerate(inputs):
+                got = tc.blocked_forward_cuda(*args, i, n, use_graph=False, bucket=True, impl="torch")
+                if not torch.equal(got, want[s]):
+                    bad.append(j)
+
+    ts = [threading.Thread(target=work, args=(j,)) for j in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad
