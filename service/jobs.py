@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from latentlm import ops
 from latentlm.models.errors import LatentLMError
 from latentlm.models.family import OPERATIONS
@@ -271,8 +273,8 @@ def parse_input_file(content: bytes, endpoint: str) -> tuple[list[dict], list[di
 
     for n, ln in enumerate(lines, 1):
         try:
-            obj = json.loads(ln)
-        except json.JSONDecodeError as e:
+            obj = orjson.loads(ln)  # a batch file can hold 100,000 lines: 3-5x faster than json.loads
+        except json.JSONDecodeError as e:  # orjson's error is a subclass
             bad(n, "line", f"not valid JSON ({e.msg})")
             continue
         if not isinstance(obj, dict):
@@ -468,7 +470,7 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
     bad_lines: list[str] = []
     for i in sorted(chunks):
         for ln in chunks[i]:
-            (ok_lines if json.loads(ln)["response"]["status_code"] == 200 else bad_lines).append(ln)
+            (ok_lines if orjson.loads(ln)["response"]["status_code"] == 200 else bad_lines).append(ln)
     now = int(time.time())
     fields: dict[str, Any] = {}
     for kind, lines in (("output", ok_lines), ("error", bad_lines)):

@@ -70,11 +70,13 @@ def test_payload_limit(server):
 
 def test_429_when_the_queue_is_full(server):
     rng = random.Random(0)
-    bodies = [{"model": "tiny", "input": [[rng.randrange(40) for _ in range(1000)]]} for _ in range(24)]
+    # 64 requests at once against a queue of 1 (LATENTLM_MAX_QUEUE): with each request's body ready before
+    # the burst and every connection open at once, arrivals outpace a batch even on a loaded machine
+    bodies = [{"model": "tiny", "input": [[rng.randrange(40) for _ in range(2000)]]} for _ in range(64)]
 
     async def burst():
         async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=AUTH,
-                                     limits=httpx.Limits(max_connections=32)) as ac:
+                                     limits=httpx.Limits(max_connections=64)) as ac:
             return await asyncio.gather(*(ac.post("/v1/score", json=b) for b in bodies))
 
     rs = asyncio.run(burst())
