@@ -3,7 +3,6 @@ model layer's exceptions to status codes. Installed on the app so that no bad in
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from typing import Any
@@ -21,6 +20,7 @@ from latentlm.models.errors import (
     ModelNotFound,
     UnsupportedOperation,
 )
+from latentlm.ops import dumps
 
 log = logging.getLogger("latentlm.service")
 # pydantic puts the union member it tried into `loc` (top_k.int, prefix.list[int]); not a field name
@@ -64,7 +64,7 @@ def error_payload(e: APIError) -> dict[str, Any]:
 
 
 def error_body(e: APIError) -> bytes:
-    return json.dumps(error_payload(e)).encode()
+    return dumps(error_payload(e))
 
 
 def error_response(e: APIError) -> Response:
