@@ -12,6 +12,7 @@ or perplexity of a sequence the model gives probability 0) is written as `null`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -244,6 +245,7 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
         raise InputError("n and max_tokens must be >= 1", param="n" if n < 1 else "max_tokens")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise InputError(f"temperature must be a positive finite number, got {temperature!r}", param="temperature")
+    check_seed(seed)
     prefix_ids = None
     if prefix is not None and prefix != "" and prefix != []:
         if isinstance(prefix, str):
@@ -254,6 +256,51 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
     res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids,
                                temperature=temperature, stop_id=stop_id)
     return [{"index": i, "tokens": model.vocab.decode(r["ids"]), **r} for i, r in enumerate(res)]
+
+
+MAX_SEED = 1 << 63  # seeds are 0 <= seed < 2^63 (torch's generator takes 64 bits; JSON clients often only 63)
+
+
+def check_seed(seed: Any) -> int:
+    """InputError naming `seed` unless it is an integer in [0, 2^63) (torch raises ValueError beyond 64 bits)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InputError(f"seed: expected an integer, got {seed!r}", param="seed")
+    if not 0 <= seed < MAX_SEED:
+        raise InputError(f"seed: must be in [0, 2^63), got {seed}", param="seed")
+    return seed
+
+
+def posterior_width(model: LoadedModel) -> int:
+    """States a chain family's posterior lists per token with every state asked for (a VL-HMM: the states of
+    the token's cluster; otherwise every state)."""
+    from latentlm.models.base import Batch, ChainOps
+
+    impl = model.impl
+    width = getattr(impl, "_posterior_width", None)  # known after the first request (no device op per request)
+    if width is None:
+        width = int(impl.num_states)
+        if isinstance(impl, ChainOps):
+            try:
+                width = int(impl.state_ids(Batch.from_lists([[0]], model.device)).shape[-1])
+            except Exception:  # a family whose state ids need more than one token: the upper bound
+                pass
+        with contextlib.suppress(AttributeError):  # a family with __slots__: computed each time
+            impl._posterior_width = width
+    return width
+
+
+def posterior_entries(model: LoadedModel, seqs: Sequence[Sequence[int]], top_k: int | None) -> int:
+    """How many (state or span, probability) pairs a posterior of `seqs` returns, known before any work: per
+    token min(top_k, states listed) for chain families, per sentence of n tokens min(top_k, n(n-1)/2) spans
+    for PCFGs. The service bounds it (`max_posterior_entries`): with every state, the response of a long
+    input is gigabytes."""
+    from latentlm.models.tree import PCFGOps
+
+    if isinstance(model.impl, PCFGOps):
+        spans = (len(s) * (len(s) - 1) // 2 for s in seqs)
+        return sum(n if top_k is None else min(top_k, n) for n in spans)
+    width = posterior_width(model)
+    return (width if top_k is None else min(top_k, width)) * sum(len(s) for s in seqs)
 
 
 def parse_top_k(value: Any) -> int | None:
@@ -314,4 +361,4 @@ def dumps(obj: Any) -> bytes:
 
 __all__ = ["LoadedModel", "load_model", "encode_inputs", "run", "run_merged", "sample", "resolve_device",
            "batch_tokens", "device_batches",
-           "parse_top_k", "dumps", "default_method", "LimitExceeded", "OPERATIONS"]
+           "parse_top_k", "check_seed", "posterior_entries", "dumps", "default_method", "LimitExceeded", "OPERATIONS"]

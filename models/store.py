@@ -169,6 +169,74 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
+def manifest_files(path: Path, manifest: dict[str, Any]) -> dict[str, Path]:
+    """The manifest's files as paths, each checked to be a plain file name (no '/', '\\' or '..') naming a
+    regular file (not a symbolic link) directly inside the model directory `path`; ArtifactError otherwise."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ArtifactError(f"{path / MANIFEST}: 'files' must be an object of file name -> SHA-256", param="manifest")
+    out = {}
+    for fname, digest in files.items():
+        if not isinstance(fname, str) or fname in ("", ".", "..") or any(c in fname for c in "/\\\0"):
+            raise ArtifactError(f"{path / MANIFEST}: file name {fname!r} is not a plain name inside the model "
+                                "directory", param="manifest")
+        if not isinstance(digest, str):
+            raise ArtifactError(f"{path / MANIFEST}: hash of {fname!r} is not a string", param="manifest")
+        fpath = path / fname
+        if fpath.is_symlink():
+            raise ArtifactError(f"{fpath}: is a symbolic link; model files must be regular files inside the model "
+                                "directory", param=fname)
+        if not fpath.is_file():
+            raise ArtifactError(f"{fpath}: file listed in the manifest is missing", param=fname)
+        out[fname] = fpath
+    return out
+
+
+def verify_files(path: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is a regular file inside `path` (`manifest_files`) whose SHA-256 matches
+    the manifest (ArtifactError naming the file otherwise). What `read_artifact` checks first; a service
+    re-runs it to notice bytes changed under an unchanged manifest."""
+    for fname, fpath in manifest_files(path, manifest).items():
+        digest = manifest["files"][fname]
+        actual = sha256_file(fpath)
+        if actual != digest:
+            raise ArtifactError(
+                f"{fpath}: SHA-256 mismatch (manifest {digest[:12]}…, file {actual[:12]}…)", param=fname
+            )
+
+
+def check_model_dir(store: Path | str, name: str) -> Path:
+    """`<store>/<name>` when it is a real directory of the store with a regular manifest file: a model
+    directory (or manifest) that is a symbolic link may point anywhere, so it is refused (ArtifactError)."""
+    check_name(name)
+    path = Path(store) / name
+    if path.is_symlink():
+        raise ArtifactError(f"{path}: the model directory is a symbolic link; only directories inside the store "
+                            "are served", param="model")
+    if not path.is_dir():
+        raise ModelNotFound(f"{path}: no such model directory", param="model")
+    if (path / MANIFEST).is_symlink():
+        raise ArtifactError(f"{path / MANIFEST}: is a symbolic link; model files must be regular files inside "
+                            "the model directory", param="manifest")
+    return path
+
+
+def file_signature(path: Path, manifest: dict[str, Any]) -> tuple:
+    """(name, device, inode, size, mtime, ctime) of the manifest and every file it lists, without following
+    links: any write, replacement or `touch` of a model file changes it (ctime cannot be set back), so a
+    reader can skip re-hashing files whose signature it verified before."""
+    names = [MANIFEST, *sorted(manifest.get("files", {}))] if isinstance(manifest.get("files"), dict) else [MANIFEST]
+    sig = []
+    for fname in names:
+        try:
+            st = os.lstat(path / fname)
+        except OSError:
+            sig.append((fname, None))
+            continue
+        sig.append((fname, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(sig)
+
+
 def read_artifact(path: Path | str, validate_for: Callable[[str], Validator]) -> Artifact:
     """Read and verify a model directory: file hashes, tensor shapes against the manifest, finiteness
     and the family's own checks (`validate_for(family)`: normalisation of every distribution within 1e-4).
@@ -177,15 +245,7 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator]) ->
     if not path.is_dir():
         raise ModelNotFound(f"{path}: no such model directory", param="model")
     manifest = read_manifest(path)
-    for fname, digest in manifest["files"].items():
-        fpath = path / fname
-        if not fpath.is_file():
-            raise ArtifactError(f"{fpath}: file listed in the manifest is missing", param=fname)
-        actual = sha256_file(fpath)
-        if actual != digest:
-            raise ArtifactError(
-                f"{fpath}: SHA-256 mismatch (manifest {digest[:12]}…, file {actual[:12]}…)", param=fname
-            )
+    verify_files(path, manifest)
     for required in (WEIGHTS, VOCAB):
         if required not in manifest["files"]:
             raise ArtifactError(f"{path / MANIFEST}: no hash recorded for {required}", param=required)

@@ -74,7 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.service = state
     app.state.settings, app.state.registry, app.state.batcher, app.state.metrics = (
         settings, state.registry, state.batcher, metrics)
-    errors.install(app, on_error=metrics.error)
+    errors.install(app, on_error=metrics.error, retry_after_s=settings.retry_after_s)
     app.add_middleware(Guard, settings=settings, metrics=metrics)
     for router in (health.router, models.router, batches.router):
         app.include_router(router)

@@ -10,6 +10,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from latentlm.models.errors import (
@@ -59,6 +61,12 @@ def from_model_error(e: LatentLMError) -> APIError:
     return APIError(422, e.message, param=e.param, code="invalid_value")
 
 
+def backend_unavailable(e: Exception, retry_after_s: int = 1) -> APIError:
+    """A Redis connection or timeout error (the batch-job store or queue is down): 503 with Retry-After."""
+    return APIError(503, f"batch backend unavailable: cannot reach Redis ({type(e).__name__}); retry later",
+                    code="backend_unavailable", headers={"Retry-After": str(retry_after_s)})
+
+
 def error_payload(e: APIError) -> dict[str, Any]:
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
 
@@ -94,8 +102,9 @@ def describe_validation(errors: list[dict]) -> APIError:
     return APIError(422, f"{param}: {msg}", param=param, code="invalid_value")
 
 
-def install(app: FastAPI, on_error=None) -> None:
-    """Exception handlers producing the error shape for every error; `on_error(status, type)` counts them."""
+def install(app: FastAPI, on_error=None, retry_after_s: int = 1) -> None:
+    """Exception handlers producing the error shape for every error; `on_error(status, type)` counts them.
+    Redis connection and timeout errors (an outage of the batch-job store) answer 503 with Retry-After."""
 
     def respond(e: APIError) -> Response:
         if on_error is not None:
@@ -120,6 +129,13 @@ def install(app: FastAPI, on_error=None) -> None:
         return respond(APIError(e.status_code, msg.get(e.status_code, str(e.detail)),
                                 code={404: "unknown_route", 405: "method_not_allowed"}.get(e.status_code),
                                 headers=dict(e.headers or {})))
+
+    async def _backend(request: Request, e: Exception):
+        log.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, e)
+        return respond(backend_unavailable(e, retry_after_s))
+
+    app.add_exception_handler(RedisConnectionError, _backend)
+    app.add_exception_handler(RedisTimeoutError, _backend)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):

@@ -52,8 +52,10 @@ def options(model: ops.LoadedModel, op: str, req: BaseModel) -> dict[str, Any]:
     return opts
 
 
-def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens: int) -> Prepared:
-    """Check support, encode inputs (strings per the manifest; id lists as is) and the token limit."""
+def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens: int,
+            max_posterior_entries: int | None = None) -> Prepared:
+    """Check support, encode inputs (strings per the manifest; id lists as is), the token limit and, for a
+    posterior, the response budget (`max_posterior_entries`; None: unbounded) before any work."""
     opts = options(model, op, req)
     ops.check_supported(model, op, opts.get("method"))
     raw = req.input if isinstance(req.input, list) else [req.input]
@@ -62,7 +64,21 @@ def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens:
     if n > max_request_tokens:
         raise LimitExceeded(f"input: {n} tokens exceed the limit of {max_request_tokens} per request "
                             "(split the input or use /v1/batches)", param="input")
+    if op == "posterior" and max_posterior_entries is not None:
+        check_posterior(model, seqs, opts.get("top_k"), max_posterior_entries)
     return Prepared(model, op, opts, seqs, req)
+
+
+def check_posterior(model: ops.LoadedModel, seqs: list[list[int]], top_k: int | None, limit: int) -> None:
+    """413 when the posterior would return more than `limit` (state or span, probability) pairs."""
+    entries = ops.posterior_entries(model, seqs, top_k)
+    if entries > limit:
+        n = sum(len(s) for s in seqs)
+        what = "every state" if top_k is None else f"top_k={top_k}"
+        raise LimitExceeded(
+            f"top_k: a posterior of {n} tokens with {what} returns {entries} entries, above the limit of {limit} "
+            "per request (max_posterior_entries, LATENTLM_MAX_POSTERIOR_ENTRIES); ask for fewer states per "
+            "token with top_k, or send less input", param="top_k")
 
 
 def body(prep: Prepared, results: list[dict]) -> dict[str, Any]:
@@ -76,10 +92,27 @@ def run_direct(prep: Prepared, max_batch_tokens: int) -> dict[str, Any]:
     return body(prep, ops.run(prep.model, prep.op, prep.seqs, max_batch_tokens=max_batch_tokens, **prep.opts))
 
 
-def check_sample(req: SampleRequest, max_sample_tokens: int) -> None:
+def check_sample(req: SampleRequest, max_sample_tokens: int, *, model: ops.LoadedModel | None = None,
+                 max_request_tokens: int | None = None) -> None:
+    """413 when n * max_tokens exceeds `max_sample_tokens`, or the prefix's tokens `max_request_tokens`
+    (counted with `model`'s tokenizer for a text prefix)."""
     if req.n * req.max_tokens > max_sample_tokens:
         raise LimitExceeded(f"n * max_tokens = {req.n * req.max_tokens} exceeds the limit of {max_sample_tokens}",
                             param="max_tokens")
+    if max_request_tokens is not None and req.prefix:
+        n = prefix_tokens(model, req.prefix)
+        if n > max_request_tokens:
+            raise LimitExceeded(f"prefix: {n} tokens exceed the limit of {max_request_tokens} per request "
+                                "(max_request_tokens)", param="prefix")
+
+
+def prefix_tokens(model: ops.LoadedModel | None, prefix: str | list[int] | None) -> int:
+    """Tokens of a sample prefix: ids as given, text as the model tokenises it (no <eos>)."""
+    if not prefix:
+        return 0
+    if isinstance(prefix, list):
+        return len(prefix)
+    return len(model.vocab.tokenize(prefix) if model is not None else prefix.split())
 
 
 def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
@@ -87,12 +120,10 @@ def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
     data = ops.sample(model, n=req.n, max_tokens=req.max_tokens, seed=req.seed, prefix=req.prefix,
                       temperature=req.temperature, stop_at_eos=req.stop_at_eos)
     out_tokens = sum(len(d["ids"]) for d in data)
-    prefix_tokens = 0
-    if req.prefix:
-        prefix_tokens = len(req.prefix) if isinstance(req.prefix, list) else len(model.vocab.tokenize(req.prefix))
+    n_prefix = prefix_tokens(model, req.prefix)
     return {"object": "list", "model": model.name, "data": data,
-            "usage": {"input_tokens": prefix_tokens, "output_tokens": out_tokens,
-                      "total_tokens": prefix_tokens + out_tokens}}
+            "usage": {"input_tokens": n_prefix, "output_tokens": out_tokens,
+                      "total_tokens": n_prefix + out_tokens}}
 
 
 def cache_key(prep: Prepared) -> str:

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import threading
 import time
@@ -47,6 +48,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
+# The ids this service hands out, exactly: `new_id` ("file_" / "batch_" + 24 hex digits) and a batch's output and
+# error files ("file-<batch id>-output"). Anything else is no file or batch (404), never a store key: an id such as
+# `<id>:chunks` would otherwise reach another record's Redis key, and `../x` another file on disk.
+IDS = {"file": re.compile(r"file_[0-9a-f]{24}|file-batch_[0-9a-f]{24}-(?:output|error)"),
+       "batch": re.compile(r"batch_[0-9a-f]{24}")}
+
+
+def _safe(ident: Any, kind: str) -> bool:
+    """Whether `ident` is a `kind` ("file" or "batch") id in the exact format the service generates."""
+    return isinstance(ident, str) and IDS[kind].fullmatch(ident) is not None
+
+
 # == stores ===========================================================================================
 class RedisJobStore:
     """Files, batch records, chunk results and leases on Redis (use a `noeviction` instance)."""
@@ -58,10 +71,12 @@ class RedisJobStore:
                 "end return 0")
     _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, connect_timeout_s: float | None = 5.0):
+        """`connect_timeout_s`: how long a request waits for an unreachable Redis before answering 503 (no read
+        timeout: an rq worker's blocking reads share this connection pool)."""
         import redis
 
-        self.redis = redis.Redis.from_url(url)
+        self.redis = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s)
         self._commit = self.redis.register_script(self._COMMIT)
         self._refresh = self.redis.register_script(self._REFRESH)
         self._release = self.redis.register_script(self._RELEASE)
@@ -74,11 +89,13 @@ class RedisJobStore:
             p.execute()
 
     def file_meta(self, fid: str) -> dict | None:
+        if not _safe(fid, "file"):
+            return None
         raw = self.redis.get(f"{self.P}file:{fid}:meta")
         return json.loads(raw) if raw else None
 
     def file_content(self, fid: str) -> bytes | None:
-        return self.redis.get(f"{self.P}file:{fid}:content")
+        return self.redis.get(f"{self.P}file:{fid}:content") if _safe(fid, "file") else None
 
     def put_batch(self, batch: dict) -> None:
         with self.redis.pipeline() as p:
@@ -88,6 +105,8 @@ class RedisJobStore:
             p.execute()
 
     def get_batch(self, bid: str) -> dict | None:
+        if not _safe(bid, "batch"):
+            return None
         raw = self.redis.hgetall(f"{self.P}batch:{bid}")
         return {k.decode(): json.loads(v) for k, v in raw.items()} if raw else None
 
@@ -158,11 +177,11 @@ class LocalJobStore:
 
     def file_meta(self, fid: str) -> dict | None:
         p = self.root / "files" / f"{fid}.json"
-        return json.loads(p.read_text()) if _safe(fid) and p.is_file() else None
+        return json.loads(p.read_text()) if _safe(fid, "file") and p.is_file() else None
 
     def file_content(self, fid: str) -> bytes | None:
         p = self.root / "files" / f"{fid}.content"
-        return p.read_bytes() if _safe(fid) and p.is_file() else None
+        return p.read_bytes() if _safe(fid, "file") and p.is_file() else None
 
     def put_batch(self, batch: dict) -> None:
         with self._lock:
@@ -170,7 +189,7 @@ class LocalJobStore:
 
     def get_batch(self, bid: str) -> dict | None:
         p = self.root / "batches" / f"{bid}.json"
-        return json.loads(p.read_text()) if _safe(bid) and p.is_file() else None
+        return json.loads(p.read_text()) if _safe(bid, "batch") and p.is_file() else None
 
     def update_batch(self, bid: str, **fields: Any) -> None:
         with self._lock:
@@ -191,6 +210,8 @@ class LocalJobStore:
         return sorted(out)
 
     def _chunk_dir(self, bid: str) -> Path:
+        if not _safe(bid, "batch"):
+            raise ValueError(f"not a batch id: {bid!r}")
         d = self.root / "chunks" / bid
         d.mkdir(exist_ok=True)
         return d
@@ -228,10 +249,6 @@ class LocalJobStore:
 
     def release_lease(self, bid: str, token: str) -> None:
         return None
-
-
-def _safe(ident: str) -> bool:
-    return bool(ident) and all(c.isalnum() or c in "_-" for c in ident)
 
 
 JobStore = RedisJobStore | LocalJobStore
@@ -306,7 +323,7 @@ def create_batch(store: JobStore, input_file_id: str, endpoint: str, completion_
     if endpoint not in ENDPOINTS:
         raise APIError(422, f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint",
                        code="invalid_value")
-    meta = store.file_meta(input_file_id)
+    meta = store.file_meta(input_file_id) if _safe(input_file_id, "file") else None
     content = store.file_content(input_file_id) if meta else None
     if meta is None or content is None:
         raise APIError(404, f"input_file_id: no file {input_file_id!r}", param="input_file_id", code="file_not_found")
@@ -337,7 +354,7 @@ def batch_object(store: JobStore, batch: dict) -> dict:
 
 
 def cancel_batch(store: JobStore, bid: str) -> dict:
-    b = store.get_batch(bid)
+    b = store.get_batch(bid) if _safe(bid, "batch") else None
     if b is None:
         raise APIError(404, f"no batch {bid!r}", param="batch_id", code="batch_not_found")
     if b["status"] in TERMINAL:
@@ -360,15 +377,20 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
             req = parse(op, b)
             model = models.get(req.model)
             if op == "sample":
-                check_sample(req, settings.max_sample_tokens)
+                check_sample(req, settings.max_sample_tokens, model=model,
+                             max_request_tokens=settings.max_request_tokens)
                 out[i] = (200, run_sample(model, req))
                 continue
-            prep = prepare(model, op, req, settings.max_request_tokens)
+            prep = prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries)
             groups[(id(model), op, tuple(sorted(prep.opts.items())))].append((i, prep))
         except APIError as e:
             out[i] = (e.status, error_payload(e))
         except LatentLMError as e:
             ae = from_model_error(e)
+            out[i] = (ae.status, error_payload(ae))
+        except Exception as e:  # one line's failure is that line's 500, never the whole batch's
+            log.exception("batch line %d failed", i)
+            ae = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
             out[i] = (ae.status, error_payload(ae))
     for members in groups.values():
         first = members[0][1]
@@ -444,7 +466,7 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
     op = ENDPOINTS[b["endpoint"]]
     size = max(1, settings.job_chunk_size)
     n_chunks = math.ceil(len(reqs) / size)
-    models.reload()  # pick up the store's current models
+    models.reload(rehash=False)  # pick up the store's current models (files re-hashed where their stat changed)
     done = store.chunk_indices(bid)
     for i in range(n_chunks):
         if i in done:

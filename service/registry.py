@@ -15,7 +15,14 @@ from latentlm import ops
 from latentlm.models import backend as dispatch
 from latentlm.models import kernels
 from latentlm.models.errors import LatentLMError, ModelNotFound
-from latentlm.models.store import content_hash, list_models, read_manifest
+from latentlm.models.store import (
+    check_model_dir,
+    content_hash,
+    file_signature,
+    list_models,
+    read_manifest,
+    verify_files,
+)
 from latentlm.service.settings import Settings
 
 log = logging.getLogger("latentlm.service")
@@ -38,6 +45,7 @@ class ModelRegistry:
             Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype)
         self.models: dict[str, ops.LoadedModel] = {}
         self.failed: dict[str, str] = {}
+        self._verified: dict[str, tuple] = {}  # name -> file_signature of the files last verified for it
         self.ready = False
         self._lock = threading.Lock()
 
@@ -51,36 +59,50 @@ class ModelRegistry:
     def list(self) -> list[ops.LoadedModel]:
         return [self.models[k] for k in sorted(self.models)]
 
-    def reload(self) -> dict[str, list[str]]:
-        """Sync with the store; returns {"added", "updated", "removed", "failed"} names. Blocking."""
+    def reload(self, rehash: bool = True) -> dict[str, list[str]]:
+        """Sync with the store; returns {"added", "updated", "removed", "failed"} names. Blocking.
+
+        Verifies like a fresh load: a model whose manifest is unchanged is kept only once every file it lists
+        is re-hashed against the manifest (`rehash=False`: only files whose stat signature changed since they
+        were last verified), and a model directory or file that is a symbolic link, or a manifest naming a
+        file outside the model directory, is refused. A refused model keeps its last good version serving;
+        `self.failed` says why ({name: reason}, also logged)."""
         with self._lock:
             current = dict(self.models)
             names = list_models(self.store)
             added, updated, failed = [], [], []
             new: dict[str, ops.LoadedModel] = {}
             errors: dict[str, str] = {}
+            verified: dict[str, tuple] = {}
             for name in names:
                 old = current.get(name)
                 try:
-                    if old is not None and manifest_hash(self.store / name) == old.content_hash:
-                        new[name] = old
+                    path = check_model_dir(self.store, name)
+                    manifest = read_manifest(path)
+                    sig = file_signature(path, manifest)  # before hashing: a write during it shows next time
+                    if old is not None and manifest == old.artifact.manifest:
+                        if rehash or self._verified.get(name) != sig:
+                            verify_files(path, manifest)
+                        new[name], verified[name] = old, sig
                         continue
                     model = ops.load_model(self.store, name, device=self.device, dtype=self.dtype,
                                            backend=self.backend)
                     if hasattr(model.impl, "set_storage_dtype"):  # chain families: fused CUDA scoring's precision
                         model.impl.set_storage_dtype(self.storage_dtype)
-                    new[name] = model
+                    new[name], verified[name] = model, sig
                     kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
                     (updated if old is not None else added).append(name)
                 except Exception as e:  # a bad artifact must not keep the others from serving
                     msg = e.message if isinstance(e, LatentLMError) else f"{type(e).__name__}: {e}"
-                    log.error("cannot load model %s: %s", name, msg)
+                    log.error("cannot load model %s%s: %s", name,
+                              " (the previous version keeps serving)" if old is not None else "", msg)
                     errors[name] = msg
                     failed.append(name)
                     if old is not None:  # keep serving the last good version
-                        new[name] = old
+                        new[name] = old  # (not in `verified`: its files are hashed again next time)
             removed = sorted(set(current) - set(new))
             self.models, self.failed = new, errors  # one reference swap: readers see old or new
+            self._verified = verified
             if removed or updated:
                 _clear_fused_cache()
             self.ready = True

@@ -89,7 +89,7 @@ class EmbedRequest(_WithInput):
 class SampleRequest(_Base):
     n: StrictInt = Field(1, ge=1, description="number of samples")
     max_tokens: StrictInt = Field(32, ge=1, description="tokens per sample at most")
-    seed: StrictInt = Field(0, description="random seed (same seed, same samples)")
+    seed: StrictInt = Field(0, ge=0, lt=1 << 63, description="random seed in [0, 2^63) (same seed, same samples)")
     prefix: str | list[StrictInt] | None = Field(None, description="text or token ids to continue")
     temperature: float = Field(1.0, description="> 0; below 1 sharpens, above 1 flattens")
     stop_at_eos: StrictBool = Field(True, description="end a sample after <eos>")

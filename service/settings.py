@@ -32,7 +32,8 @@ class Settings:
     max_batch_tokens: int = 16384        # padded tokens of one batched call (`from_env` on CUDA: CUDA_DEFAULTS)
     max_queue_delay_ms: float = 2.0      # how long the first request of a batch waits for company
     max_queue: int = 512                 # queued requests before 429
-    max_request_tokens: int = 200_000    # tokens in one request before 413
+    max_request_tokens: int = 200_000    # tokens in one request before 413 (a sample's prefix included)
+    max_posterior_entries: int = 2_000_000  # posterior response entries (tokens x states returned) before 413
     max_payload_bytes: int = 2_000_000   # request body before 413
     max_file_bytes: int = 200_000_000    # /v1/files upload before 413
     max_sample_tokens: int = 100_000     # n * max_tokens of one /v1/sample before 413

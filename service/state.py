@@ -40,8 +40,10 @@ class ServiceState:
                         headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def reload_models(self) -> dict:
-        """Blocking (run on `loader`): pick up the store's models."""
+        """Blocking (run on `loader`): pick up the store's models (every file re-hashed); `failed` is
+        {name: why it was refused} (a refused model's previous version, if any, keeps serving)."""
         out = self.registry.reload()
+        out["failed"] = {name: self.registry.failed.get(name, "") for name in out["failed"]}
         self.metrics.models_loaded.set(len(self.registry.models))
         gc.collect()
         gc.freeze()  # long-lived objects (torch, models) out of the collector's way: shorter GC pauses

@@ -33,7 +33,7 @@ def upload_file(file: UploadFile = File(...), purpose: str = Form("batch"),
 
 @router.get("/files/{file_id}")
 def get_file(file_id: str, state: ServiceState = Depends(get_state)) -> dict:
-    meta = state.jobs.file_meta(file_id)
+    meta = state.jobs.file_meta(file_id) if jobs._safe(file_id, "file") else None
     if meta is None:
         raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
     return jobs.file_object(meta)
@@ -41,7 +41,7 @@ def get_file(file_id: str, state: ServiceState = Depends(get_state)) -> dict:
 
 @router.get("/files/{file_id}/content")
 def file_content(file_id: str, state: ServiceState = Depends(get_state)) -> Response:
-    content = state.jobs.file_content(file_id)
+    content = state.jobs.file_content(file_id) if jobs._safe(file_id, "file") else None
     if content is None:
         raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
     return Response(content, media_type="application/jsonl")
@@ -67,7 +67,7 @@ def list_batches(limit: int = Query(20, ge=1, le=100), state: ServiceState = Dep
 
 @router.get("/batches/{batch_id}")
 def get_batch(batch_id: str, state: ServiceState = Depends(get_state)) -> dict:
-    b = state.jobs.get_batch(batch_id) if jobs._safe(batch_id) else None
+    b = state.jobs.get_batch(batch_id) if jobs._safe(batch_id, "batch") else None
     if b is None:
         raise APIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
     return jobs.batch_object(state.jobs, b)

@@ -24,7 +24,8 @@ async def get_model(model_id: str, state: ServiceState = Depends(get_state)) -> 
 
 @router.post("/models/reload")
 async def reload(state: ServiceState = Depends(get_state)) -> dict:
-    """Pick up models added to, changed in or removed from the store; requests in flight finish on the
-    version they started with."""
+    """Pick up models added to, changed in or removed from the store, verifying every file of every model as a
+    fresh load does; `failed` is {name: reason} for refused models (their previous version keeps serving).
+    Requests in flight finish on the version they started with."""
     out = await asyncio.get_running_loop().run_in_executor(state.loader, state.reload_models)
     return {"object": "list", "data": [m.describe() for m in state.registry.list()], **out}

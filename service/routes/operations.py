@@ -107,7 +107,8 @@ router = APIRouter(prefix="/v1", tags=["operations"], route_class=OperationRoute
 async def run_batched(op: str, req: Any, state: ServiceState) -> Response:
     """Check, look up the cache, queue for the batcher, shape the body (one write by `ops.dumps`)."""
     state.ensure_ready()
-    prep = execute.prepare(state.registry.get(req.model), op, req, state.settings.max_request_tokens)
+    s = state.settings
+    prep = execute.prepare(state.registry.get(req.model), op, req, s.max_request_tokens, s.max_posterior_entries)
     cache, key = state.cache, None
     if cache is not None and op in CACHED_OPS:
         key = execute.cache_key(prep)
@@ -158,7 +159,8 @@ async def sample(req: SampleRequest, state: ServiceState = Depends(get_state)) -
     state.ensure_ready()
     model = state.registry.get(req.model)
     ops.check_supported(model, "sample")
-    execute.check_sample(req, state.settings.max_sample_tokens)
+    execute.check_sample(req, state.settings.max_sample_tokens, model=model,
+                         max_request_tokens=state.settings.max_request_tokens)
     try:
         data = await state.batcher.call(model, "sample", lambda: execute.run_sample(model, req))
     except QueueFull as e:
