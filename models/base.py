@@ -138,6 +138,7 @@ class ChainFamily(ChainOps, Family):
     dtype: torch.dtype
     has_fused_score: bool = False  # `score_fused` exists (`triton_chain`; rank_hmm, blocked_hmm)
     storage_dtype: torch.dtype = torch.float32  # of the matrices on the fused scoring path only (`set_storage_dtype`)
+    allow_tf32: bool = False  # fused scoring path: matrix products on TF32 tensor cores (`set_storage_dtype`)
 
     # -- what a family supplies ---------------------------------------------------------------------
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
@@ -177,9 +178,11 @@ class ChainFamily(ChainOps, Family):
 
     # -- engine choice ------------------------------------------------------------------------------
     def set_storage_dtype(self, value: torch.dtype | str | None) -> None:
-        """Storage precision of the fused scoring path: "float32" (default) or "bfloat16" (opt-in; its error
-        bound is `triton_chain.BF16_TOKEN_ABS_BOUND` per token). Every other path stays in the model's dtype."""
-        self.storage_dtype = dispatch.storage_dtype(value)
+        """Precision of the fused scoring path: "float32" (default, exact), "tfloat32" (float32 storage, the
+        matrix products on TF32 tensor cores; opt-in) or "bfloat16" (opt-in; its error bound is
+        `triton_chain.BF16_TOKEN_ABS_BOUND` per token). Every other path stays in the model's dtype."""
+        self.allow_tf32 = isinstance(value, str) and value.lower() == "tfloat32"
+        self.storage_dtype = dispatch.storage_dtype("float32" if self.allow_tf32 else value)
 
     def _grad(self) -> bool:
         return torch.is_grad_enabled() and any(isinstance(v, Tensor) and v.requires_grad for v in vars(self).values())
@@ -195,7 +198,8 @@ class ChainFamily(ChainOps, Family):
         storage dtype it scores in."""
         engine = self.score_backend()
         if engine is Backend.CUDA_FUSED:
-            return {"score": engine.value, "storage_dtype": str(self.storage_dtype).removeprefix("torch.")}
+            precision = "tfloat32" if self.allow_tf32 else str(self.storage_dtype).removeprefix("torch.")
+            return {"score": engine.value, "storage_dtype": precision}
         rows = dispatch.LOCKSTEP_MIN_ROWS
         batch = Batch(torch.zeros(rows, 1, dtype=torch.long, device=self.device),
                       torch.ones(rows, dtype=torch.long, device=self.device))

@@ -93,7 +93,7 @@ class BlockedHMM(ChainFamily):
                 "backend": self.backends()}
 
     def score_fused(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        return triton_chain.score_blocked(self, batch, storage_dtype=self.storage_dtype)
+        return triton_chain.score_blocked(self, batch, storage_dtype=self.storage_dtype, allow_tf32=self.allow_tf32)
 
     def _clusters(self, batch: Batch) -> Tensor:
         return self.word_cluster[batch.ids]

@@ -90,7 +90,7 @@ class RankHMM(ChainFamily):
         return {"num_states": self.num_states, "rank": self.rank, "backend": self.backends()}
 
     def score_fused(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        return triton_chain.score_rank(self, batch, storage_dtype=self.storage_dtype)
+        return triton_chain.score_rank(self, batch, storage_dtype=self.storage_dtype, allow_tf32=self.allow_tf32)
 
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         """Rank-space chain: init (B, r), emit (B, T, r), shared (r, r) step."""

@@ -38,11 +38,13 @@ class ModelRegistry:
 
     def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32",
                  backend: str = "torch", storage_dtype: str | None = None):
-        """`storage_dtype`: precision of the fused CUDA scoring path of rank_hmm / blocked_hmm ("float32",
+        """`storage_dtype`: precision of the fused CUDA scoring path of rank_hmm / blocked_hmm ("float32", "tfloat32",
         "bfloat16"); None reads the setting (LATENTLM_STORAGE_DTYPE, default float32)."""
         self.store, self.device, self.dtype, self.backend = Path(store), device, dtype, backend
-        self.storage_dtype = dispatch.storage_dtype(
-            Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype)
+        self.precision = Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype
+        self.allow_tf32 = str(self.precision).lower() == "tfloat32"
+        # an unknown precision is refused here (ValueError naming the choices), not at the first model
+        self.storage_dtype = dispatch.storage_dtype("float32" if self.allow_tf32 else self.precision)
         self.models: dict[str, ops.LoadedModel] = {}
         self.failed: dict[str, str] = {}
         self._verified: dict[str, tuple] = {}  # name -> file_signature of the files last verified for it
@@ -88,7 +90,7 @@ class ModelRegistry:
                     model = ops.load_model(self.store, name, device=self.device, dtype=self.dtype,
                                            backend=self.backend)
                     if hasattr(model.impl, "set_storage_dtype"):  # chain families: fused CUDA scoring's precision
-                        model.impl.set_storage_dtype(self.storage_dtype)
+                        model.impl.set_storage_dtype("tfloat32" if self.allow_tf32 else self.storage_dtype)
                     new[name], verified[name] = model, sig
                     kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
                     (updated if old is not None else added).append(name)

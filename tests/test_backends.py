@@ -8,9 +8,11 @@ import json
 import math
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from latentlm.cli import main
+from latentlm.models.base import Batch
 from latentlm.models.registry import save_artifact
 from latentlm.models.synthetic import random_blocked_hmm, random_hmm
 from latentlm.models.vocab import Preprocessing, Vocabulary
@@ -79,3 +81,20 @@ def test_service_onnx_backend(store, tmp_path):
         assert c.get("/v1/models/dense").json()["backend"]["score"] in ("lockstep", "groups", "single", "torch")
         want = c.post("/v1/score", json={"model": "blocked", "input": [[0, 1, 2], [3, 4]]}).json()["data"]
     assert [g["logprob"] for g in got] == pytest.approx([w["logprob"] for w in want], rel=1e-5)
+
+
+def test_fused_precision_setting_reaches_the_models(store, tmp_path):
+    """LATENTLM_STORAGE_DTYPE=tfloat32: float32 storage with TF32 products on the fused CUDA path; on CPU the
+    chain engine answers as before (exact), and an unknown precision is refused when the registry starts."""
+    from latentlm.service.registry import ModelRegistry
+
+    reg = ModelRegistry(store, device="cpu", storage_dtype="tfloat32")
+    reg.reload()
+    impl = reg.get("blocked").impl
+    assert impl.allow_tf32 and impl.storage_dtype == torch.float32
+    ref = ModelRegistry(store, device="cpu")
+    ref.reload()
+    batch = Batch.from_lists([[0, 1, 2, 3], [4, 5]])
+    assert torch.equal(impl.score(batch)[0], ref.get("blocked").impl.score(batch)[0])
+    with pytest.raises(ValueError, match="storage dtype"):
+        ModelRegistry(store, device="cpu", storage_dtype="float16")
