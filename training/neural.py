@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.errors import LatentLMError
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
@@ -37,6 +38,10 @@ from latentlm.training.data import load_training_split
 
 
 # -- building blocks ----------------------------------------------------------------------------------
+class TrainingDiverged(LatentLMError):
+    """The loss became NaN or infinite: training stops before writing a broken model (exit status 2)."""
+
+
 class ResBlock(nn.Module):
     """Chiu & Rush eq. 7: f(E) = g(ReLU(E W1)), g(D) = LayerNorm(ReLU(D W2) + D). (n, h) -> (n, h)."""
 
@@ -365,6 +370,11 @@ def train(ns: argparse.Namespace) -> Path:
                 nll = rank_loss(model, b)  # dropout draws from torch's global generator (checkpointed)
             ntok = int(b.lengths.sum())
             loss = nll / ntok
+            if not math.isfinite(float(loss.detach())):
+                raise TrainingDiverged(
+                    f"--lr: training diverged at step {pos.step + 1} (loss {float(loss.detach())}); nothing was "
+                    f"written. Try a lower --lr than {opt.param_groups[0]['lr']:g}, or more states per cluster",
+                    param="lr")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)

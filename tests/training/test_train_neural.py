@@ -120,3 +120,26 @@ def test_densehmm_exports_hmm_with_vectors(tmp_path):
     assert art.tensors["state_vectors"].shape == (16, 8) and art.tensors["word_vectors"].shape == (10000, 8)
     rows = art.manifest["provenance"]["curve"]
     assert rows[-1]["valid_ppl"] < rows[0]["valid_ppl"]
+
+
+def test_a_diverging_run_stops_with_an_error_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """A non-finite loss ends training at once with exit status 2 naming --lr, and no artifact is written
+    (before, a run whose loss went NaN exported its step-0 model)."""
+    from latentlm.cli import main
+
+    real = neural.blocked_loss
+    calls = []
+
+    def diverging(*args, **kwargs):
+        nll, last = real(*args, **kwargs)
+        calls.append(1)
+        return (nll * float("nan") if len(calls) == 2 else nll), last
+
+    monkeypatch.setattr(neural, "blocked_loss", diverging)
+    rc = main(["train", "--family", "blocked_hmm", "--data", "ptb", "--name", "div", "--store", str(tmp_path),
+               "--states", "32", "--clusters", "8", "--hidden", "16", "--train-sentences", "300",
+               "--valid-sentences", "50", "--batch", "32", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--lr: training diverged at step 2" in err, err
+    assert not (tmp_path / "div" / "manifest.json").exists()
+    assert len(calls) == 2
