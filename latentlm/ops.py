@@ -12,7 +12,6 @@ or perplexity of a sequence the model gives probability 0) is written as `null`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 from collections.abc import Sequence
@@ -193,25 +192,10 @@ def batch_tokens(device: torch.device | str, requested: int | None = None) -> in
 
 
 def device_batches(seqs: list[list[int]], max_batch_tokens: int, device: torch.device | str) -> list[list[int]]:
-    """Indices in length-sorted batches of at most `max_batch_tokens` padded tokens (`length_batches`); on CUDA
-    batches are larger, and one of CUDA_SPLIT_ROWS+ rows is also cut where the length doubles."""
-    if torch.device(device).type != "cuda":
-        return length_batches(seqs, max_batch_tokens)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    shortest = 0
-    for i in order:
-        n = len(seqs[i])
-        if cur and ((len(cur) + 1) * n > max_batch_tokens or (len(cur) >= CUDA_SPLIT_ROWS and n > 2 * shortest)):
-            batches.append(cur)
-            cur = []
-        if not cur:
-            shortest = n
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    return batches
+    """Indices in length-sorted batches of at most `max_batch_tokens` padded tokens; on CUDA a batch of
+    CUDA_SPLIT_ROWS+ rows is also cut where the length doubles (`length_batches`)."""
+    cuda = torch.device(device).type == "cuda"
+    return length_batches(seqs, max_batch_tokens, CUDA_SPLIT_ROWS if cuda else None)
 
 
 def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens: int | None = None,
@@ -270,25 +254,6 @@ def check_seed(seed: Any) -> int:
     return seed
 
 
-def posterior_width(model: LoadedModel) -> int:
-    """States a chain family's posterior lists per token with every state asked for (a VL-HMM: the states of
-    the token's cluster; otherwise every state)."""
-    from latentlm.models.base import Batch, ChainOps
-
-    impl = model.impl
-    width = getattr(impl, "_posterior_width", None)  # known after the first request (no device op per request)
-    if width is None:
-        width = int(impl.num_states)
-        if isinstance(impl, ChainOps):
-            try:
-                width = int(impl.state_ids(Batch.from_lists([[0]], model.device)).shape[-1])
-            except Exception:  # a family whose state ids need more than one token: the upper bound
-                pass
-        with contextlib.suppress(AttributeError):  # a family with __slots__: computed each time
-            impl._posterior_width = width
-    return width
-
-
 def posterior_entries(model: LoadedModel, seqs: Sequence[Sequence[int]], top_k: int | None) -> int:
     """How many (state or span, probability) pairs a posterior of `seqs` returns, known before any work: per
     token min(top_k, states listed) for chain families, per sentence of n tokens min(top_k, n(n-1)/2) spans
@@ -299,7 +264,7 @@ def posterior_entries(model: LoadedModel, seqs: Sequence[Sequence[int]], top_k: 
     if isinstance(model.impl, PCFGOps):
         spans = (len(s) * (len(s) - 1) // 2 for s in seqs)
         return sum(n if top_k is None else min(top_k, n) for n in spans)
-    width = posterior_width(model)
+    width = model.impl.states_per_token
     return (width if top_k is None else min(top_k, width)) * sum(len(s) for s in seqs)
 
 

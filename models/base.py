@@ -153,6 +153,12 @@ class ChainFamily(ChainOps, Family):
         """(B, T, K) global state id of each reduced state (dense: arange(Z))."""
         raise NotImplementedError
 
+    @property
+    def states_per_token(self) -> int:
+        """K: how many states a token's posterior lists when every state is asked for (the last dimension of
+        `state_ids`); every state unless the family reduces the state space per token."""
+        return self.num_states
+
     def sampling_tables(self, temperature: float) -> tuple[CategoricalTable, CategoricalTable, Tensor | None]:
         """(transition table over states, emission table per state, slot->token map (Z, W) or None)."""
         raise NotImplementedError

@@ -118,6 +118,11 @@ class BlockedHMM(ChainFamily):
         clusters = self._clusters(batch)
         return log_start[clusters[:, 0]], log_emit[batch.ids], self._block_fn(log_blocks, clusters)
 
+    @property
+    def states_per_token(self) -> int:
+        """Only the k states of a token's cluster can emit it."""
+        return self.k
+
     def state_ids(self, batch: Batch) -> Tensor:
         return self._clusters(batch).unsqueeze(-1) * self.k + torch.arange(self.k, device=self.device)
 

@@ -114,16 +114,23 @@ def path_read(fn: Callable[..., Any]) -> Callable[..., Any]:
     return lambda path, **kw: fn(Path(path), **kw)
 
 
-def length_batches(seqs: list[list[int]], max_batch_tokens: int) -> list[list[int]]:
-    """Indices grouped into batches of similar length whose padded size stays <= max_batch_tokens."""
+def length_batches(seqs: list[list[int]], max_batch_tokens: int, split_rows: int | None = None
+                   ) -> list[list[int]]:
+    """Indices grouped into batches of similar length whose padded size stays <= max_batch_tokens; with
+    `split_rows`, a batch of that many rows or more is also cut where the length passes twice its shortest
+    (padding to the longest costs steps: used on CUDA, where batches are large)."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     batches: list[list[int]] = []
     cur: list[int] = []
+    shortest = 0
     for i in order:
         longest = len(seqs[i])  # sorted ascending: the newest is the longest
-        if cur and (len(cur) + 1) * longest > max_batch_tokens:
+        doubled = split_rows is not None and len(cur) >= split_rows and longest > 2 * shortest
+        if cur and ((len(cur) + 1) * longest > max_batch_tokens or doubled):
             batches.append(cur)
             cur = []
+        if not cur:
+            shortest = longest
         cur.append(i)
     if cur:
         batches.append(cur)

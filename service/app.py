@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from latentlm import ops
 from latentlm.service import errors, jobs
 from latentlm.service.batcher import Batcher
 from latentlm.service.cache import ResponseCache
@@ -34,8 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     metrics = Metrics()
     state = ServiceState(
         settings=settings, metrics=metrics,
-        registry=ModelRegistry(settings.store, device=ops.resolve_device(settings.device), dtype=settings.dtype,
-                               backend=settings.backend),
+        registry=ModelRegistry.from_settings(settings),
         batcher=Batcher(metrics, max_batch_tokens=settings.max_batch_tokens,
                         max_queue_delay_ms=settings.max_queue_delay_ms, max_queue=settings.max_queue))
 

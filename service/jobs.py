@@ -383,28 +383,28 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
                 continue
             prep = prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries)
             groups[(id(model), op, tuple(sorted(prep.opts.items())))].append((i, prep))
-        except APIError as e:
-            out[i] = (e.status, error_payload(e))
-        except LatentLMError as e:
-            ae = from_model_error(e)
-            out[i] = (ae.status, error_payload(ae))
-        except Exception as e:  # one line's failure is that line's 500, never the whole batch's
-            log.exception("batch line %d failed", i)
-            ae = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
-            out[i] = (ae.status, error_payload(ae))
+        except Exception as e:
+            out[i] = line_failure(i, e)
     for members in groups.values():
         first = members[0][1]
         parts = ops.run_merged(first.model, op, [p.seqs for _, p in members],
                                max_batch_tokens=settings.max_batch_tokens, **first.opts)
         for (i, p), res in zip(members, parts, strict=True):
-            if isinstance(res, LatentLMError):
-                ae = from_model_error(res)
-                out[i] = (ae.status, error_payload(ae))
-            elif isinstance(res, Exception):
-                raise res
-            else:
-                out[i] = (200, body(p, res))
+            out[i] = line_failure(i, res) if isinstance(res, Exception) else (200, body(p, res))
     return [o for o in out if o is not None]
+
+
+def line_failure(line: int, e: Exception) -> tuple[int, dict]:
+    """(status, error body) for one batch line: the API's error for a request error, and a 500 for anything
+    else, so one line's failure never fails the whole batch."""
+    if isinstance(e, APIError):
+        return e.status, error_payload(e)
+    if isinstance(e, LatentLMError):
+        ae = from_model_error(e)
+        return ae.status, error_payload(ae)
+    log.error("batch line %d failed", line, exc_info=e)
+    ae = APIError(500, f"internal error: {type(e).__name__}", code="internal_error")
+    return ae.status, error_payload(ae)
 
 
 def output_line(bid: str, custom_id: str, status: int, resp: dict) -> str:
@@ -589,7 +589,7 @@ def rq_process_batch(bid: str) -> str | None:
     if not ctx:
         settings = Settings.from_env()
         ctx.update(settings=settings, store=RedisJobStore(settings.redis_url),
-                   models=ModelRegistry(settings.store, device="cpu", dtype=settings.dtype))
+                   models=ModelRegistry.from_settings(settings, device="cpu"))
     status = process_batch(ctx["store"], ctx["models"], bid, ctx["settings"])
     log.info("batch %s -> %s", bid, status)
     return status

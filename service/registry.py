@@ -51,6 +51,13 @@ class ModelRegistry:
         self.ready = False
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_settings(cls, settings: Settings, device: torch.device | str | None = None) -> ModelRegistry:
+        """The registry the API, `latentlm worker` and rq jobs each build: the store, dtype, backend and fused
+        precision of `settings`; `device` defaults to the settings' (auto: CUDA when there is one)."""
+        return cls(settings.store, device=ops.resolve_device(settings.device) if device is None else device,
+                   dtype=settings.dtype, backend=settings.backend, storage_dtype=settings.storage_dtype)
+
     def get(self, name: str) -> ops.LoadedModel:
         m = self.models.get(name)
         if m is None:

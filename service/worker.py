@@ -42,12 +42,11 @@ def run_worker(settings: Settings, burst: bool = False) -> None:
     """Blocking: process batch jobs until stopped (SIGTERM/SIGINT)."""
     from rq import Queue, SimpleWorker
 
-    from latentlm import ops
 
     if not settings.redis_url:
         raise SystemExit("latentlm worker: REDIS_URL is not set (batch jobs without Redis run inside `serve`)")
     store = jobs.RedisJobStore(settings.redis_url)
-    models = ModelRegistry(settings.store, device=ops.resolve_device(settings.device), dtype=settings.dtype)
+    models = ModelRegistry.from_settings(settings)
     models.reload()
     log.info("worker: %d models from %s", len(models.models), settings.store)
     jobs.WORKER_CONTEXT.update(settings=settings, store=store, models=models)
