@@ -32,6 +32,10 @@ class Metrics:
         self.cache_hits = Counter("latentlm_cache_hits", "response cache hits", ["operation"], registry=r)
         self.cache_misses = Counter("latentlm_cache_misses", "response cache misses", ["operation"], registry=r)
         self.cache_errors = Counter("latentlm_cache_errors", "cache reads/writes that failed", registry=r)
+        self.cache_skipped = Counter("latentlm_cache_skipped", "cache reads/writes skipped while the cache "
+                                     "circuit breaker is open", registry=r)
+        self.cache_breaker_trips = Counter("latentlm_cache_breaker_trips", "times the cache circuit breaker "
+                                           "opened", registry=r)
         self.models_loaded = Gauge("latentlm_models_loaded", "models currently served", registry=r)
         self._durations: dict[tuple[str, str, int], Histogram] = {}
 

@@ -47,6 +47,15 @@ class Settings:
     job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
     job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
     retry_after_s: int = 1
+    job_retention_s: int = 604_800       # files and batches (chunks, outputs) deleted this long after creation
+                                         # (`expires_at`; Redis keys get the same TTL); 0 = kept forever
+    job_sweep_interval_s: float = 300.0  # how often the local runner and `latentlm worker` delete expired jobs
+    job_max_output_bytes: int = 500_000_000  # a batch's output (checked as chunks are committed; Redis caps a
+                                         # value at 512 MiB): over it the batch fails and its chunks are deleted
+    redis_retry_max_s: float = 30.0      # `latentlm worker`: longest wait between Redis reconnect attempts
+    cache_timeout_s: float = 0.25        # socket timeout of one response-cache command
+    cache_breaker_failures: int = 3      # consecutive cache failures that open the circuit breaker; 0 = never
+    cache_breaker_cooldown_s: float = 30.0  # how long an open breaker skips the cache before one probe
     backend: str = "torch"               # torch, or onnx: scoring through onnxruntime (`latentlm serve --backend`)
     otel: bool = False                   # FastAPI's native OpenTelemetry (tracing, metrics, logs to the global
                                          # providers / OTLP exporters); Prometheus /metrics is always on

@@ -1,8 +1,10 @@
-"""OpenAI-shaped batch jobs: upload a JSONL file of requests, create a batch, follow it, fetch its output."""
+"""OpenAI-shaped batch jobs: upload a JSONL file of requests, create a batch, follow it, fetch its output,
+delete files and finished batches. With API keys, files and batches belong to the key that created them
+(other keys get 404); they expire `LATENTLM_JOB_RETENTION_S` after creation (`expires_at`)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
@@ -21,36 +23,49 @@ class CreateBatch(BaseModel):
     metadata: dict[str, str] | None = None
 
 
+def owner(request: Request, state: ServiceState = Depends(get_state)) -> str | None:
+    """Dependency: a hash of the caller's API key (None without keys: everything shared)."""
+    return jobs.owner_of(request.headers.get("authorization"), state.settings.keys)
+
+
 @router.post("/files")
 def upload_file(file: UploadFile = File(...), purpose: str = Form("batch"),
-                state: ServiceState = Depends(get_state)) -> dict:
+                state: ServiceState = Depends(get_state), who: str | None = Depends(owner)) -> dict:
     """Upload a JSONL file of requests: one `{"custom_id", "method", "url", "body"}` per line."""
     if purpose != "batch":
         raise APIError(422, f"purpose: only 'batch' is supported, got {purpose!r}", param="purpose",
                        code="invalid_value")
-    return jobs.create_file(state.jobs, file.file.read(), file.filename or "input.jsonl", purpose)
+    return jobs.create_file(state.jobs, file.file.read(), file.filename or "input.jsonl", purpose, who,
+                            state.settings.job_retention_s)
 
 
 @router.get("/files/{file_id}")
-def get_file(file_id: str, state: ServiceState = Depends(get_state)) -> dict:
-    meta = state.jobs.file_meta(file_id) if jobs._safe(file_id, "file") else None
-    if meta is None:
-        raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
-    return jobs.file_object(meta)
+def get_file(file_id: str, state: ServiceState = Depends(get_state), who: str | None = Depends(owner)) -> dict:
+    return jobs.file_object(jobs.get_file(state.jobs, file_id, who))
 
 
 @router.get("/files/{file_id}/content")
-def file_content(file_id: str, state: ServiceState = Depends(get_state)) -> Response:
-    content = state.jobs.file_content(file_id) if jobs._safe(file_id, "file") else None
+def file_content(file_id: str, state: ServiceState = Depends(get_state),
+                 who: str | None = Depends(owner)) -> Response:
+    jobs.get_file(state.jobs, file_id, who)
+    content = state.jobs.file_content(file_id)
     if content is None:
         raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
     return Response(content, media_type="application/jsonl")
 
 
+@router.delete("/files/{file_id}")
+def delete_file(file_id: str, state: ServiceState = Depends(get_state), who: str | None = Depends(owner)) -> dict:
+    """`{"id", "object": "file", "deleted": true}`; 409 while the file is the input of a live batch."""
+    return jobs.delete_file(state.jobs, file_id, who)
+
+
 @router.post("/batches")
-def create_batch(req: CreateBatch, state: ServiceState = Depends(get_state)) -> dict:
+def create_batch(req: CreateBatch, state: ServiceState = Depends(get_state),
+                 who: str | None = Depends(owner)) -> dict:
     """Validate the input file and queue the batch (status in_progress; failed with `errors` if invalid)."""
-    b = jobs.create_batch(state.jobs, req.input_file_id, req.endpoint, req.completion_window, req.metadata)
+    b = jobs.create_batch(state.jobs, req.input_file_id, req.endpoint, req.completion_window, req.metadata, who,
+                          state.settings.job_retention_s)
     if b["status"] == "in_progress":
         if isinstance(state.jobs, jobs.RedisJobStore):
             state.jobs.claim_requeue(b["id"], 2 * state.settings.job_lease_s)
@@ -59,20 +74,27 @@ def create_batch(req: CreateBatch, state: ServiceState = Depends(get_state)) -> 
 
 
 @router.get("/batches")
-def list_batches(limit: int = Query(20, ge=1, le=100), state: ServiceState = Depends(get_state)) -> dict:
-    store = state.jobs
-    data = [jobs.batch_object(store, b) for bid in store.list_batches(limit) if (b := store.get_batch(bid))]
-    return {"object": "list", "data": data, "has_more": False}
+def list_batches(limit: int = Query(20, ge=1, le=100), state: ServiceState = Depends(get_state),
+                 who: str | None = Depends(owner)) -> dict:
+    """The caller's newest batches first."""
+    records, more = state.jobs.list_batches(limit, who)
+    return {"object": "list", "data": [jobs.batch_object(state.jobs, b) for b in records], "has_more": more}
 
 
 @router.get("/batches/{batch_id}")
-def get_batch(batch_id: str, state: ServiceState = Depends(get_state)) -> dict:
-    b = state.jobs.get_batch(batch_id) if jobs._safe(batch_id, "batch") else None
-    if b is None:
-        raise APIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-    return jobs.batch_object(state.jobs, b)
+def get_batch(batch_id: str, state: ServiceState = Depends(get_state), who: str | None = Depends(owner)) -> dict:
+    return jobs.batch_object(state.jobs, jobs.get_batch(state.jobs, batch_id, who))
 
 
 @router.post("/batches/{batch_id}/cancel")
-def cancel_batch(batch_id: str, state: ServiceState = Depends(get_state)) -> dict:
-    return jobs.cancel_batch(state.jobs, batch_id)
+def cancel_batch(batch_id: str, state: ServiceState = Depends(get_state),
+                 who: str | None = Depends(owner)) -> dict:
+    return jobs.cancel_batch(state.jobs, batch_id, who)
+
+
+@router.delete("/batches/{batch_id}")
+def delete_batch(batch_id: str, state: ServiceState = Depends(get_state),
+                 who: str | None = Depends(owner)) -> dict:
+    """Delete a finished batch and its output and error files (the input file stays): `{"id", "object":
+    "batch", "deleted": true}`. A live batch answers 409 (`batch_in_progress`): cancel it first."""
+    return jobs.delete_batch(state.jobs, batch_id, who)
