@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         await state.batcher.start()
         if settings.cache_redis_url:
-            state.cache = ResponseCache(settings.cache_redis_url, settings.cache_ttl_s, metrics)
+            state.cache = ResponseCache(settings.cache_redis_url, settings.cache_ttl_s, metrics, settings)
         if settings.redis_url:
             state.jobs = jobs.RedisJobStore(settings.redis_url)
             state.runner = jobs.RQRunner(state.jobs, settings.redis_url)
