@@ -20,7 +20,7 @@ from latentlm.service.cache import ResponseCache
 from latentlm.service.metrics import Metrics
 from latentlm.service.middleware import Guard
 from latentlm.service.registry import ModelRegistry
-from latentlm.service.routes import batches, health, models, operations
+from latentlm.service.routes import batches, explorer, health, models, operations
 from latentlm.service.settings import Settings
 from latentlm.service.state import ServiceState
 
@@ -74,6 +74,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings, state.registry, state.batcher, metrics)
     errors.install(app, on_error=metrics.error, retry_after_s=settings.retry_after_s)
     app.add_middleware(Guard, settings=settings, metrics=metrics)
-    for router in (health.router, models.router, batches.router):
+    for router in (health.router, models.router, batches.router, explorer.router):
         app.include_router(router)
     return app

@@ -33,7 +33,8 @@ class Guard:
             await send(msg)
 
         try:
-            if self.keys and scope["path"].startswith("/v1"):
+            path = route_path(scope)
+            if self.keys and path.startswith("/v1"):  # the explorer page (/) and its assets need no key
                 denied = self._auth(scope)
                 if denied is not None:
                     self.metrics.error(401, denied.code or "auth")
@@ -41,8 +42,8 @@ class Guard:
                     return
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 s = self.settings
-                limit = s.max_file_bytes if scope["path"] == "/v1/files" else s.max_payload_bytes
-                if scope["path"] != "/v1/files":
+                limit = s.max_file_bytes if path == "/v1/files" else s.max_payload_bytes
+                if path != "/v1/files":
                     scope = _json_content_type(scope)
                 body = await read_body(scope, receive, limit)
                 if body is None:
@@ -61,6 +62,16 @@ class Guard:
 
     def _auth(self, scope) -> APIError | None:
         return check_auth(scope, self.keys)
+
+
+def route_path(scope) -> str:
+    """The path the app routes on: ASGI's `path` holds the full path, `root_path` prefix included (set by
+    `uvicorn --root-path` or a proxy), so the prefix comes off before `/v1` is checked, as Starlette's router
+    does; otherwise a prefixed `/v1` request would skip auth."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):] or "/"
+    return path
 
 
 def _replay(body: bytes, receive):

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 
+import anyio
 from fastapi import APIRouter, Depends
+from fastapi.responses import Response
 
+from latentlm import ops
+from latentlm.models.errors import ArtifactError
+from latentlm.models.store import manifest_files
+from latentlm.service.errors import APIError
 from latentlm.service.state import ServiceState, get_state
 
 router = APIRouter(prefix="/v1", tags=["models"])
@@ -20,6 +27,38 @@ async def list_models(state: ServiceState = Depends(get_state)) -> dict:
 @router.get("/models/{model_id}")
 async def get_model(model_id: str, state: ServiceState = Depends(get_state)) -> dict:
     return state.registry.get(model_id).describe()
+
+
+CURVE = "curve.png"
+
+
+def read_curve(model: ops.LoadedModel) -> tuple[bytes, str]:
+    """The bytes of the training curve the model's verified artifact carries, and their SHA-256: 404 when the
+    artifact has none, 409 when the file no longer matches the manifest the model was loaded with."""
+    manifest = model.artifact.manifest
+    digest = manifest.get("files", {}).get(CURVE)
+    if digest is None:
+        raise APIError(404, f"model {model.name!r} has no training curve (its artifact carries no {CURVE})",
+                       param="model", code="not_found")
+    try:
+        data = manifest_files(model.artifact.path, {"files": {CURVE: digest}})[CURVE].read_bytes()
+    except (ArtifactError, OSError) as e:
+        why = e.message if isinstance(e, ArtifactError) else str(e)
+        raise APIError(409, f"{CURVE} of model {model.name!r} cannot be read ({why}); POST /v1/models/reload to "
+                       "re-verify the store", param="model", code="artifact_changed") from None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise APIError(409, f"{CURVE} of model {model.name!r} changed since the model was verified; "
+                       "POST /v1/models/reload to load the new version", param="model", code="artifact_changed")
+    return data, digest
+
+
+@router.get("/models/{model_id}/curve.png", response_class=Response,
+            responses={200: {"content": {"image/png": {}}, "description": "the training curve (PNG)"}})
+async def curve(model_id: str, state: ServiceState = Depends(get_state)) -> Response:
+    """The training curve (`curve.png`) the model's artifact carries, read from its verified model directory
+    and checked against the manifest's SHA-256; 404 when the artifact has none."""
+    data, digest = await anyio.to_thread.run_sync(read_curve, state.registry.get(model_id))
+    return Response(data, media_type="image/png", headers={"ETag": f'"{digest}"', "Cache-Control": "no-cache"})
 
 
 @router.post("/models/reload")

@@ -1,0 +1,1 @@
+"""End-to-end tests of the model explorer (GET /): its routes, and the page in headless Chromium."""
