@@ -305,7 +305,8 @@
 
     const colW = Math.max(38, Math.min(76, Math.floor(880 / T)));
     const rowH = rows.length > 60 ? 10 : rows.length > 30 ? 14 : 20;
-    const left = 78, labelH = 70;
+    const longest = Math.max(...words.map((w) => w.word.length + (w.unk ? 6 : 0)));
+    const left = 78, labelH = Math.min(170, Math.max(44, 24 + longest * 7)); // labels slant up at 38°
     const tagRows = [];
     if (decoded.viterbi && decoded.viterbi.tags) tagRows.push(["viterbi", "Viterbi tags", decoded.viterbi.tags]);
     if (decoded.mbr && decoded.mbr.tags) tagRows.push(["mbr", "MBR tags", decoded.mbr.tags]);

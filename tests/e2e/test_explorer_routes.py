@@ -52,7 +52,10 @@ def wait_ready(c: TestClient) -> None:
 
 
 def page_urls(html: str) -> list[str]:
-    return re.findall(r'(?:src|href)="([^"]+)"', html)
+    """The URLs the page loads: none as src/href attributes but inline data (see explorer.html), all from its
+    first script."""
+    assert all(u.startswith("data:") for u in re.findall(r'(?:src|href)="([^"]*)"', html))
+    return re.findall(r'\.(?:src|href) = "([^"]+)"', html)
 
 
 def test_page_and_assets(store, tmp_path):
