@@ -700,6 +700,8 @@
     const settings = prov.filter((r) => isSetting(r) && !isPpl(r)).map(([k, v]) => `${k.slice(9)}=${v}`);
     const trows = [...prov.filter(isPpl).map(([k, v]) => [k, v, "highlight perplexity"]),
       ...prov.filter((r) => !isPpl(r) && !isSetting(r))];
+    const data = prov.find(([k]) => k === "settings.data");
+    if (data && !prov.some(([k]) => k === "data")) trows.splice(prov.filter(isPpl).length, 0, ["data", data[1], "highlight"]);
     if (settings.length) trows.push(["settings", settings.join(", ")]);
     table($("#card-training"), trows.length ? trows : [["provenance", "none recorded"]]);
     viewState("card", "done");

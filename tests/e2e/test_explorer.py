@@ -485,6 +485,7 @@ def test_model_card(page, api):
     rows = {e.get_attribute("data-key"): e.find_element("css selector", "td").text for e in css(page, "#card-model tr")}
     assert rows["family"] == "hmm" and rows["num_states"] == "32" and rows["vocabulary"] == "10000 tokens"
     assert "states=32" in one(page, '#card-training tr[data-key="settings"] td').text
+    assert one(page, '#card-training tr[data-key="data"] td').text == "ptb"  # the training data
     shot(page, "model-card")
     choose(page, "toy-grammar")
     done(page, "card")
