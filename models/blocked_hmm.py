@@ -13,18 +13,20 @@ Config: `num_states` Z, `num_clusters` M, `states_per_cluster` k.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from latentlm.models import triton_chain
+from latentlm.models import chain, triton_chain
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, InputError
 from latentlm.models.family import Recipe
+from latentlm.models.kernels import blocked as blocked_kernels
 from latentlm.models.sampling import CategoricalTable, tables_at
 
 
@@ -155,6 +157,121 @@ class BlockedHMM(ChainFamily):
         per_state = probs.permute(0, 2, 1).reshape(self.num_states, -1)  # (Z, W)
         slot_token = words.repeat_interleave(self.k, dim=0)  # (Z, W)
         return CategoricalTable(self.trans, temperature), CategoricalTable(per_state, temperature), slot_token
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    """Exact expected sufficient statistics of one batch (what `expected_counts` returns).
+
+    `start` (Z',): first-state counts of the rows that begin from the start distribution; `trans` (Z', Z'):
+    transition counts (including the step from a carried prior into position 0); `emit` (V, k'): emission
+    counts of each word by its cluster's states; `log_lik` (B,): log p(x_b | prior); `last` (B, k'):
+    filtered p(z | x) at each row's last position, over its last token's cluster."""
+
+    start: Tensor
+    trans: Tensor
+    emit: Tensor
+    log_lik: Tensor
+    last: Tensor
+
+
+def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
+                    ids: Tensor, lengths: Tensor, prior: Tensor | None = None, dtype: torch.dtype = torch.float64
+                    ) -> BlockCounts:
+    """Forward-backward expected counts of a blocked HMM over M clusters with k' states each (Z' = M k').
+
+    log_start (Z',), log_trans (Z', Z'), log_emit (V, k') in log space (no gradient is taken); ids, lengths:
+    the batch; `prior` (B, Z') optional distribution over the states *before* position 0 (a BPTT carry):
+    position 0 is then drawn by the transitions from it (rows with no mass use `log_start`). The gradient of
+    log p(x) with respect to each log-potential is its expected count, so these counts are the exact
+    gradient of the log-likelihood without differentiating through the dynamic program. Counts come back in
+    `log_trans`'s dtype; `log_lik` and `last` in `dtype`.
+
+    Numerics: the recursion accumulates in `dtype` (float64 by default), each position's emission row
+    shifted by its maximum; the transition matrix is exponentiated in `log_trans`'s dtype, and if that
+    underflows a whole path (a zero scale), the batch is recomputed with the matrix in `dtype`. On CPU
+    with numba, M > 1 runs the compiled sweep (`kernels.blocked`); M == 1 (no emission constraint) runs
+    the shared-matrix GEMM path. O(B T k'^2) for the DP and the counts (one GEMM per (cluster, cluster) block
+    that the batch steps through), O(B Z'^2) more with a prior (one GEMM)."""
+    with torch.no_grad():
+        out_dtype = log_trans.dtype
+        for trans_dtype in dict.fromkeys((out_dtype, dtype)):
+            trans = log_trans.detach().to(trans_dtype).exp()
+            res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, prior, dtype)
+            if bool(torch.isfinite(res.log_lik).all()):
+                break
+        return BlockCounts(res.start.to(out_dtype), res.trans.to(out_dtype), res.emit.to(out_dtype), res.log_lik,
+                           res.last)
+
+
+def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
+                     ids: Tensor, lengths: Tensor, prior: Tensor | None, dtype: torch.dtype) -> BlockCounts:
+    """`expected_counts` with the transition matrix `trans` (Z', Z') given as probabilities."""
+    B, T = ids.shape
+    Zp = trans.shape[0]
+    kk = Zp // M
+    mask = chain.valid_mask(lengths, T)
+    le = log_emit.detach().to(dtype)[ids]  # (B, T, k')
+    shift = le.amax(-1).masked_fill(~mask, 0.0)  # (B, T)
+    emit = (le - shift.unsqueeze(-1)).exp()
+    clusters = word_cluster[ids]
+    first = clusters[:, 0]
+    rows = torch.arange(B, device=ids.device)
+    init = log_start.detach().to(dtype).exp().view(M, kk)[first]
+    has_prior = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    if prior is not None:
+        prior = prior.to(trans.dtype)
+        has_prior = prior.sum(1) > 0
+        init = torch.where(has_prior[:, None], (prior @ trans).to(dtype).view(B, M, kk)[rows, first], init)
+    if M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
+        log_cond = torch.zeros(B, T, dtype=dtype)
+        alphas, gamma, right = (torch.zeros(B, T, kk, dtype=dtype) for _ in range(3))
+        blocked_kernels.blocked_forward_backward(
+            *(x.contiguous().numpy() for x in (init, emit, clusters, lengths, trans)),
+            log_cond.numpy(), alphas.numpy(), gamma.numpy(), right.numpy())
+    else:
+        step: Trans = trans if M == 1 else BlockedHMM._block_fn(trans.view(M, kk, M, kk), clusters)
+        step = step.to(dtype) if isinstance(step, Tensor) else (lambda t, f=step: f(t).to(dtype))
+        log_cond, alphas = chain.forward(init, emit, step, lengths, keep_alphas=True, chunk_long=False)
+        betas = chain.backward(emit, step, lengths, log_cond).clamp_max(blocked_kernels.BIG)
+        gamma = alphas * betas
+        gamma = gamma / gamma.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+        gamma = gamma.masked_fill(~mask.unsqueeze(-1), 0.0)
+        right = (emit * betas / log_cond.exp().unsqueeze(-1)).clamp_max(blocked_kernels.BIG)
+        right = right.masked_fill(~mask.unsqueeze(-1), 0.0)
+    log_cond = log_cond.masked_fill(~mask, 0.0)
+    if M == 1:
+        trans_counts = (trans * (alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk))).to(trans.dtype)
+    else:
+        trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
+    start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)
+    start_counts.index_add_(0, first[~has_prior], gamma[~has_prior, 0])
+    if prior is not None and bool(has_prior.any()):  # the carried step: prior_i trans[i, (first, j)] right_0j
+        into = torch.zeros(int(has_prior.sum()), M, kk, dtype=dtype, device=ids.device)
+        into[torch.arange(len(into), device=ids.device), first[has_prior]] = right[has_prior, 0]
+        trans_counts += (trans * (prior[has_prior].to(dtype).T @ into.reshape(-1, Zp))).to(trans_counts.dtype)
+    emit_counts = torch.zeros(log_emit.shape[0], kk, dtype=dtype, device=ids.device)
+    emit_counts.index_add_(0, ids[mask], gamma[mask])
+    return BlockCounts(start_counts.reshape(Zp), trans_counts, emit_counts, log_cond.sum(1) + shift.sum(1),
+                       chain.filtered_last(alphas, lengths))
+
+
+def _block_counts(prev: Tensor, right: Tensor, clusters: Tensor, valid: Tensor, trans: Tensor, M: int) -> Tensor:
+    """Expected transition counts (Z', Z') in trans's dtype: for each (cluster, cluster) block the batch steps
+    through, (sum over those steps of prev_t (x) right_t) * the block, where prev (B, T-1, k) = alpha_{t-1},
+    right (B, T-1, k) = emit_t beta_t / c_t, valid (B, T-1). Steps are sorted by block and each block's sum
+    is one GEMM: O(B T k^2) multiply-adds, no (B T, k, k) buffer."""
+    k = prev.shape[-1]
+    pair = (clusters[:, :-1] * M + clusters[:, 1:])[valid]
+    a, r = prev[valid], right[valid]  # kept in the DP's dtype: right can exceed float32's range
+    order = torch.argsort(pair, stable=True)
+    pairs, sizes = torch.unique_consecutive(pair[order], return_counts=True)
+    out = torch.zeros_like(trans)
+    for p, ap, rp in zip(pairs.tolist(), a[order].split(sizes.tolist()), r[order].split(sizes.tolist()), strict=True):
+        i, j = divmod(p, M)
+        rs, cs = slice(i * k, (i + 1) * k), slice(j * k, (j + 1) * k)
+        out[rs, cs] = (ap.T @ rp) * trans[rs, cs]
+    return out
 
 
 def check_recipe(s: Any) -> None:

@@ -183,7 +183,7 @@ def train(ns: argparse.Namespace) -> Path:
         history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
                     valid_ppl=common.evaluate(p.score, vbatches))
     iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
-    if history.bad_evals >= ns.patience:
+    if ns.patience and history.bad_evals >= ns.patience:
         it0 = iters  # early-stopped before the checkpoint: export the best again
     N = common.num_tokens(train_seqs)
     bar = common.Progress(N * max(iters - it0, 0), f"hmm Z={ns.states} EM", ns.progress)
@@ -209,7 +209,7 @@ def train(ns: argparse.Namespace) -> Path:
                        train_ppl=float(torch.tensor(-c.loglik / c.tokens).exp()), valid_ppl=vppl):
             best = p
         save(it + 1, p, best)
-        if history.bad_evals >= ns.patience:
+        if ns.patience and history.bad_evals >= ns.patience:
             break
     bar.close()
     prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": "baum-welch", "smoothing": smoothing})

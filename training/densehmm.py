@@ -103,7 +103,7 @@ def train(ns: argparse.Namespace) -> Path:
         best = model.probs()
     N = common.num_tokens(train_seqs)
     iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
-    if history.bad_evals >= ns.patience:
+    if ns.patience and history.bad_evals >= ns.patience:
         it0 = iters  # early-stopped before the checkpoint: export the best again
     bar = common.Progress(N * max(iters - it0, 0), f"densehmm Z={ns.states} d={ns.hidden} ({ns.fit})", ns.progress)
     if ns.fit == "cooc":
@@ -156,7 +156,7 @@ def train(ns: argparse.Namespace) -> Path:
             best = p
             vectors = {"state_vectors": model.u.detach().clone(), "word_vectors": model.o.detach().clone()}
         save(it + 1, best)
-        if history.bad_evals >= ns.patience:
+        if ns.patience and history.bad_evals >= ns.patience:
             break
     bar.close()
     if vectors is None or history.best == history.rows[0]["valid_ppl"]:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from latentlm.models import chain
 from latentlm.models.base import Batch
-from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.blocked_hmm import BlockedHMM, expected_counts
 from latentlm.models.errors import LatentLMError
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.registry import save_artifact
@@ -81,35 +81,53 @@ def sample_state_dropout(M: int, k: int, keep: int, generator: torch.Generator) 
 
 class VLHMM(nn.Module):
     """VL-HMM parameters; `matrices(active)` gives log start (Z',), log trans (Z', Z') and log emission
-    (V, k') over the active states (all states when active is None). O(Z'^2 h + V Z h)."""
+    (V, k') over the active states (all states when active is None). O(Z'^2 h + V k' h): each word's
+    emission logits are built against its own cluster's states only.
 
-    def __init__(self, V: int, word_cluster: Tensor, M: int, k: int, h: int):
+    `state_embedding` "factored" (App. A.2, eq. 9): [E_m(cluster); E_z(state)] composed by a residual MLP
+    per role, then the role's MLP; "independent" (App. A.3, the emission-constraint ablations of Table 3):
+    a learned E_z (Z, h) fed to each role's MLP (eq. 7-8)."""
+
+    def __init__(self, V: int, word_cluster: Tensor, M: int, k: int, h: int, state_embedding: str = "factored"):
         super().__init__()
         self.V, self.M, self.k, self.h = V, M, k, h
+        self.state_embedding = state_embedding
         self.register_buffer("word_cluster", word_cluster.clone())
-        half = max(1, h // 2)
-        self.cluster_emb = nn.Parameter(torch.randn(M, half) * 0.1)
-        self.state_emb = nn.Parameter(torch.randn(M * k, h - half) * 0.1)
-        self.compose = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
+        if state_embedding == "factored":
+            half = max(1, h // 2)
+            self.cluster_emb = nn.Parameter(torch.randn(M, half) * 0.1)
+            self.state_emb = nn.Parameter(torch.randn(M * k, h - half) * 0.1)
+            self.compose = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
+        elif state_embedding == "independent":
+            self.state_emb = nn.Parameter(torch.randn(M * k, h) * 0.1)
+        else:
+            raise ValueError(f"state_embedding: expected 'factored' or 'independent', got {state_embedding!r}")
         self.mlp = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
         self.start_vec = nn.Parameter(torch.randn(h) * 0.1)
-        self.word_emb = nn.Parameter(torch.randn(V, h) * 0.1)
-        # words of each cluster, padded: (M, W) ids (-1 padding) for per-state normalisation
+        # words in cluster order ("slots"): slot i holds word word_order[i]; word_slot is the inverse.
+        # The word embeddings are stored by slot, so each cluster's words are one contiguous block.
         order = torch.argsort(word_cluster, stable=True)
-        counts = torch.bincount(word_cluster, minlength=M)
-        W = int(counts.max())
-        offsets = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(V) - offsets[word_cluster[order]]
-        words = torch.full((M, W), -1, dtype=torch.long)
-        words[word_cluster[order], slot] = order
-        self.register_buffer("cluster_words", words)
+        self.register_buffer("word_order", order)
+        self.register_buffer("word_slot", torch.argsort(order))
+        self.register_buffer("slot_cluster", word_cluster[order])
+        self.word_emb_by_slot = nn.Parameter(torch.randn(V, h) * 0.1)
+        self.cluster_sizes = torch.bincount(word_cluster, minlength=M).tolist()
 
     def state_reprs(self, states: Tensor) -> dict[str, Tensor]:
         """H_role (n, h) for global state ids `states` (n,)."""
+        if self.state_embedding == "independent":
+            e = self.state_emb[states]
+            return {r: self.mlp[r](e) for r in ("out", "in", "emit")}
         e = torch.cat([self.cluster_emb[states // self.k], self.state_emb[states]], -1)
         return {r: self.mlp[r](self.compose[r](e)) for r in ("out", "in", "emit")}
 
     def matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(log start (Z',), log trans (Z', Z'), log emit (V, k') by word id)."""
+        ls, lt, le = self.slot_matrices(active)
+        return ls, lt, le[self.word_slot]
+
+    def slot_matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """`matrices` with the emission rows by slot (cluster order): what training uses (no gather)."""
         M, k = self.M, self.k
         if active is None:
             active = torch.arange(k, device=self.state_emb.device).expand(M, k)
@@ -118,15 +136,11 @@ class VLHMM(nn.Module):
         H = self.state_reprs(states)
         log_trans = torch.log_softmax(H["out"] @ H["in"].T, dim=-1)
         log_start = torch.log_softmax(H["in"] @ self.start_vec, dim=0)
-        # emission: logits (V, M, kk) -> keep each word's own cluster (V, kk) -> normalise per state
-        logits = (self.word_emb @ H["emit"].T).view(self.V, M, kk)
-        wl = logits[torch.arange(self.V, device=logits.device), self.word_cluster]  # (V, kk)
-        words = self.cluster_words
-        padded = wl[words.clamp_min(0)]  # (M, W, kk)
-        padded = padded.masked_fill((words < 0).unsqueeze(-1), -math.inf)
-        lse = torch.logsumexp(padded, dim=1)  # (M, kk)
-        log_emit = wl - lse[self.word_cluster]
-        return log_start, log_trans, log_emit
+        # emission: per cluster, its words' logits against its own k' states, normalised over those words
+        emit_states = H["emit"].view(M, kk, -1)
+        words = self.word_emb_by_slot.split(self.cluster_sizes)
+        parts = [torch.log_softmax(w @ emit_states[m].T, dim=0) for m, w in enumerate(words)]
+        return log_start, log_trans, torch.cat(parts)  # emission (V, kk) by slot
 
     def export_tensors(self) -> dict[str, Tensor]:
         """Cached `blocked_hmm` tensors (float64-normalised, stored float32)."""
@@ -142,27 +156,6 @@ class VLHMM(nn.Module):
                 "trans": (trans / trans.sum(1, keepdim=True)).float().cpu(),
                 "emit": emit.float(), "word_cluster": self.word_cluster.cpu().long(),
                 "state_vectors": state_vectors.float().cpu()}
-
-
-def blocked_chain(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, M: int, batch: Batch,
-                  word_cluster: Tensor, init_full: Tensor | None = None):
-    """Chain-engine view of a blocked HMM over `M` clusters with k' active states each: init (B, k'),
-    emit (B, T, k'), per-step (B, k', k') blocks. `init_full` (B, Z') overrides the start distribution
-    (BPTT carry): p(z_0 | past) restricted to x_0's cluster."""
-    kk = log_emit.shape[1]
-    clusters = word_cluster[batch.ids]
-    trans = log_trans.exp()
-    blocks = trans.view(M, kk, M, kk)
-    first = clusters[:, 0]
-    if init_full is None:
-        init = log_start.exp().view(M, kk)[first]
-    else:
-        init = (init_full @ trans).view(-1, M, kk)[torch.arange(len(first), device=first.device), first]
-
-    def trans_at(t: int) -> Tensor:
-        return blocks[clusters[:, t - 1], :, clusters[:, t], :]
-
-    return init, log_emit.exp()[batch.ids], trans_at
 
 
 class RankNeural(nn.Module):
@@ -202,29 +195,52 @@ class RankNeural(nn.Module):
 
 
 # -- losses -------------------------------------------------------------------------------------------
+class BlockedNLL(torch.autograd.Function):
+    """-log p(x) of a batch under a blocked HMM given by its log-potentials (log start (Z',), log trans
+    (Z', Z'), log emit (V, k')), differentiable in them: the forward pass is an exact forward-backward
+    (`blocked_hmm.expected_counts`), the backward pass hands back minus the expected counts, which are the
+    gradient of log p(x) with respect to the log-potentials. Autograd never runs through the DP.
+    Outputs (nll (), last (B, k')); `last` is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
+                ids: Tensor, lengths: Tensor, prior: Tensor | None):
+        counts = expected_counts(log_start, log_trans, log_emit, word_cluster, M, ids, lengths, prior)
+        dt = log_trans.dtype
+        ctx.save_for_backward(counts.start.to(dt), counts.trans.to(dt), counts.emit.to(dt))
+        last = counts.last.to(dt)
+        ctx.mark_non_differentiable(last)
+        return -counts.log_lik.sum().to(dt), last
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_last: Tensor | None):
+        start, trans, emit = ctx.saved_tensors
+        return -grad * start, -grad * trans, -grad * emit, None, None, None, None, None
+
+
 def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Tensor | None = None,
                  want_last: bool = False) -> tuple[Tensor, Tensor | None]:
     """Negative log-likelihood summed over the batch's tokens under the state-dropout mask `active`
-    (M, k'); with `want_last`, also the (detached) filtered posterior at each row's last position over
-    all states (B, M, k) for BPTT. `carry` (B, M, k) from the previous chunk replaces the start
-    distribution (restricted to the active states; rows left with no mass fall back to the start)."""
-    ls, lt, le = model.matrices(active)
+    (M, k') (`BlockedNLL`: exact, with the gradient from expected counts); with `want_last`, also the
+    filtered posterior at each row's last position over all states (B, M, k) for BPTT. `carry` (B, M, k)
+    from the previous chunk is the distribution of the state before position 0 (restricted to the active
+    states; rows left with no mass start from the start distribution)."""
+    ls, lt, le = model.slot_matrices(active)
     B = batch.ids.shape[0]
     rows = torch.arange(B, device=batch.ids.device)
-    init_full = None
+    prior = None
     if carry is not None:
         c = carry.gather(2, active.unsqueeze(0).expand(B, -1, -1)).reshape(B, -1)  # (B, M k')
-        tot = c.sum(1, keepdim=True)
-        init_full = torch.where(tot > 0, c / tot.clamp_min(1e-30), ls.exp().detach().expand(B, -1))
-    init, emit, trans = blocked_chain(ls, lt, le, model.M, batch, model.word_cluster, init_full)
-    log_cond, alphas = chain.forward_autograd(init, emit, trans, batch.lengths, keep_alphas=want_last)
+        prior = c / c.sum(1, keepdim=True).clamp_min(1e-30)
+    nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[batch.ids],
+                                   batch.lengths, prior)
     last = None
     if want_last:
         lastc = model.word_cluster[batch.ids[rows, batch.lengths - 1]]
-        full = alphas.new_zeros(B, model.M, model.k)
-        full[rows, lastc] = full[rows, lastc].scatter(1, active[lastc], chain.filtered_last(alphas, batch.lengths))
-        last = full.detach()
-    return -log_cond.sum(), last
+        full = torch.zeros(B, model.M, model.k, dtype=lt.dtype, device=lt.device)
+        full[rows, lastc] = full[rows, lastc].scatter(1, active[lastc], last_k)
+        last = full
+    return nll, last
 
 
 def rank_loss(model: RankNeural, batch: Batch) -> Tensor:
@@ -256,6 +272,9 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
     if ns.family == "blocked_hmm":
         from latentlm.training.brown import brown_clusters
 
+        if ns.clusters == 1:  # no emission constraint: every state may emit every word
+            model = VLHMM(V, torch.zeros(V, dtype=torch.long), 1, ns.states, ns.hidden, ns.state_embedding)
+            return model, {}
         res = brown_clusters(train_seqs, V, ns.clusters, progress=ns.progress)
         wc = torch.from_numpy(res.word_cluster)
         M = int(wc.max()) + 1
@@ -264,7 +283,7 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
 
             raise InputError(f"--clusters {ns.clusters}: the training data has only {M} distinct words",
                              param="clusters")
-        model = VLHMM(V, wc, M, ns.states // M, ns.hidden)
+        model = VLHMM(V, wc, M, ns.states // M, ns.hidden, ns.state_embedding)
         return model, {"clusters.txt": res.to_text(vocab.tokens).encode()}
     return RankNeural(V, ns.states, ns.rank, ns.hidden, ns.dropout or 0.0), {}
 
@@ -312,8 +331,9 @@ def train(ns: argparse.Namespace) -> Path:
     blocked = ns.family == "blocked_hmm"
     lr = ns.lr
     betas = (0.9, 0.999) if blocked else (0.99, 0.999)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0 if blocked else 0.01)
-    decay = 0.25 if blocked else 0.5
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0 if blocked else 0.01,
+                            fused=True)
+    decay = 1.0 / (ns.lr_decay or (4.0 if blocked else 2.0))
     history, pos = common.History(), Position()
     ckdir = common.checkpoint_dir(ns.store, ns.name)
     carry = None
@@ -357,6 +377,7 @@ def train(ns: argparse.Namespace) -> Path:
             batches = bptt_batches(train_seqs, ns.batch, ns.bptt, device)
         else:
             batches = common.bucket_batches(train_seqs, ns.batch, egen, device)
+        eval_at = {round(len(batches) * (i + 1) / ns.evals_per_epoch) for i in range(ns.evals_per_epoch)}
         first = pos.batch if epoch == pos.epoch else 0
         if first == 0:
             carry = None
@@ -377,7 +398,11 @@ def train(ns: argparse.Namespace) -> Path:
                     param="lr")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            if not math.isfinite(float(grad_norm)):
+                raise TrainingDiverged(
+                    f"--lr: the gradient became non-finite at step {pos.step + 1}; nothing was written. Try a "
+                    f"lower --lr than {opt.param_groups[0]['lr']:g}", param="lr")
             opt.step()
             pos.step += 1
             pos.tokens += ntok
@@ -385,7 +410,13 @@ def train(ns: argparse.Namespace) -> Path:
             last_batch = bi == len(batches) - 1
             at_limit = bool(ns.max_steps and pos.step >= ns.max_steps)
             final = last_batch and epoch == ns.epochs - 1
-            evaluating = (pos.step % ns.eval_every == 0 if ns.eval_every else last_batch) or final or at_limit
+            out_of_time = bool(ns.time_limit and time.perf_counter() - t0 >= ns.time_limit * 60)
+            at_limit = at_limit or out_of_time
+            if ns.eval_every:
+                evaluating = pos.step % ns.eval_every == 0
+            else:
+                evaluating = (bi + 1) in eval_at if ns.evals_per_epoch else last_batch
+            evaluating = evaluating or final or at_limit
             if evaluating:
                 ppl = evaluate()
                 bar.update(0, valid_ppl=ppl)
@@ -393,9 +424,11 @@ def train(ns: argparse.Namespace) -> Path:
                                seconds=time.perf_counter() - t0, train_ppl=math.exp(float(loss.detach())),
                                valid_ppl=ppl, lr=opt.param_groups[0]["lr"]):
                     best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
-                elif history.bad_evals >= ns.patience:
+                elif ns.patience and history.bad_evals >= ns.patience:
                     stop = True
-                else:
+                elif not ns.lr_patience or history.bad_evals % ns.lr_patience == 0:
+                    # plateau: decay at every evaluation without improvement, or (--lr-patience N) after
+                    # every N in a row (Chiu & Rush: x 1/4 after 8 checks)
                     for g in opt.param_groups:
                         g["lr"] *= decay
             if evaluating or stop or at_limit or (ns.checkpoint_every and pos.step % ns.checkpoint_every == 0):

@@ -48,8 +48,18 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "smoothing": (float, 1e-4, "hmm EM: pseudo-count added to every expected count (MAP-EM; 0 = plain EM)"),
     "dropout": (float, None, "rank_hmm: dropout on the start vector and the U/V embeddings (default 0.1)"),
     "state_dropout": (float, 0.5, "blocked_hmm: fraction of each cluster's states dropped per batch (lambda)"),
-    "patience": (int, 2, "early stopping / LR decay: evaluations without improvement before acting"),
-    "eval_every": (int, 0, "evaluate on validation every N steps (0 = once per epoch)"),
+    "patience": (int, 2, "early stopping: stop after this many evaluations in a row without improvement "
+                         "(0 = never stop early)"),
+    "lr_patience": (int, 0, "blocked_hmm, rank_hmm: decay the LR after every N evaluations in a row without "
+                            "improvement (0 = at each one)"),
+    "lr_decay": (float, None, "blocked_hmm, rank_hmm: divide the LR by this on a plateau (default 4 blocked_hmm, "
+                              "2 rank_hmm)"),
+    "eval_every": (int, 0, "evaluate on validation every N steps (0 = --evals-per-epoch times per epoch)"),
+    "evals_per_epoch": (int, 1, "blocked_hmm, rank_hmm: evaluations per epoch when --eval-every is 0"),
+    "time_limit": (float, 0.0, "blocked_hmm, rank_hmm: stop after this many minutes of training (wall clock; "
+                               "0 = no limit) and export the best evaluation"),
+    "state_embedding": (str, "factored", "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
+                                         "App. A.2) or 'independent' (one learned vector per state, App. A.3)"),
     "checkpoint_every": (int, None, "also checkpoint every N optimisation steps (blocked_hmm, rank_hmm; default "
                                     "200) or E-step batches (hmm, densehmm; default 0); 0 = only at evaluations / "
                                     "iteration ends; --resume continues from the exact batch"),
@@ -172,10 +182,17 @@ def validate(ns: argparse.Namespace) -> None:
             if not Path(f).is_file():
                 raise InputError(f"--data: {f}: no such file", param="data")
     for key in ("seed", "max_steps", "eval_every", "train_sentences", "valid_sentences", "bptt",
-                "checkpoint_every"):
+                "checkpoint_every", "patience", "lr_patience"):
         if (getattr(ns, key) or 0) < 0:
             raise InputError(f"--{key.replace('_', '-')}: must be >= 0, got {getattr(ns, key)}", param=key)
-    _need_positive(ns, "patience", "min_count", "max_vocab")
+    _need_positive(ns, "min_count", "max_vocab", "evals_per_epoch")
+    if not (ns.time_limit >= 0 and math.isfinite(ns.time_limit)):
+        raise InputError(f"--time-limit: must be a number of minutes >= 0, got {ns.time_limit}", param="time_limit")
+    if ns.lr_decay is not None and not (ns.lr_decay >= 1 and math.isfinite(ns.lr_decay)):
+        raise InputError(f"--lr-decay: must be a factor >= 1, got {ns.lr_decay}", param="lr_decay")
+    if ns.state_embedding not in ("factored", "independent"):
+        raise InputError(f"--state-embedding: expected 'factored' or 'independent', got {ns.state_embedding!r}",
+                         param="state_embedding")
     if ns.max_vocab < 3:
         raise InputError(f"--max-vocab: must be >= 3, got {ns.max_vocab}", param="max_vocab")
     if ns.device not in ("cpu", "auto") and not ns.device.startswith("cuda"):
