@@ -40,6 +40,8 @@ from typing import Any
 import orjson
 import redis
 import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from latentlm import ops
 from latentlm.models.errors import LatentLMError
@@ -168,7 +170,11 @@ class RedisJobStore:
                  timeout_s: float | None = REDIS_TIMEOUT_S):
         """`connect_timeout_s` / `timeout_s`: how long a command waits for an unreachable / hung Redis before it
         fails (503 on the routes). rq's blocking reads use their own connection (see `service.worker`)."""
-        self.redis = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s)
+        # one immediate retry on a connection error (a pooled connection that died with a restarted Redis) and
+        # none on a timeout, not redis-py's default of 10 with backoff: an unreachable Redis answers 503 at once,
+        # a hung one after one timeout
+        self.redis = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
+                                          retry=Retry(NoBackoff(), 1, (redis.exceptions.ConnectionError,)))
         self._commit = self.redis.register_script(self._COMMIT)
         self._acquire = self.redis.register_script(self._ACQUIRE)
         self._refresh = self.redis.register_script(self._REFRESH)
@@ -526,7 +532,8 @@ class LocalJobStore:
             for rec in list(self._pending.values()):
                 try:
                     self.put_batch(rec)
-                except StorageError:
+                    self.delete_chunks(rec["id"])  # what the failure could not delete then
+                except (StorageError, OSError):
                     break
             return len(self._pending)
 
@@ -986,7 +993,9 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
         if i in done:
             continue
         cur = store.get_batch(bid)
-        if cur is None or cur["status"] in TERMINAL:  # deleted, or finished by another worker
+        if cur is None or cur["status"] in TERMINAL:  # a worker frozen past its lease, resumed
+            log.warning("batch %s: %s; stopping", bid,
+                        "deleted meanwhile" if cur is None else f"{cur['status']}: finished by another worker")
             return cur["status"] if cur else None
         if cur.get("cancel_requested"):
             break
@@ -999,7 +1008,7 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
         ok = sum(1 for st, _ in results if st == 200)
         r = store.commit_chunk(bid, i, lines, ok, len(lines) - ok, b.get("expires_at"))
         if r < 0:
-            log.warning("batch %s: %s; stopping", bid, "deleted" if r == -1 else "finished by another worker")
+            log.warning("batch %s: %s; stopping", bid, "deleted meanwhile" if r == -1 else "finished by another worker")
             cur = store.get_batch(bid)
             return cur["status"] if cur else None
         out_bytes = out_bytes + sum(len(ln.encode()) + 1 for ln in lines) if r == 1 else store.output_bytes(bid)

@@ -73,6 +73,17 @@ def _worker_class():
     return Worker
 
 
+def _retire(w) -> None:
+    """Stop the pubsub thread of an rq worker whose teardown failed (Redis down): the next one has its own."""
+    t = getattr(w, "pubsub_thread", None)
+    if t is not None:
+        t.stop()
+        try:
+            w.pubsub.close()
+        except Exception:  # nothing to close properly without Redis
+            pass
+
+
 def run_worker(settings: Settings, burst: bool = False) -> None:
     """Blocking: process batch jobs until stopped (SIGTERM/SIGINT); survives Redis outages."""
     import redis
@@ -105,13 +116,16 @@ def run_worker(settings: Settings, burst: bool = False) -> None:
                 break
             w = worker_cls([queue], connection=conn)
             w.stop_event = stop
+            w.max_connection_wait_time = settings.redis_retry_max_s  # rq's own reconnect backoff (default 60 s)
             try:
                 w.work(burst=burst, logging_level="WARNING")
             except jobs.REDIS_DOWN as e:
                 log.warning("worker: lost Redis (%s: %s); reconnecting", type(e).__name__, e)
+                _retire(w)
                 continue
             except Exception:  # never exit on an error of rq's loop: log it and start the loop again
                 log.exception("worker: rq's work loop failed; starting it again")
+                _retire(w)
                 stop.wait(1.0)
                 continue
             if stop.is_set() or getattr(w, "_stop_requested", False):

@@ -124,3 +124,7 @@ def test_batch_cancel_before_a_worker_runs(c, store, tmp, redis_url):
         w.kill()
     assert done["status"] == "cancelled" and done["request_counts"]["completed"] == 0
     assert c.get(f"/v1/files/{done['output_file_id']}/content").text == ""
+    # finished: it can be deleted, with its output file
+    assert c.delete(f"/v1/batches/{b['id']}").json() == {"id": b["id"], "object": "batch", "deleted": True}
+    assert c.get(f"/v1/batches/{b['id']}").status_code == 404
+    assert c.get(f"/v1/files/{done['output_file_id']}").status_code == 404
