@@ -11,6 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -104,7 +106,8 @@ def describe_validation(errors: list[dict]) -> APIError:
 
 def install(app: FastAPI, on_error=None, retry_after_s: int = 1) -> None:
     """Exception handlers producing the error shape for every error; `on_error(status, type)` counts them.
-    Redis connection and timeout errors (an outage of the batch-job store) answer 503 with Retry-After."""
+    Redis connection and timeout errors (an outage of the batch-job store), and a Redis that refuses writes
+    (maxmemory on a noeviction instance, a read-only replica), answer 503 with Retry-After."""
 
     def respond(e: APIError) -> Response:
         if on_error is not None:
@@ -136,6 +139,15 @@ def install(app: FastAPI, on_error=None, retry_after_s: int = 1) -> None:
 
     app.add_exception_handler(RedisConnectionError, _backend)
     app.add_exception_handler(RedisTimeoutError, _backend)
+
+    async def _backend_full(request: Request, e: Exception):
+        log.warning("Redis refused a write on %s %s: %s", request.method, request.url.path, e)
+        why = "out of memory (maxmemory reached)" if isinstance(e, RedisOutOfMemoryError) else "read-only"
+        return respond(APIError(503, f"batch backend unavailable: Redis is {why}; retry later",
+                                code="backend_unavailable", headers={"Retry-After": str(retry_after_s)}))
+
+    app.add_exception_handler(RedisOutOfMemoryError, _backend_full)
+    app.add_exception_handler(RedisReadOnlyError, _backend_full)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):

@@ -191,6 +191,24 @@ def test_worker_survives_redis_outage_and_resumes(store, tmp):
         rp.stop()
 
 
+def test_full_redis_answers_503(store, tmp_path):
+    """A noeviction Redis at maxmemory refuses writes: the routes answer 503, not 500."""
+    rp = RedisProc(tmp_path, aof=False)
+    try:
+        r = redis.Redis(port=rp.port)
+        r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + (1 << 20))
+        app = create_app(Settings(store=store, device="cpu", state_dir=tmp_path, redis_url=rp.url))
+        with TestClient(app) as c:
+            ready(c)
+            upload(c, score_lines(2, seed=25))  # a small file fits
+            big = c.post("/v1/files", files={"file": ("x.jsonl", b"{}\n" * 1_000_000)}, data={"purpose": "batch"})
+            e = err(big, 503, None, "out of memory")
+            assert e["code"] == "backend_unavailable" and big.headers["retry-after"] == "1"
+        r.close()
+    finally:
+        rp.stop()
+
+
 def _try_create(c, lines: list[dict]) -> dict | None:
     try:
         fid = upload(c, lines)
