@@ -103,6 +103,8 @@ class BlockedHMM(ChainFamily):
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         clusters = self._clusters(batch)
         init = self.start.view(self.M, self.k)[clusters[:, 0]]
+        if self.M == 1:  # no emission constraint: one shared matrix (GEMM steps, compiled engines)
+            return init, RowLookup(self.emit, batch.ids), self.trans
         return init, RowLookup(self.emit, batch.ids), self._block_fn(self.trans_blocks, clusters)
 
     @staticmethod
@@ -118,7 +120,8 @@ class BlockedHMM(ChainFamily):
     def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
         log_start, log_blocks, log_emit = self._logs
         clusters = self._clusters(batch)
-        return log_start[clusters[:, 0]], log_emit[batch.ids], self._block_fn(log_blocks, clusters)
+        step = log_blocks.view(self.k, self.k) if self.M == 1 else self._block_fn(log_blocks, clusters)
+        return log_start[clusters[:, 0]], log_emit[batch.ids], step
 
     @property
     def states_per_token(self) -> int:

@@ -37,7 +37,18 @@ SEQS = [[1], [0, 5], [2, 3, 4], [5, 1, 1, 0], [3, 2, 0, 4, 1]]
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_against_brute_force(family, seed):
-    model = make(family, seed)
+    check_brute(make(family, seed))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_blocked_with_one_cluster_is_a_dense_hmm_against_brute_force(seed):
+    """M = 1 (no emission constraint) runs the shared-matrix path."""
+    model = make("blocked_hmm", seed, M=1, k=4)
+    assert isinstance(model.chain(Batch.from_lists(SEQS))[2], torch.Tensor)
+    check_brute(model)
+
+
+def check_brute(model):
     batch = Batch.from_lists(SEQS)
     logp, cond = model.score(batch)
     state_ids, probs = model.posterior(batch)
