@@ -257,6 +257,8 @@ def test_frozen_worker_does_not_rewrite_a_completed_batch(store, tmp, rserver, r
         assert c.get(f"/v1/files/{done['output_file_id']}").json() == out
         assert c.get(f"/v1/files/{done['output_file_id']}/content").content == content
         assert a.alive(), a.output()
+        print(f"\nFIGURES frozen worker: resumed {time.time() - done['completed_at']:.1f} s after the batch completed; "
+              "batch and output unchanged")
     finally:
         os.kill(a.p.pid, signal.SIGCONT)
         a.kill()
@@ -527,6 +529,8 @@ def test_local_runner_read_only_jobs_dir(store, tmp):
             e = failed["errors"]["data"][0]
             assert e["code"] == "storage_unavailable" and "Permission denied" in e["message"], e
             assert 2 <= failed["request_counts"]["completed"] < 30 and failed["output_file_id"] is None
+            print(f"\nFIGURES read-only jobs dir: failed after {failed['request_counts']['completed']} of 30 lines: "
+                  f"{e['message']}")
             r = c.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "batch"})
             assert err(r, 503, None, "Permission denied")["code"] == "storage_unavailable"
             assert r.headers["retry-after"] == "1"
@@ -588,6 +592,7 @@ def test_local_runner_full_disk(store, small_disk):
         e = failed["errors"]["data"][0]
         assert e["code"] == "storage_unavailable" and "No space left on device" in e["message"], e
         assert failed["request_counts"]["completed"] < 30 and failed["output_file_id"] is None
+        print(f"\nFIGURES full disk: failed after {failed['request_counts']['completed']} of 30 lines: {e['message']}")
         _no_tmp(jobs_dir)
         r = c.post("/v1/files", files={"file": ("x.jsonl", b"{}\n" * 40000)}, data={"purpose": "batch"})
         assert err(r, 503, None, "No space left")["code"] == "storage_unavailable"
