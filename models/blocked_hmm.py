@@ -190,18 +190,22 @@ def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word
     gradient of the log-likelihood without differentiating through the dynamic program. Counts come back in
     `log_trans`'s dtype; `log_lik` and `last` in `dtype`.
 
-    Numerics: the recursion accumulates in `dtype` (float64 by default), each position's emission row
-    shifted by its maximum; the transition matrix is exponentiated in `log_trans`'s dtype, and if that
-    underflows a whole path (a zero scale), the batch is recomputed with the matrix in `dtype`. On CPU
+    Numerics: the recursion accumulates in `dtype` (float64 by default; M == 1 first tries `log_trans`'s
+    dtype), each position's emission row shifted by its maximum; the transition matrix is exponentiated in
+    `log_trans`'s dtype, and if anything underflows or overflows (a zero scale, non-finite counts), the
+    batch is recomputed in `dtype` throughout. On CPU
     with numba, M > 1 runs the compiled sweep (`kernels.blocked`); M == 1 (no emission constraint) runs
     the shared-matrix GEMM path. O(B T k'^2) for the DP and the counts (one GEMM per (cluster, cluster) block
     that the batch steps through), O(B Z'^2) more with a prior (one GEMM)."""
     with torch.no_grad():
         out_dtype = log_trans.dtype
-        for trans_dtype in dict.fromkeys((out_dtype, dtype)):
+        # (matrix dtype, DP dtype) tried in turn; with one cluster every row of the shared matrix has an entry
+        # >= 1/Z', so the DP runs in the matrix's own dtype first (GEMM steps at full speed)
+        attempts = [(out_dtype, out_dtype if M == 1 else dtype), (dtype, dtype)]
+        for trans_dtype, dp_dtype in dict.fromkeys(attempts):
             trans = log_trans.detach().to(trans_dtype).exp()
-            res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, prior, dtype)
-            if bool(torch.isfinite(res.log_lik).all()):
+            res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, prior, dp_dtype)
+            if bool(torch.isfinite(res.log_lik).all()) and bool(torch.isfinite(res.trans).all()):
                 break
         return BlockCounts(res.start.to(out_dtype), res.trans.to(out_dtype), res.emit.to(out_dtype), res.log_lik,
                            res.last)
@@ -236,11 +240,12 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
         step: Trans = trans if M == 1 else BlockedHMM._block_fn(trans.view(M, kk, M, kk), clusters)
         step = step.to(dtype) if isinstance(step, Tensor) else (lambda t, f=step: f(t).to(dtype))
         log_cond, alphas = chain.forward(init, emit, step, lengths, keep_alphas=True, chunk_long=False)
-        betas = chain.backward(emit, step, lengths, log_cond).clamp_max(blocked_kernels.BIG)
+        cap = blocked_kernels.BIG if dtype == torch.float64 else torch.finfo(dtype).max * 1e-8
+        betas = chain.backward(emit, step, lengths, log_cond).clamp_max(cap)
         gamma = alphas * betas
         gamma = gamma / gamma.sum(-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
         gamma = gamma.masked_fill(~mask.unsqueeze(-1), 0.0)
-        right = (emit * betas / log_cond.exp().unsqueeze(-1)).clamp_max(blocked_kernels.BIG)
+        right = (emit * betas / log_cond.exp().unsqueeze(-1)).clamp_max(cap)
         right = right.masked_fill(~mask.unsqueeze(-1), 0.0)
     log_cond = log_cond.masked_fill(~mask, 0.0)
     if M == 1:
