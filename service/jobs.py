@@ -449,7 +449,10 @@ class LocalJobStore:
         except FileNotFoundError:
             return None
         if _expired(meta):
-            self.delete_file(fid)
+            try:
+                self.delete_file(fid)
+            except StorageError as e:
+                log.warning("expired file %s not deleted: %s", fid, e.message)
             return None
         return meta
 

@@ -75,7 +75,7 @@ def _worker_class():
 
 def _retire(w) -> None:
     """Stop the pubsub thread of an rq worker whose teardown failed (Redis down): the next one has its own."""
-    t = getattr(w, "pubsub_thread", None)
+    t = getattr(w, "pubsub_thread", None) if w is not None else None
     if t is not None:
         t.stop()
         try:
@@ -114,10 +114,11 @@ def run_worker(settings: Settings, burst: bool = False) -> None:
                 signal.signal(sig, on_signal)
             if not jobs.wait_for_redis(conn, settings.redis_retry_max_s, stop):
                 break
-            w = worker_cls([queue], connection=conn)
-            w.stop_event = stop
-            w.max_connection_wait_time = settings.redis_retry_max_s  # rq's own reconnect backoff (default 60 s)
+            w = None
             try:
+                w = worker_cls([queue], connection=conn)
+                w.stop_event = stop
+                w.max_connection_wait_time = settings.redis_retry_max_s  # rq's reconnect backoff (default 60 s)
                 w.work(burst=burst, logging_level="WARNING")
             except jobs.REDIS_DOWN as e:
                 log.warning("worker: lost Redis (%s: %s); reconnecting", type(e).__name__, e)
