@@ -14,6 +14,8 @@ import logging
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from latentlm.service.metrics import Metrics
 from latentlm.service.settings import Settings
@@ -62,8 +64,10 @@ class ResponseCache:
 
     def __init__(self, url: str, ttl_s: int, metrics: Metrics, settings: Settings | None = None):
         s = settings or Settings()
+        # no retries (redis-py retries 10 times by default): a hung cache costs one timeout, not eleven
         self.redis = aioredis.Redis.from_url(url, socket_timeout=s.cache_timeout_s,
-                                             socket_connect_timeout=s.cache_timeout_s)
+                                             socket_connect_timeout=s.cache_timeout_s,
+                                             retry=Retry(NoBackoff(), 0))
         self.ttl, self.metrics = ttl_s, metrics
         self.breaker = CircuitBreaker(s.cache_breaker_failures, s.cache_breaker_cooldown_s)
 
