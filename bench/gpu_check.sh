@@ -38,48 +38,14 @@ if [ -z "$YARD" ]; then
   if [ "$SMALL" = 1 ] && [ ! -f "$YARD" ]; then YARD="$ROOT/bench/small_yardstick.py"; fi
 fi
 YARD="$(cd "$(dirname "$YARD")" 2>/dev/null && pwd)/$(basename "$YARD")"
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x "$ROOT/.venv/bin/python" ] && "$ROOT/.venv/bin/python" -c "import torch" 2>/dev/null; then
-    PYTHON="$ROOT/.venv/bin/python"
-  else
-    PYTHON=python3
-  fi
-fi
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
-WORK="$(mktemp -d /tmp/latentlm-gpucheck.XXXXXX)"
 T_START=$(date +%s)
+# shellcheck source=bench/gpu_env.sh
+. "$ROOT/bench/gpu_env.sh"  # $PYTHON, $WORK, an importable `latentlm` without installing the repository
 
-# importable `latentlm` without installing the repository
-mkdir -p "$WORK/pkg/latentlm"
-for f in "$ROOT"/latentlm/*; do
-  case "$(basename "$f")" in __pycache__) ;; *) ln -s "$f" "$WORK/pkg/latentlm/$(basename "$f")" ;; esac
-done
-for d in models service training; do
-  [ -d "$ROOT/$d" ] && ln -sfn "$ROOT/$d" "$WORK/pkg/latentlm/$d"
-done
-export PYTHONPATH="$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}"
-
-# the service's packages the GPU machine lacks, from wheels in .whl/ (pure-python or cp312 manylinux x86_64),
-# installed into a private dir that is put first on PYTHONPATH for the service section (c) only
-WHEELS="none in .whl/"
-SVC_PATH="$PYTHONPATH"
-if "$PYTHON" -c "import fastapi, uvicorn, pydantic, starlette" 2>/dev/null; then
-  WHEELS="not needed (fastapi importable)"
-elif ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
-  if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$ROOT"/.whl/*.whl \
-      > "$WORK/pip.log" 2>&1; then
-    SVC_PATH="$WORK/site:$PYTHONPATH"
-    WHEELS="installed $(ls "$ROOT"/.whl/*.whl | wc -l) wheels from .whl/ into a private dir"
-  elif "$PYTHON" -c "import glob, sys, zipfile
-for w in sorted(glob.glob(sys.argv[1] + '/*.whl')):
-    zipfile.ZipFile(w).extractall(sys.argv[2])" "$ROOT/.whl" "$WORK/site" 2>>"$WORK/pip.log"; then
-    SVC_PATH="$WORK/site:$PYTHONPATH"  # no pip: a wheel is a zip of importable files
-    WHEELS="unzipped $(ls "$ROOT"/.whl/*.whl | wc -l) wheels from .whl/ (pip failed: $(tail -1 "$WORK/pip.log"))"
-  else
-    WHEELS="could not install .whl/: $(tail -3 "$WORK/pip.log" | tr '\n' ' ')"
-  fi
-fi
+# the service's packages the GPU machine lacks, from wheels in .whl/, for the service section (c) only
+private_wheels "import fastapi, uvicorn, pydantic, starlette"
 
 SUFFIX=""; SMALLARG=""
 if [ "$SMALL" = 1 ]; then SUFFIX="_small"; SMALLARG="--small"; fi

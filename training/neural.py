@@ -347,7 +347,7 @@ def train(ns: argparse.Namespace) -> Path:
         carry = tensors.get("carry")
         carry = carry.to(device) if carry is not None else None
         t0 -= state.get("seconds", 0.0)
-        if state.get("early_stopped") or (ns.max_steps and pos.step >= ns.max_steps):
+        if state.get("early_stopped") or ns.export_only or (ns.max_steps and pos.step >= ns.max_steps):
             pos.epoch = ns.epochs  # nothing left to do: export the best parameters again
     vbatches = common.bucket_batches(valid_seqs, 256, device=device)
     k = model.k if blocked else 0

@@ -58,6 +58,8 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "evals_per_epoch": (int, 1, "blocked_hmm, rank_hmm: evaluations per epoch when --eval-every is 0"),
     "time_limit": (float, 0.0, "blocked_hmm, rank_hmm: stop after this many minutes of training (wall clock; "
                                "0 = no limit) and export the best evaluation"),
+    "export_only": (bool, False, "blocked_hmm, rank_hmm, with --resume: export the checkpoint's best parameters "
+                                 "again without training (e.g. a checkpoint brought back from a GPU run)"),
     "state_embedding": (str, "factored", "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
                                          "App. A.2) or 'independent' (one learned vector per state, App. A.3)"),
     "checkpoint_every": (int, None, "also checkpoint every N optimisation steps (blocked_hmm, rank_hmm; default "
@@ -190,6 +192,9 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--time-limit: must be a number of minutes >= 0, got {ns.time_limit}", param="time_limit")
     if ns.lr_decay is not None and not (ns.lr_decay >= 1 and math.isfinite(ns.lr_decay)):
         raise InputError(f"--lr-decay: must be a factor >= 1, got {ns.lr_decay}", param="lr_decay")
+    if ns.export_only and (not ns.resume or ns.family not in ("blocked_hmm", "rank_hmm")):
+        raise InputError("--export-only: needs --resume and --family blocked_hmm or rank_hmm (it exports an "
+                         "existing checkpoint of a neural HMM)", param="export_only")
     if ns.state_embedding not in ("factored", "independent"):
         raise InputError(f"--state-embedding: expected 'factored' or 'independent', got {ns.state_embedding!r}",
                          param="state_embedding")

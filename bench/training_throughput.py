@@ -1,0 +1,205 @@
+"""Training-step throughput of the neural HMM trainers on CPU, against the matmul peak and the previous
+training path, measured in one process.
+
+    python bench/training_throughput.py [--threads 2] [--steps 8] [--configs t3-brown,t3-none,...]
+                                        [--out bench/results/training_throughput.md]
+
+One optimisation step = parameter construction (forward), the loss (blocked_hmm: exact forward-backward
+expected counts, `neural.BlockedNLL`; rank_hmm: autograd through the rank-space forward), the backward pass
+and AdamW. FLOPs counted are the GEMMs of parameter construction, forward and backward (3x the forward
+GEMMs): transition logits Z'^2 h, emission logits V k' h (blocked; V Z h unconstrained; V r h rank), state
+MLPs; the DP itself is O(B T k'^2) and not counted. The peak is the float32 GEMM rate at the transition
+logits' shape measured in the same run. The baseline ("autograd DP") is the previous blocked_hmm loss:
+every word's logits against every active state, then autograd through the scaled forward with per-step
+gathered blocks. Word clusters are random (sizes balanced), tokens random: the cost does not depend on
+the data. Results are appended to --out with the machine, date and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from latentlm.models import chain
+from latentlm.models.base import Batch
+from latentlm.training import neural
+
+V = 10_000
+CONFIGS = {
+    # name: (family, states, clusters or rank, hidden, batch, bptt, state dropout, state embedding)
+    "t3-brown": ("blocked_hmm", 1024, 8, 256, 16, 32, 0.0, "independent"),
+    "t3-none": ("blocked_hmm", 1024, 1, 256, 16, 32, 0.0, "independent"),
+    "m128-k8": ("blocked_hmm", 1024, 128, 256, 16, 32, 0.5, "factored"),
+    "vl-4k": ("blocked_hmm", 4096, 128, 256, 64, 35, 0.5, "factored"),
+    "vl-16k": ("blocked_hmm", 16384, 128, 256, 64, 35, 0.5, "factored"),
+    "rank-1k": ("rank_hmm", 1024, 256, 128, 64, 35, 0.0, ""),
+    "rank-4k": ("rank_hmm", 4096, 1024, 256, 64, 35, 0.0, ""),
+}
+
+
+def timed(fn, steps: int) -> float:
+    """Median seconds per call after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def gemm_peak(m: int, k: int, n: int) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return 2 * m * k * n / timed(lambda: a @ b, 10)
+
+
+def old_blocked_loss(model: neural.VLHMM, batch: Batch, active: torch.Tensor) -> torch.Tensor:
+    """The previous path: emission logits of every word against every active state (V x Z'), then autograd
+    through `chain.forward_autograd` with (B, k', k') blocks gathered per step."""
+    M, k = model.M, model.k
+    kk = active.shape[1]
+    states = (torch.arange(M)[:, None] * k + active).reshape(-1)
+    H = model.state_reprs(states)
+    log_trans = torch.log_softmax(H["out"] @ H["in"].T, dim=-1)
+    log_start = torch.log_softmax(H["in"] @ model.start_vec, dim=0)
+    word_emb = model.word_emb_by_slot[model.word_slot]
+    logits = (word_emb @ H["emit"].T).view(V, M, kk)
+    wl = logits[torch.arange(V), model.word_cluster]
+    top = wl.max().detach()
+    lse = torch.zeros(M, kk).index_add_(0, model.word_cluster, (wl - top).exp()).log() + top
+    log_emit = wl - lse[model.word_cluster]
+    clusters = model.word_cluster[batch.ids]
+    blocks = log_trans.exp().view(M, kk, M, kk)
+    init = log_start.exp().view(M, kk)[clusters[:, 0]]
+    log_cond, _ = chain.forward_autograd(init, log_emit.exp()[batch.ids],
+                                         lambda t: blocks[clusters[:, t - 1], :, clusters[:, t], :], batch.lengths)
+    return -log_cond.sum()
+
+
+def flops(family: str, Z: int, c: int, h: int, keep: float, emb: str) -> float:
+    """GEMM flops of one step (forward + backward = 3x forward) for the config."""
+    if family == "rank_hmm":
+        r = c
+        fwd = 2 * (2 * Z * r * h + V * r * h + 3 * r * h * h) + 2 * r * Z * r  # U, V, emission, h2, V U^T
+        return 3.0 * fwd
+    Zp = int(Z * keep)
+    kk = Zp // c
+    mlp_layers = 6 if emb == "factored" else 3  # ResBlock = 2 linears, per role
+    fwd = 2 * (Zp * Zp * h + V * kk * h + mlp_layers * 2 * Zp * h * h)
+    return 3.0 * fwd
+
+
+def run_config(name: str, steps: int, baseline: bool) -> dict:
+    family, Z, c, h, B, T, drop, emb = CONFIGS[name]
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batch = Batch(torch.randint(0, V, (B, T), generator=g), torch.full((B,), T))
+    row: dict = {"config": name, "family": family, "states": Z, "hidden": h, "tokens/step": B * T}
+    if family == "rank_hmm":
+        model = neural.RankNeural(V, Z, c, h, 0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+        def step():
+            loss = neural.rank_loss(model, batch) / (B * T)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+        row.update(rank=c, clusters="", keep=Z)
+        keep_frac = 1.0
+    else:
+        wc = torch.arange(V) % c
+        model = neural.VLHMM(V, wc[torch.randperm(V, generator=g)], c, Z // c, h, emb)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        k = Z // c
+        keep = k - round(k * drop)
+        keep_frac = keep / k
+        carry = [None]
+
+        def step():
+            active = neural.sample_state_dropout(c, k, keep, g)
+            nll, carry[0] = neural.blocked_loss(model, batch, active, carry[0], want_last=True)
+            opt.zero_grad()
+            (nll / (B * T)).backward()
+            opt.step()
+
+        row.update(rank="", clusters=c, keep=c * keep)
+    sec = timed(step, steps)
+    fl = flops(family, Z, c, h, keep_frac, emb)
+    Zp = int(Z * keep_frac)
+    peak = gemm_peak(Zp, h, Zp) if family != "rank_hmm" else gemm_peak(Z, h, c)
+    row.update(step_ms=sec * 1e3, tok_s=B * T / sec, gflop=fl / 1e9, gflops=fl / sec / 1e9, peak=peak / 1e9,
+               pct=100 * fl / sec / peak, epoch_min=929_589 / (B * T) * sec / 60)
+    if baseline and family == "blocked_hmm" and Zp <= 4096:
+        opt2 = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        k = Z // c
+        keep = k - round(k * drop)
+
+        def old_step():
+            active = neural.sample_state_dropout(c, k, keep, g)
+            loss = old_blocked_loss(model, batch, active) / (B * T)
+            opt2.zero_grad()
+            loss.backward()
+            opt2.step()
+
+        old = timed(old_step, max(3, steps // 2))
+        row.update(old_ms=old * 1e3, speedup=old / sec)
+    return row
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "")
+        flags = next((ln for ln in out.splitlines() if ln.startswith("Flags")), "")
+        ext = [f for f in ("avx512f", "avx2", "fma") if f" {f}" in flags]
+        return f"{model} ({', '.join(ext)})"
+    except OSError:
+        return platform.processor()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--configs", default="t3-brown,t3-none,m128-k8,vl-4k,rank-1k")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/training_throughput.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.configs.split(","):
+        row = run_config(name, args.steps, not args.no_baseline)
+        rows.append(row)
+        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
+    lines = [f"\n## {dt.date.today().isoformat()}: {cpu_name()}, {args.threads} torch threads, torch "
+             f"{torch.__version__}, load average before the run {' '.join(load)}\n",
+             f"Command: `python {' '.join(sys.argv)}`\n",
+             "| config | family | states (kept per step) | clusters / rank | hidden | tokens/step | ms/step | "
+             "tokens/s | GFLOP/step | GFLOP/s | GEMM peak GFLOP/s | % of peak | min/epoch (PTB) | previous path "
+             "ms/step | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['family']} | {r['states']} ({r['keep']}) | {r['clusters'] or r['rank']} "
+                     f"| {r['hidden']} | {r['tokens/step']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
+                     f"{r['gflop']:.2f} | {r['gflops']:.1f} | {r['peak']:.1f} | {r['pct']:.0f}% | "
+                     f"{r['epoch_min']:.1f} | {r.get('old_ms', math.nan):.1f} | {r.get('speedup', math.nan):.2f}x |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
