@@ -69,11 +69,14 @@ def old_blocked_loss(model: neural.VLHMM, batch: Batch, active: torch.Tensor) ->
     M, k = model.M, model.k
     kk = active.shape[1]
     states = (torch.arange(M)[:, None] * k + active).reshape(-1)
-    H = model.state_reprs(states)
-    log_trans = torch.log_softmax(H["out"] @ H["in"].T, dim=-1)
-    log_start = torch.log_softmax(H["in"] @ model.start_vec, dim=0)
+    start, trans = model.start_and_trans_logits(states)
+    log_trans = torch.log_softmax(trans, dim=-1)
+    log_start = torch.log_softmax(start, dim=0)
     word_emb = model.word_emb_by_slot[model.word_slot]
-    logits = (word_emb @ H["emit"].T).view(V, M, kk)
+    logits = word_emb @ model.emission_reprs(states).T
+    if model.word_bias_by_slot is not None:
+        logits = logits + model.word_bias_by_slot[model.word_slot][:, None]
+    logits = logits.view(V, M, kk)
     wl = logits[torch.arange(V), model.word_cluster]
     top = wl.max().detach()
     lse = torch.zeros(M, kk).index_add_(0, model.word_cluster, (wl - top).exp()).log() + top

@@ -84,42 +84,66 @@ class VLHMM(nn.Module):
     (V, k') over the active states (all states when active is None). O(Z'^2 h + V k' h): each word's
     emission logits are built against its own cluster's states only.
 
-    `state_embedding` "factored" (App. A.2, eq. 9): [E_m(cluster); E_z(state)] composed by a residual MLP
-    per role, then the role's MLP; "independent" (App. A.3, the emission-constraint ablations of Table 3):
-    a learned E_z (Z, h) fed to each role's MLP (eq. 7-8)."""
+    `state_embedding`:
+    * "factored" (App. A.2, eq. 9): [E_m(cluster); E_z(state)] composed by a residual MLP per role, then the
+      role's MLP (eq. 7) gives H_out, H_in, H_emit; trans = softmax(H_out H_in^T), start = softmax(H_in w_s),
+      emission logits H_emit E_x^T.
+    * "independent" (App. A.3, the emission-constraint ablations of Table 3), as the authors' public code
+      builds it: one embedding (Z, h) per role, initialised N(0, 1); trans logits = MLP(E_trans) W_next^T with
+      W_next (Z, h) a free output vector per next state; start logits = MLP(E_start) w + b; emission logits =
+      MLP(E_emit) W_x^T + b_x with a per-word bias b_x (an output layer over the vocabulary). The paper's text
+      (eq. 8) feeds one E_z to every role and has no word bias; we follow the code, which reproduces Table 3.
+    """
 
     def __init__(self, V: int, word_cluster: Tensor, M: int, k: int, h: int, state_embedding: str = "factored"):
         super().__init__()
         self.V, self.M, self.k, self.h = V, M, k, h
         self.state_embedding = state_embedding
+        Z = M * k
         self.register_buffer("word_cluster", word_cluster.clone())
         if state_embedding == "factored":
             half = max(1, h // 2)
             self.cluster_emb = nn.Parameter(torch.randn(M, half) * 0.1)
-            self.state_emb = nn.Parameter(torch.randn(M * k, h - half) * 0.1)
+            self.state_emb = nn.Parameter(torch.randn(Z, h - half) * 0.1)
             self.compose = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
+            self.mlp = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
+            self.start_vec = nn.Parameter(torch.randn(h) * 0.1)
+            self.word_bias_by_slot = None
         elif state_embedding == "independent":
-            self.state_emb = nn.Parameter(torch.randn(M * k, h) * 0.1)
+            bound = 1.0 / math.sqrt(h)  # nn.Linear's default initialisation of an output layer
+            self.state_emb = nn.Parameter(torch.randn(3, Z, h))  # start, trans, emit roles
+            self.mlp = nn.ModuleDict({r: ResBlock(h) for r in ("start", "out", "emit")})
+            self.start_out = nn.Linear(h, 1)
+            self.next_state = nn.Parameter(torch.empty(Z, h).uniform_(-bound, bound))
+            self.word_bias_by_slot = nn.Parameter(torch.empty(V).uniform_(-bound, bound))
         else:
             raise ValueError(f"state_embedding: expected 'factored' or 'independent', got {state_embedding!r}")
-        self.mlp = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
-        self.start_vec = nn.Parameter(torch.randn(h) * 0.1)
         # words in cluster order ("slots"): slot i holds word word_order[i]; word_slot is the inverse.
         # The word embeddings are stored by slot, so each cluster's words are one contiguous block.
         order = torch.argsort(word_cluster, stable=True)
         self.register_buffer("word_order", order)
         self.register_buffer("word_slot", torch.argsort(order))
         self.register_buffer("slot_cluster", word_cluster[order])
-        self.word_emb_by_slot = nn.Parameter(torch.randn(V, h) * 0.1)
+        self.word_emb_by_slot = nn.Parameter(
+            torch.randn(V, h) * 0.1 if state_embedding == "factored"
+            else torch.empty(V, h).uniform_(-1.0 / math.sqrt(h), 1.0 / math.sqrt(h)))
         self.cluster_sizes = torch.bincount(word_cluster, minlength=M).tolist()
 
-    def state_reprs(self, states: Tensor) -> dict[str, Tensor]:
-        """H_role (n, h) for global state ids `states` (n,)."""
+    def emission_reprs(self, states: Tensor) -> Tensor:
+        """H_emit (n, h) of global state ids `states` (n,): the state vectors `embed` serves."""
         if self.state_embedding == "independent":
-            e = self.state_emb[states]
-            return {r: self.mlp[r](e) for r in ("out", "in", "emit")}
+            return self.mlp["emit"](self.state_emb[2, states])
         e = torch.cat([self.cluster_emb[states // self.k], self.state_emb[states]], -1)
-        return {r: self.mlp[r](self.compose[r](e)) for r in ("out", "in", "emit")}
+        return self.mlp["emit"](self.compose["emit"](e))
+
+    def start_and_trans_logits(self, states: Tensor) -> tuple[Tensor, Tensor]:
+        """Start logits (n,) and transition logits (n, n) among global state ids `states` (n,)."""
+        if self.state_embedding == "independent":
+            start = self.start_out(self.mlp["start"](self.state_emb[0, states])).squeeze(-1)
+            return start, self.mlp["out"](self.state_emb[1, states]) @ self.next_state[states].T
+        e = torch.cat([self.cluster_emb[states // self.k], self.state_emb[states]], -1)
+        h_out, h_in = (self.mlp[r](self.compose[r](e)) for r in ("out", "in"))
+        return h_in @ self.start_vec, h_out @ h_in.T
 
     def matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(log start (Z',), log trans (Z', Z'), log emit (V, k') by word id)."""
@@ -130,24 +154,27 @@ class VLHMM(nn.Module):
         """`matrices` with the emission rows by slot (cluster order): what training uses (no gather)."""
         M, k = self.M, self.k
         if active is None:
-            active = torch.arange(k, device=self.state_emb.device).expand(M, k)
+            active = torch.arange(k, device=self.word_cluster.device).expand(M, k)
         kk = active.shape[1]
         states = (torch.arange(M, device=active.device)[:, None] * k + active).reshape(-1)  # (M kk,)
-        H = self.state_reprs(states)
-        log_trans = torch.log_softmax(H["out"] @ H["in"].T, dim=-1)
-        log_start = torch.log_softmax(H["in"] @ self.start_vec, dim=0)
+        start, trans = self.start_and_trans_logits(states)
         # emission: per cluster, its words' logits against its own k' states, normalised over those words
-        emit_states = H["emit"].view(M, kk, -1)
+        emit_states = self.emission_reprs(states).view(M, kk, -1)
         words = self.word_emb_by_slot.split(self.cluster_sizes)
-        parts = [torch.log_softmax(w @ emit_states[m].T, dim=0) for m, w in enumerate(words)]
-        return log_start, log_trans, torch.cat(parts)  # emission (V, kk) by slot
+        if self.word_bias_by_slot is None:
+            parts = [torch.log_softmax(w @ emit_states[m].T, dim=0) for m, w in enumerate(words)]
+        else:
+            bias = self.word_bias_by_slot.split(self.cluster_sizes)
+            parts = [torch.log_softmax(torch.addmm(b[:, None], w, emit_states[m].T), dim=0)
+                     for m, (w, b) in enumerate(zip(words, bias, strict=True))]
+        return torch.log_softmax(start, 0), torch.log_softmax(trans, -1), torch.cat(parts)  # emission by slot
 
     def export_tensors(self) -> dict[str, Tensor]:
         """Cached `blocked_hmm` tensors (float64-normalised, stored float32)."""
         with torch.no_grad():
             ls, lt, le = (t.double() for t in self.matrices(None))
             # each state's emission-side representation H_emit (Z, h), served by `embed`
-            state_vectors = self.state_reprs(torch.arange(self.M * self.k, device=self.state_emb.device))["emit"]
+            state_vectors = self.emission_reprs(torch.arange(self.M * self.k, device=self.word_cluster.device))
         start, trans, emit = ls.exp(), lt.exp(), le.exp()
         per_state = torch.zeros(self.M, self.k, dtype=torch.float64).index_add_(0, self.word_cluster.cpu(),
                                                                                  emit.cpu())
