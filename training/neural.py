@@ -315,9 +315,19 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
     return RankNeural(V, ns.states, ns.rank, ns.hidden, ns.dropout or 0.0), {}
 
 
-def family_scorer(model: nn.Module, family: str):
+def exported_tensors(model: nn.Module, ns: argparse.Namespace, train_seqs: list[list[int]], eos: int | None
+                     ) -> dict[str, Tensor]:
+    """The tensors the artifact stores: the family's cached matrices, with a BPTT-trained VL-HMM's sentence
+    start replaced by the state distribution after `<eos>` (`fix_start_for_streams`)."""
+    tensors = model.export_tensors()
+    if ns.family == "blocked_hmm" and ns.bptt:
+        tensors = fix_start_for_streams(model, tensors, train_seqs, eos)
+    return tensors
+
+
+def family_scorer(model: nn.Module, family: str, tensors: dict[str, Tensor] | None = None):
     """Score function over the exported tensors through the family's own inference (what the service runs)."""
-    t = model.export_tensors()
+    t = model.export_tensors() if tensors is None else tensors
     if family == "blocked_hmm":
         impl = BlockedHMM.from_tensors(t, {"num_clusters": model.M})
     else:
@@ -387,9 +397,9 @@ def train(ns: argparse.Namespace) -> Path:
         best_state = {k2[5:]: v for k2, v in common.load_checkpoint(ckdir)[0].items() if k2.startswith("best.")} \
             or best_state
 
-    def evaluate() -> float:
+    def evaluate() -> float:  # the validation perplexity of exactly what would be exported now
         model.eval()
-        score, _ = family_scorer(model, ns.family)
+        score, _ = family_scorer(model, ns.family, exported_tensors(model, ns, train_seqs, vocab.eos_id))
         ppl = common.evaluate(score, vbatches)
         model.train()
         return ppl
@@ -470,9 +480,7 @@ def train(ns: argparse.Namespace) -> Path:
     bar.close()
     model.load_state_dict(best_state)
     model.eval()
-    tensors = model.export_tensors()
-    if blocked and ns.bptt:
-        tensors = fix_start_for_streams(model, tensors, train_seqs, vocab.eos_id)
+    tensors = exported_tensors(model, ns, train_seqs, vocab.eos_id)
     config = ({"num_states": model.M * model.k, "num_clusters": model.M, "states_per_cluster": model.k,
                "hidden": ns.hidden, "state_dropout": ns.state_dropout} if blocked else
               {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout})

@@ -107,6 +107,10 @@ def test_blocked_hmm_bptt_streams_run(tmp_path):
     path = neural.train(ns)
     art = load_artifact(path)
     assert art.config["num_states"] == 16
+    # the training-time validation scores what is exported (with the sentence start after <eos>)
+    best = json.loads((path / "manifest.json").read_text())["provenance"]["best_valid_ppl"]
+    res = corpus_perplexity(tmp_path, ns.name, str(valid_file(tmp_path, 100)))
+    assert abs(res["perplexity"] - best) / best < 1e-4
 
 
 def test_densehmm_exports_hmm_with_vectors(tmp_path):
