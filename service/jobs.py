@@ -449,10 +449,7 @@ class LocalJobStore:
         except FileNotFoundError:
             return None
         if _expired(meta):
-            try:
-                self.delete_file(fid)
-            except StorageError as e:
-                log.warning("expired file %s not deleted: %s", fid, e.message)
+            self._drop_expired("file", fid, self.delete_file)
             return None
         return meta
 
@@ -496,12 +493,17 @@ class LocalJobStore:
         with self._lock:
             b = self._read_batch(bid)
         if b is not None and _expired(b):
-            try:
-                self.delete_batch(bid)
-            except StorageError as e:
-                log.warning("expired batch %s not deleted: %s", bid, e.message)
+            self._drop_expired("batch", bid, self.delete_batch)
             return None
         return b
+
+    @staticmethod
+    def _drop_expired(kind: str, ident: str, delete) -> None:
+        """Delete an expired file or batch on access; a store that refuses (read-only disk) only logs."""
+        try:
+            delete(ident)
+        except StorageError as e:
+            log.warning("expired %s %s not deleted: %s", kind, ident, e.message)
 
     def transition(self, bid: str, fields: dict, token: str | None = None,
                    files: list[tuple[dict, bytes]] = ()) -> bool:
