@@ -32,11 +32,12 @@ def test_state_dropout_keeps_exactly_keep_states_per_cluster(M, k, keep):
     assert bool((seen == 1).all())  # every state gets kept sometimes
 
 
-def test_vlhmm_matrices_normalised_and_dropout_chain_is_a_blocked_hmm():
+@pytest.mark.parametrize("state_embedding", ["factored", "independent"])
+def test_vlhmm_matrices_normalised_and_dropout_chain_is_a_blocked_hmm(state_embedding):
     torch.manual_seed(0)
     V, M, k = 30, 3, 4
     wc = torch.arange(V) % M
-    m = neural.VLHMM(V, wc, M, k, 16).double()
+    m = neural.VLHMM(V, wc, M, k, 16, state_embedding).double()
     active = neural.sample_state_dropout(M, k, 2, torch.Generator().manual_seed(1))
     ls, lt, le = m.matrices(active)
     assert torch.allclose(ls.exp().sum(), torch.tensor(1.0, dtype=torch.float64))
