@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -51,9 +53,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         load = asyncio.get_running_loop().run_in_executor(state.loader, state.reload_models)
         load.add_done_callback(lambda f: f.exception() and log.error("model loading failed: %s", f.exception()))
         state.runner.start()
+        restore = install_sigterm(state)
         try:
             yield
         finally:
+            restore()
             state.runner.stop()
             await state.batcher.stop()
             if state.cache is not None:
@@ -73,7 +77,50 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings, app.state.registry, app.state.batcher, app.state.metrics = (
         settings, state.registry, state.batcher, metrics)
     errors.install(app, on_error=metrics.error, retry_after_s=settings.retry_after_s)
-    app.add_middleware(Guard, settings=settings, metrics=metrics)
+    app.add_middleware(Guard, settings=settings, metrics=metrics, state=state)
     for router in (health.router, models.router, batches.router, explorer.router):
         app.include_router(router)
     return app
+
+
+def install_sigterm(state: ServiceState):
+    """Put a SIGTERM handler in front of the server's (uvicorn's, which closes the listening socket at once and
+    cuts requests off after its own timeout): /ready and new work answer 503 at once while the socket stays open,
+    in-flight requests get `shutdown_grace_s` to finish (`ServiceState.drain`), then the server's handler runs. A
+    second SIGTERM goes to the server's handler at once. Only under a server that handles SIGTERM in the main
+    thread (not in TestClient). Returns the function that puts the server's handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.getsignal(signal.SIGTERM)
+    if not callable(previous):
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    tasks: list[asyncio.Task] = []  # holds the drain task (the loop keeps only a weak reference)
+    started = [False]
+
+    def chain(sig: int, frame) -> None:
+        previous(sig, frame)
+
+    async def drain_then_exit(sig: int) -> None:
+        try:
+            out = await state.drain()
+            log.warning("drained after %.2f s (%d left, %d answered 503)", out["waited_s"], out["left"],
+                        out["answered_503"])
+        finally:
+            chain(sig, None)
+
+    def handler(sig: int, frame) -> None:
+        if started[0]:  # a second SIGTERM: stop now
+            chain(sig, frame)
+            return
+        started[0] = True
+        state.draining = True  # /ready and new work answer 503 from now on
+        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain_then_exit(sig))))
+
+    signal.signal(signal.SIGTERM, handler)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is handler:
+            signal.signal(signal.SIGTERM, previous)
+
+    return restore

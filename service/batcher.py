@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from latentlm import ops
+from latentlm.service.errors import ShuttingDown
 from latentlm.service.metrics import Metrics
 
 log = logging.getLogger("latentlm.service")
@@ -71,32 +72,47 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wait_children: dict[str, Any] = {}
+        self._refusing = False  # after fail_pending: new work raises ShuttingDown
+        self._running: list[_Item] = []  # the batch the inference thread computes now (guarded by _cv)
         metrics.queue_depth.set_function(lambda: self.depth)  # read at scrape time, not set per request
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._stopping = False
+        self._stopping = self._refusing = False
         self._thread = threading.Thread(target=self._worker, name="latentlm-infer", daemon=True)
         self._thread.start()
 
     async def stop(self) -> None:
-        """Stop taking batches; queued requests fail (a batch in flight finishes, its results are dropped)."""
+        """Stop taking batches; queued requests fail with ShuttingDown (503; a batch in flight finishes, its
+        results are dropped)."""
         with self._cv:
             self._stopping = True
-            left = [it for q in self.queues.values() for it in q.items]
-            self.queues.clear()
-            self.depth = 0
             self._cv.notify()
-        for it in left:
-            if not it.future.done():
-                it.future.set_exception(RuntimeError("the batcher stopped"))
+        self.fail_pending()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 1.0)
+
+    def fail_pending(self) -> int:
+        """Event loop: answer every queued request and the batch being computed with ShuttingDown (503); the
+        computation itself runs to its end and its results are dropped. Returns how many were answered."""
+        with self._cv:
+            self._refusing = True
+            left = [it for q in self.queues.values() for it in q.items] + self._running
+            self.queues.clear()
+            self.depth = 0
+        n = 0
+        for it in left:
+            if not it.future.done():
+                it.future.set_exception(ShuttingDown())
+                n += 1
+        return n
 
     # -- submitting (event loop) ----------------------------------------------------------------------
     def _enqueue(self, key: tuple, make_queue: Callable[[], _Queue], item: _Item) -> None:
         with self._cv:
+            if self._refusing:
+                raise ShuttingDown()
             if self.depth >= self.max_queue:
                 raise QueueFull(f"{self.depth} requests are queued (limit {self.max_queue}); retry later")
             q = self.queues.get(key)
@@ -149,6 +165,7 @@ class Batcher:
     def _next(self) -> tuple[_Queue, list[_Item]] | None:
         """Block until a batch is due; pop it (None when stopping). Holds _cv only while not computing."""
         with self._cv:
+            self._running = []  # the previous batch is delivered
             while True:
                 if self._stopping:
                     return None
@@ -166,6 +183,7 @@ class Batcher:
                     continue
                 items = self._take(key)
                 if items:
+                    self._running = items
                     return q, items
 
     def _take(self, key: tuple) -> list[_Item]:

@@ -46,6 +46,16 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
+class ShuttingDown(Exception):
+    """The service received SIGTERM: work it can no longer finish is answered 503 (`shutting_down`)."""
+
+
+def shutting_down(retry_after_s: int = 1) -> APIError:
+    """503 + Retry-After + Connection: close in the error shape: the client retries on another instance."""
+    return APIError(503, "the server is shutting down; retry on another instance", code="shutting_down",
+                    headers={"Retry-After": str(retry_after_s), "Connection": "close"})
+
+
 def from_model_error(e: LatentLMError) -> APIError:
     """InputError -> 422, ModelNotFound -> 404, LimitExceeded -> 413, UnsupportedOperation -> 400."""
     if isinstance(e, ModelNotFound):
@@ -121,6 +131,10 @@ def install(app: FastAPI, on_error=None, retry_after_s: int = 1) -> None:
     @app.exception_handler(LatentLMError)
     async def _model(request: Request, e: LatentLMError):
         return respond(from_model_error(e))
+
+    @app.exception_handler(ShuttingDown)
+    async def _stopping(request: Request, e: ShuttingDown):
+        return respond(shutting_down(retry_after_s))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, e: RequestValidationError):

@@ -11,14 +11,15 @@ from latentlm.service.errors import APIError
 from latentlm.service.metrics import Metrics
 from latentlm.service.settings import Settings
 
+WORK = ("POST", "PUT", "PATCH", "DELETE")  # methods refused with 503 once SIGTERM was received
 BODY = "latentlm.body"  # scope key: the request body, read (and bounded) once here
 
 
 class Guard:
     """ASGI middleware: payload limit (413 before the app sees the body) and request metrics."""
 
-    def __init__(self, app, settings: Settings, metrics: Metrics):
-        self.app, self.settings, self.metrics = app, settings, metrics
+    def __init__(self, app, settings: Settings, metrics: Metrics, state=None):
+        self.app, self.settings, self.metrics, self.state = app, settings, metrics, state
         self.keys = settings.keys  # parsed once
 
     async def __call__(self, scope, receive, send):
@@ -32,8 +33,16 @@ class Guard:
                 status[0] = msg["status"]
             await send(msg)
 
+        state = self.state
+        if state is not None:
+            state.inflight += 1
         try:
             path = route_path(scope)
+            if state is not None and state.draining and path.startswith("/v1") and scope["method"] in WORK:
+                e = state.shutting_down()  # new work after SIGTERM: 503 JSON (the load balancer moves on)
+                self.metrics.error(503, "shutting_down")
+                await errors.error_response(e)(scope, _empty_receive, send_)
+                return
             if self.keys and path.startswith("/v1"):  # the explorer page (/) and its assets need no key
                 denied = self._auth(scope)
                 if denied is not None:
@@ -56,6 +65,8 @@ class Guard:
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_)
         finally:
+            if state is not None:
+                state.inflight -= 1
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"
             self.metrics.observe_request(label, scope["method"], status[0], time.perf_counter() - start)

@@ -47,6 +47,8 @@ class Settings:
     job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
     job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
     retry_after_s: int = 1
+    shutdown_grace_s: float = 20.0       # SIGTERM: /ready 503 and new work 503 at once; in-flight requests get this
+                                         # long to finish, then what is left is answered 503 and uvicorn stops
     job_retention_s: int = 604_800       # files and batches (chunks, outputs) deleted this long after creation
                                          # (`expires_at`; Redis keys get the same TTL); 0 = kept forever
     job_sweep_interval_s: float = 300.0  # how often the local runner and `latentlm worker` delete expired jobs

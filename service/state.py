@@ -3,7 +3,10 @@ cache, batch-job store and runner), reached from a route through the `get_state`
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,10 +15,12 @@ from fastapi import Request
 
 from latentlm.service.batcher import Batcher, QueueFull
 from latentlm.service.cache import ResponseCache
-from latentlm.service.errors import APIError
+from latentlm.service.errors import APIError, shutting_down
 from latentlm.service.metrics import Metrics
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
+
+log = logging.getLogger("latentlm.service")
 
 
 @dataclass
@@ -28,6 +33,27 @@ class ServiceState:
     cache: ResponseCache | None = None
     jobs: Any = None  # jobs.LocalJobStore or jobs.RedisJobStore, set at startup
     runner: Any = None  # jobs.LocalRunner or jobs.RQRunner
+    draining: bool = False  # SIGTERM received: /ready 503, new work 503 (`Guard`)
+    inflight: int = 0  # HTTP requests inside the app now (counted by `Guard`)
+
+    def shutting_down(self) -> APIError:
+        return shutting_down(self.settings.retry_after_s)
+
+    async def drain(self) -> dict[str, float]:
+        """After SIGTERM: refuse new work at once, wait up to `shutdown_grace_s` for the requests in flight, then
+        answer what is still queued or computing with 503. Returns {"waited_s", "left", "answered_503"}."""
+        self.draining = True
+        start = time.monotonic()
+        deadline = start + self.settings.shutdown_grace_s
+        log.warning("shutting down: %d request(s) in flight, grace %.1f s", self.inflight,
+                    self.settings.shutdown_grace_s)
+        while self.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.inflight
+        answered = self.batcher.fail_pending()
+        if answered:
+            log.warning("shutdown grace over: %d queued or running request(s) answered 503", answered)
+        return {"waited_s": time.monotonic() - start, "left": left, "answered_503": answered}
 
     def ensure_ready(self) -> None:
         """503 with Retry-After until every model has been loaded (or failed to load)."""

@@ -22,7 +22,11 @@ async def health() -> dict:
 
 @router.get("/ready")
 async def ready(state: ServiceState = Depends(get_state)) -> Response:
-    """200 once every model in the store has been loaded (or failed to load); 503 before."""
+    """200 once every model in the store has been loaded (or failed to load); 503 before, and from the moment
+    the process receives SIGTERM (`shutting_down`)."""
+    if state.draining:
+        return Response(json.dumps({"status": "shutting_down"}), status_code=503, media_type=JSON,
+                        headers={"Retry-After": str(state.settings.retry_after_s)})
     if not state.registry.ready:
         return Response(json.dumps({"status": "loading"}), status_code=503, media_type=JSON,
                         headers={"Retry-After": str(state.settings.retry_after_s)})
