@@ -15,6 +15,7 @@ import threading
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 
 from latentlm.service import errors, jobs
 from latentlm.service.batcher import Batcher
@@ -23,6 +24,7 @@ from latentlm.service.metrics import Metrics
 from latentlm.service.middleware import Guard
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.routes import batches, explorer, health, models, operations
+from latentlm.service.schemas import ERROR_SCHEMA
 from latentlm.service.settings import Settings
 from latentlm.service.state import ServiceState
 
@@ -80,7 +82,72 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(Guard, settings=settings, metrics=metrics, state=state)
     for router in (health.router, models.router, batches.router, explorer.router):
         app.include_router(router)
+    app.openapi = lambda: openapi_document(app, settings)  # type: ignore[method-assign]
     return app
+
+
+OPERATION_PATHS = {f"/v1/{op}" for op in ("score", "posterior", "decode", "embed", "sample")}
+WHY = {400: "the body is not JSON, or the model does not support the operation",
+       401: "missing or invalid API key", 404: "no such model, file, batch or route",
+       405: "method not allowed (see the Allow header)", 409: "conflict with the resource's state",
+       413: "a size limit or budget exceeded (the limit is named)",
+       422: "invalid value (`param` names the field)", 429: "queue full or rate limit: retry after Retry-After",
+       503: "not ready, shutting down, or the batch backend is unavailable: retry after Retry-After"}
+
+
+def error_codes(method: str, path: str, op: dict, settings: Settings) -> list[int]:
+    """The error statuses one operation of the document can answer (each in the `Error` shape)."""
+    codes = set()
+    if path.startswith("/v1"):
+        if settings.keys:
+            codes.add(401)
+        if settings.rate_limit_per_key > 0:
+            codes.add(429)
+        if method in ("post", "put", "patch", "delete"):
+            codes.add(503)  # shutting down
+        if method == "post":
+            codes |= {400, 413}
+        if "{" in path:
+            codes.add(404)
+        if op.get("requestBody") or op.get("parameters"):
+            codes.add(422)
+        if path.startswith(("/v1/files", "/v1/batches")):
+            codes.add(503)  # batch backend unavailable
+        if method == "delete" or path.endswith("curve.png"):
+            codes.add(409)
+    if path in OPERATION_PATHS:
+        codes |= {400, 404, 413, 422, 429, 503}
+    if path == "/v1/models/{model_id}":
+        codes.add(405)  # GET /v1/models/reload
+    if path in ("/metrics", "/docs", "/redoc", "/openapi.json") and settings.protect_docs and settings.keys:
+        codes.add(401)
+    return sorted(codes)
+
+
+def openapi_document(app: FastAPI, settings: Settings) -> dict:
+    """FastAPI's document with the truth added: every error status each operation can answer with the `Error`
+    body (FastAPI's own 422 schema replaced), and the HTTP bearer scheme on /v1 when API keys are set."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    comps = doc.setdefault("components", {})
+    schemas = comps.setdefault("schemas", {})
+    schemas["Error"] = ERROR_SCHEMA
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    ref = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    if settings.keys:
+        comps["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
+                                               "description": "one of LATENTLM_API_KEYS"}}
+    for path, item in doc.get("paths", {}).items():
+        for method, op in item.items():
+            responses = op.setdefault("responses", {})
+            for code in error_codes(method, path, op, settings):
+                responses[str(code)] = {"description": WHY[code], "content": ref}
+            if settings.keys and (path.startswith("/v1") or settings.protect_docs and path == "/metrics"):
+                op["security"] = [{"bearer": []}]
+    app.openapi_schema = doc
+    return doc
 
 
 def install_sigterm(state: ServiceState):

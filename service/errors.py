@@ -114,6 +114,28 @@ def describe_validation(errors: list[dict]) -> APIError:
     return APIError(422, f"{param}: {msg}", param=param, code="invalid_value")
 
 
+def allowed_methods(app: Any, scope: dict) -> list[str]:
+    """Every method some route accepts on this path (OPTIONS included; HEAD where Starlette adds it to GET). A
+    route with a literal path shadows parameter routes that also match (`/v1/models/reload` is not a model id)."""
+    from starlette.routing import Match
+
+    path = scope.get("path", "")
+    matched = [r for r in _flat(app.router.routes) if r.matches({**scope, "method": "GET"})[0] != Match.NONE
+               or r.matches({**scope, "method": "POST"})[0] != Match.NONE]
+    literal = [r for r in matched if getattr(r, "path", None) == path]
+    methods = {m for r in (literal or matched) for m in (getattr(r, "methods", None) or {"GET", "HEAD"})}
+    return sorted(methods | {"OPTIONS"}) if methods else []
+
+
+def _flat(routes: list) -> list:
+    """Routes with the routers included without a prefix (FastAPI's `_IncludedRouter`) opened up."""
+    out = []
+    for r in routes:
+        inner = getattr(r, "original_router", None)
+        out.extend(_flat(inner.routes) if inner is not None else [r])
+    return out
+
+
 def install(app: FastAPI, on_error=None, retry_after_s: int = 1) -> None:
     """Exception handlers producing the error shape for every error; `on_error(status, type)` counts them.
     Redis connection and timeout errors (an outage of the batch-job store), and a Redis that refuses writes
@@ -142,10 +164,16 @@ def install(app: FastAPI, on_error=None, retry_after_s: int = 1) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
+        headers = dict(e.headers or {})
+        if e.status_code == 405:
+            allow = allowed_methods(request.app, request.scope)
+            if request.method == "OPTIONS" and allow:  # no route handles OPTIONS itself: answer it here
+                return Response(status_code=204, headers={"Allow": ", ".join(allow)})
+            headers["Allow"] = ", ".join(allow)
         msg = {404: f"no route {request.url.path}", 405: f"method {request.method} not allowed on {request.url.path}"}
         return respond(APIError(e.status_code, msg.get(e.status_code, str(e.detail)),
                                 code={404: "unknown_route", 405: "method_not_allowed"}.get(e.status_code),
-                                headers=dict(e.headers or {})))
+                                headers=headers))
 
     async def _backend(request: Request, e: Exception):
         log.warning("Redis unavailable on %s %s: %s", request.method, request.url.path, e)

@@ -1,4 +1,6 @@
-"""Request bodies of the operation endpoints (pydantic; unknown fields are rejected, naming the field).
+"""Request bodies of the operation endpoints (pydantic; unknown fields are rejected, naming the field). Integer
+fields take JSON integers only (`n: 312.0` and `true` are rejected 422 naming the field, as token ids are); number
+fields take integers and floats, never booleans. `ERROR_SCHEMA`: the error body every route answers errors with.
 
 Option names and meanings follow the CLI: `token_logprobs`; `top_k` (null or "all" = every state);
 `method` viterbi|mbr; `n`, `max_tokens`, `seed`, `prefix`, `temperature`, `stop_at_eos`; `causal`."""
@@ -95,6 +97,13 @@ class SampleRequest(_Base):
     stop_at_eos: StrictBool = Field(True, description="end a sample after <eos>")
     stream: StrictBool = Field(False, description="server-sent events, one per sample, ending 'data: [DONE]'")
 
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _t_type(cls, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
+        return v
+
     @field_validator("temperature")
     @classmethod
     def _t(cls, v):
@@ -106,3 +115,12 @@ class SampleRequest(_Base):
 REQUESTS: dict[str, type[_Base]] = {"score": ScoreRequest, "posterior": PosteriorRequest, "decode": DecodeRequest,
                                     "sample": SampleRequest, "embed": EmbedRequest}
 assert tuple(REQUESTS) == tuple(sorted(REQUESTS, key=OPERATIONS.index)) and set(REQUESTS) == set(OPERATIONS)
+
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "Error", "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "param", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "the field at fault"},
+        "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}},
+}

@@ -39,6 +39,10 @@ class Settings:
     max_file_bytes: int = 200_000_000    # /v1/files upload before 413
     max_sample_tokens: int = 100_000     # n * max_tokens of one /v1/sample before 413
     api_keys: str = ""                   # comma-separated bearer keys; empty = no auth
+    protect_docs: bool = False           # with api_keys: /metrics, /docs, /redoc and /openapi.json need a key too
+    rate_limit_per_key: float = 0.0      # requests per second per API key (or per client address without keys)
+                                         # on /v1; 0 = no limit; over it: 429 + Retry-After
+    rate_limit_burst: int = 0            # requests a key may send at once above the rate (0 = max(1, 2 x rate))
     redis_url: str = ""                  # REDIS_URL: cache + batch-job queue
     cache_url: str = ""                  # LATENTLM_CACHE_URL: cache on another Redis (default REDIS_URL)
     cache_ttl_s: int = 3600

@@ -20,7 +20,7 @@ async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.get("/ready", responses={503: {"description": "models still loading, or shutting down (SIGTERM)"}})
 async def ready(state: ServiceState = Depends(get_state)) -> Response:
     """200 once every model in the store has been loaded (or failed to load); 503 before, and from the moment
     the process receives SIGTERM (`shutting_down`)."""
@@ -34,7 +34,9 @@ async def ready(state: ServiceState = Depends(get_state)) -> Response:
                                 "failed": state.registry.failed}), media_type=JSON)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition format"}})
 async def metrics(state: ServiceState = Depends(get_state)) -> Response:
     """Prometheus text format: request duration, queue wait and depth, batch sizes, tokens, errors, cache."""
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -26,6 +26,9 @@ async def list_models(state: ServiceState = Depends(get_state)) -> dict:
 
 @router.get("/models/{model_id}")
 async def get_model(model_id: str, state: ServiceState = Depends(get_state)) -> dict:
+    if model_id == "reload" and "reload" not in state.registry.models:  # the POST-only route, not a model id
+        raise APIError(405, "method GET not allowed on /v1/models/reload; use POST", code="method_not_allowed",
+                       headers={"Allow": "OPTIONS, POST"})
     return state.registry.get(model_id).describe()
 
 

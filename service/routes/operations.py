@@ -153,7 +153,9 @@ async def embed(req: EmbedRequest, state: ServiceState = Depends(get_state)) -> 
     return await run_batched("embed", req, state)
 
 
-@router.post("/sample")
+@router.post("/sample", responses={200: {"content": {
+    "application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    "description": "the samples; with `stream: true` server-sent events, one per sample, then `data: [DONE]`"}})
 async def sample(req: SampleRequest, state: ServiceState = Depends(get_state)) -> Response:
     """n samples (continuations of `prefix`); `stream: true` sends one SSE event per sample."""
     state.ensure_ready()
