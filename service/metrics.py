@@ -36,6 +36,8 @@ class Metrics:
                                      "circuit breaker is open", registry=r)
         self.cache_breaker_trips = Counter("latentlm_cache_breaker_trips", "times the cache circuit breaker "
                                            "opened", registry=r)
+        self.rate_limit_errors = Counter("latentlm_rate_limit_errors", "rate-limit checks skipped because "
+                                         "Redis failed (the request was let through)", registry=r)
         self.models_loaded = Gauge("latentlm_models_loaded", "models currently served", registry=r)
         self._durations: dict[tuple[str, str, int], Histogram] = {}
 

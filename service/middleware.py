@@ -3,7 +3,10 @@ the body) and request metrics. Pure ASGI (no Request objects), so it costs micro
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import logging
+import math
 import time
 
 from latentlm.service import errors
@@ -13,6 +16,8 @@ from latentlm.service.settings import Settings
 
 WORK = ("POST", "PUT", "PATCH", "DELETE")  # methods refused with 503 once SIGTERM was received
 BODY = "latentlm.body"  # scope key: the request body, read (and bounded) once here
+DOCS = ("/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")  # behind the key: protect_docs
+log = logging.getLogger("latentlm.service")
 
 
 class Guard:
@@ -21,6 +26,8 @@ class Guard:
     def __init__(self, app, settings: Settings, metrics: Metrics, state=None):
         self.app, self.settings, self.metrics, self.state = app, settings, metrics, state
         self.keys = settings.keys  # parsed once
+        self.protected = ("/v1", *DOCS) if self.keys and settings.protect_docs else ("/v1",)
+        self.limiter = make_limiter(settings, metrics) if settings.rate_limit_per_key > 0 else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -43,11 +50,20 @@ class Guard:
                 self.metrics.error(503, "shutting_down")
                 await errors.error_response(e)(scope, _empty_receive, send_)
                 return
-            if self.keys and path.startswith("/v1"):  # the explorer page (/) and its assets need no key
+            if self.keys and path.startswith(self.protected):  # the explorer page (/) and its assets need no key
                 denied = self._auth(scope)
                 if denied is not None:
                     self.metrics.error(401, denied.code or "auth")
                     await errors.error_response(denied)(scope, _empty_receive, send_)
+                    return
+            if self.limiter is not None and path.startswith("/v1"):
+                wait = await self.limiter.take(client_id(scope, bool(self.keys)))
+                if wait is not None:
+                    e = APIError(429, f"rate limit of {self.settings.rate_limit_per_key:g} requests/s per key "
+                                 f"exceeded (LATENTLM_RATE_LIMIT_PER_KEY); retry after {wait:.2f} s",
+                                 code="rate_limited", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+                    self.metrics.error(429, "rate_limited")
+                    await errors.error_response(e)(scope, _empty_receive, send_)
                     return
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 s = self.settings
@@ -73,6 +89,94 @@ class Guard:
 
     def _auth(self, scope) -> APIError | None:
         return check_auth(scope, self.keys)
+
+
+def client_id(scope, keyed: bool) -> str:
+    """Who a rate limit applies to: a SHA-256 of the bearer key (the key itself is never stored or logged), or
+    the client address without keys."""
+    if keyed:
+        value = next((v for k, v in scope.get("headers", []) if k == b"authorization"), b"")
+        return "k:" + hashlib.sha256(value.partition(b" ")[2].strip()).hexdigest()[:32]
+    client = scope.get("client") or ("unknown", 0)
+    return f"a:{client[0]}"
+
+
+class LocalRateLimiter:
+    """Token buckets in this process: `rate` tokens per second, at most `burst`; one token per request."""
+
+    MAX_CLIENTS = 100_000  # buckets kept; full ones (idle clients) are dropped beyond it
+
+    def __init__(self, rate: float, burst: int):
+        self.rate, self.burst = rate, burst
+        self.buckets: dict[str, tuple[float, float]] = {}  # id -> (tokens, time)
+
+    async def take(self, ident: str) -> float | None:
+        """None when the request may go; else the seconds until a token is free."""
+        now = time.monotonic()
+        tokens, then = self.buckets.get(ident, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens >= 1:
+            self.buckets[ident] = (tokens - 1, now)
+            if len(self.buckets) > self.MAX_CLIENTS:
+                self._prune(now)
+            return None
+        self.buckets[ident] = (tokens, now)
+        return (1 - tokens) / self.rate
+
+    def _prune(self, now: float) -> None:
+        full = [k for k, (t, ts) in self.buckets.items() if t + (now - ts) * self.rate >= self.burst]
+        for k in full:
+            del self.buckets[k]
+
+
+# One token bucket per client in a Redis hash, updated atomically by one script with Redis's own clock (so API
+# processes on several machines share one limit); the key expires once the bucket would be full again.
+TOKEN_BUCKET = """
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local v = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens, ts = tonumber(v[1]) or burst, tonumber(v[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local wait = 0
+if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return tostring(wait)
+"""
+
+
+class RedisRateLimiter:
+    """The token bucket of `LocalRateLimiter`, shared in Redis by every API process (atomic: one Lua script). A
+    Redis that fails or times out lets the request through (logged, counted in `latentlm_rate_limit_errors`)."""
+
+    def __init__(self, url: str, rate: float, burst: int, timeout_s: float, metrics: Metrics | None = None):
+        import redis.asyncio as aioredis
+
+        self.rate, self.burst, self.metrics = rate, burst, metrics
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=32, timeout=timeout_s,
+                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.redis = aioredis.Redis(connection_pool=pool)  # waits for a free connection under concurrency
+        self.script = self.redis.register_script(TOKEN_BUCKET)
+
+    async def take(self, ident: str) -> float | None:
+        try:
+            wait = float(await self.script(keys=[f"latentlm:ratelimit:{ident}"], args=[self.rate, self.burst]))
+        except Exception as e:  # Redis down: no limit rather than no service
+            log.warning("rate limit check skipped: Redis unavailable (%s)", type(e).__name__)
+            if self.metrics is not None:
+                self.metrics.rate_limit_errors.inc()
+            return None
+        return wait if wait > 0 else None
+
+
+def make_limiter(settings: Settings, metrics: Metrics | None = None) -> LocalRateLimiter | RedisRateLimiter:
+    """Redis-backed where a cache or queue Redis is configured, else in this process."""
+    rate = settings.rate_limit_per_key
+    burst = settings.rate_limit_burst or max(1, math.ceil(2 * rate))
+    if settings.cache_redis_url:
+        return RedisRateLimiter(settings.cache_redis_url, rate, burst, max(settings.cache_timeout_s, 0.5), metrics)
+    return LocalRateLimiter(rate, burst)
 
 
 def route_path(scope) -> str:
