@@ -58,7 +58,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     app = create_app(settings)
     # httptools with each response's head and body in one write (service.transport); access lines are INFO
     # records, so below that level they are not formatted per request at all
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
+    # after the drain (settings.shutdown_grace_s, answered 503 beyond it), responses still being sent get 10 s more
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10,
                 http=CoalescingHttpToolsProtocol, access_log=args.log_level in ("info", "debug"),
                 server_header=False)
 
