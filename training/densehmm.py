@@ -1,14 +1,25 @@
-"""DenseHMM (Sicking et al.): transitions, emissions and start as softmaxes of dot products of learned
-vectors — state vectors u_i, transition-target vectors z_j, word vectors o_k, a start vector z_0:
+"""DenseHMM (Sicking et al., eqs. 2a-2c): every state i has an incoming vector u_i, an outgoing vector z_i and
+an emission vector w_i, every word k a vector v_k, and the start a vector z_start (all of length l = `--hidden`,
+drawn from N(0, 1) as in the paper's App. C):
 
-    A_ij = softmax_j(u_i . z_j),   B_ik = softmax_k(u_i . o_k),   pi_i = softmax_i(z_0 . u_i).
+    a_ij = softmax_j(u_j . z_i),   b_ik = softmax_k(v_k . w_i),   pi_i = softmax_i(u_i . z_start).
 
-Two fits: `em` — Baum-Welch E-step (`models.chain.expected_counts`) and a gradient M-step (Adam on the
-expected complete-data log-likelihood); `cooc` — direct fit of the bigram co-occurrence matrix
-Omega = B^T diag(pi) A B to the empirical bigram distribution (cross-entropy over observed pairs,
-stochastic over chunks of pairs). Checkpoints after every iteration (and every `--checkpoint-every`
-E-step batches / pair chunks) let `--resume` continue exactly. Exported as an `hmm` artifact carrying
-`state_vectors` (Z, d) and `word_vectors` (V, d)."""
+Two fits, as in the paper:
+- `em` (§3.1): Baum-Welch E-step (`baum_welch.e_step`), then a gradient M-step: Adam steps on the expected
+  complete-data log-likelihood (the Lagrangian L^dense of App. A) w.r.t. the vectors; the M-step keeps the
+  best iterate it visited (never worse than where it started), so each EM iteration is a generalised EM step
+  and the training likelihood does not decrease.
+- `cooc` (§3.2): full-batch Adam on the squared Frobenius distance || Omega_gt - B^T diag(pi) A B ||_F^2
+  between the empirical distribution of consecutive-observation pairs and the model's, with pi the
+  stationary distribution of A (a differentiable linear solve, not a parameter). Divided by ||Omega_gt||_F^2
+  (same minimiser). The exported start distribution is that stationary pi (the fit has no start).
+
+The previous variant (emissions from the transition vectors plus a per-word bias, start from the outgoing
+vectors, cross-entropy co-occurrence fit) is gone; its PTB rows stay in results/ptb_results.md for comparison
+(results/densehmm_results.md). Checkpoints after every iteration (em: also every `--checkpoint-every` E-step
+batches) let `--resume` continue exactly. Exported as an `hmm` artifact with `state_vectors` = W (Z, l),
+`word_vectors` = V (V, l) (their dot products are the emission logits), `state_in_vectors` = U,
+`state_out_vectors` = Z and `start_vector` = z_start."""
 
 from __future__ import annotations
 
@@ -24,51 +35,122 @@ from latentlm.training import baum_welch as bw
 from latentlm.training import common
 from latentlm.training.data import load_training_split
 
+M_STEPS = 25  # Adam steps per gradient M-step (em)
+COOC_STEPS = 50  # full-batch Adam steps per iteration (cooc)
+
 
 class DenseParams(nn.Module):
-    """Vectors of a DenseHMM; `probs()` -> HMMParams (start, trans, emit). O(Z^2 d + Z V d)."""
+    """The paper's vectors: u, z, w (n, l), v (m, l), z_start (l,). `probs()` -> HMMParams.
+    Building A, B, pi costs O(n^2 l + n m l)."""
 
-    def __init__(self, Z: int, V: int, d: int, generator: torch.Generator):
+    def __init__(self, n: int, m: int, l: int, generator: torch.Generator, dtype: torch.dtype = torch.float32):
         super().__init__()
-        def r(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.randn(*shape, generator=generator) * 0.5)
 
-        self.u, self.z, self.o, self.z0 = r(Z, d), r(Z, d), r(V, d), r(d)
-        self.emit_bias = nn.Parameter(torch.zeros(V))  # word frequency offset, shared by all states
+        def r(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype))
+
+        self.u, self.z, self.w, self.v, self.z_start = r(n, l), r(n, l), r(n, l), r(m, l), r(l)
+
+    def log_trans(self) -> Tensor:
+        """log A (n, n), log a_ij = u_j . z_i - logsumexp_k u_k . z_i (eq. 2a)."""
+        return torch.log_softmax(self.z @ self.u.T, 1)
+
+    def log_emit(self) -> Tensor:
+        """log B (n, m), log b_ik = v_k . w_i - logsumexp_k' v_k' . w_i (eq. 2b)."""
+        return torch.log_softmax(self.w @ self.v.T, 1)
+
+    def log_start(self) -> Tensor:
+        """log pi (n,), log pi_i = u_i . z_start - logsumexp_k u_k . z_start (eq. 2c)."""
+        return torch.log_softmax(self.u @ self.z_start, 0)
 
     def log_probs(self) -> tuple[Tensor, Tensor, Tensor]:
-        return (torch.log_softmax(self.u @ self.z0, 0), torch.log_softmax(self.u @ self.z.T, 1),
-                torch.log_softmax(self.u @ self.o.T + self.emit_bias, 1))
+        return self.log_start(), self.log_trans(), self.log_emit()
 
-    def probs(self) -> bw.HMMParams:
+    def probs(self, start: str = "param") -> bw.HMMParams:
+        """HMMParams with pi from z_start (`param`, eq. 2c) or the stationary distribution of A (`stationary`)."""
         with torch.no_grad():
             ls, lt, le = self.log_probs()
-        return bw.HMMParams(ls.exp(), lt.exp(), le.exp())
+            pi = ls.exp() if start == "param" else stationary(lt.exp())
+        return bw.HMMParams(pi, lt.exp(), le.exp())
+
+
+def stationary(A: Tensor) -> Tensor:
+    """Stationary distribution pi (n,) of a row-stochastic A (n, n) with all entries > 0 (softmax rows):
+    the solution of (I - A^T + 1 1^T) pi = 1, i.e. pi^T A = pi^T and sum(pi) = 1. Differentiable, O(n^3)."""
+    n = A.shape[0]
+    M = torch.eye(n, dtype=A.dtype, device=A.device) - A.T + 1.0
+    return torch.linalg.solve(M, torch.ones(n, dtype=A.dtype, device=A.device))
+
+
+def expected_loglik(model: DenseParams, counts: bw.Counts) -> Tensor:
+    """The M-step objective (App. A, L^dense): sum(counts * log params) / tokens. O(n^2 l + n m l)."""
+    ls, lt, le = model.log_probs()
+    dt = ls.dtype
+    obj = ((counts.start.to(dt) * ls).sum() + (counts.trans.to(dt) * lt).sum() + (counts.emit.to(dt) * le).sum())
+    return obj / float(counts.tokens)
 
 
 def gradient_m_step(model: DenseParams, counts: bw.Counts, opt: torch.optim.Optimizer, steps: int) -> float:
-    """Maximise sum(counts * log params) / tokens by `steps` optimiser steps; returns the final objective."""
-    cs, ct, ce = (c.float() for c in (counts.start, counts.trans, counts.emit))
-    n = float(counts.tokens)
-    obj = 0.0
-    for _ in range(steps):
-        ls, lt, le = model.log_probs()
-        loss = -((cs * ls).sum() + (ct * lt).sum() + (ce * le).sum()) / n
+    """`steps` Adam steps on `expected_loglik`; the parameters end at the best iterate visited (the start
+    included), so the objective never decreases. Returns it. O(steps (n^2 l + n m l))."""
+    best, best_state = -float("inf"), None
+    for s in range(steps + 1):
+        obj = expected_loglik(model, counts)
+        val = float(obj.detach())
+        if val > best:
+            best, best_state = val, {k: t.detach().clone() for k, t in model.state_dict().items()}
+        if s == steps:
+            break
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (-obj).backward()
         opt.step()
-        obj = -float(loss.detach())
-    return obj
+    if best_state is not None:
+        model.load_state_dict(best_state)
+    return best
 
 
-def cooc_loss(model: DenseParams, left: Tensor, right: Tensor, weight: Tensor) -> Tensor:
-    """-sum_w weight * log Omega[left, right] with Omega = B^T diag(pi) A B (pairs given as index lists).
-    O(V Z d + P Z) for P pairs."""
-    ls, lt, le = model.log_probs()
-    B = le.exp()  # (Z, V)
-    L = B.T @ (ls.exp()[:, None] * lt.exp())  # (V, Z): sum_i B_ia pi_i A_ij
-    omega = (L[left] * B.T[right]).sum(1)
-    return -(weight * omega.clamp_min(1e-30).log()).sum()
+def empirical_cooc(seqs: list[list[int]], m: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Relative frequencies of consecutive pairs (o_t, o_t+1) inside each sequence: a sparse COO (m, m)
+    tensor summing to 1. O(N)."""
+    left = torch.cat([torch.as_tensor(s[:-1], dtype=torch.long) for s in seqs if len(s) > 1])
+    right = torch.cat([torch.as_tensor(s[1:], dtype=torch.long) for s in seqs if len(s) > 1])
+    omega = torch.sparse_coo_tensor(torch.stack([left, right]), torch.ones(len(left), dtype=dtype), (m, m),
+                                    check_invariants=True)
+    omega = omega.coalesce()
+    return omega / float(len(left))
+
+
+def model_cooc(trans: Tensor, emit: Tensor) -> Tensor:
+    """Dense Omega = B^T diag(pi) A B (m, m) with pi the stationary distribution of A (eq. 3). O(n m^2)."""
+    pi = stationary(trans)
+    return emit.T @ (pi[:, None] * trans) @ emit
+
+
+def cooc_objective(model: DenseParams, omega: Tensor, omega_sq: float) -> Tensor:
+    """||Omega_gt - B^T Theta B||_F^2 / ||Omega_gt||_F^2 with Theta = diag(pi) A, pi stationary, computed
+    without the dense (m, m) model matrix: ||gt||^2 - 2 <Theta, B gt B^T> + tr(Theta^T G Theta G),
+    G = B B^T. `omega` is sparse (m, m) with P nonzeros. O(n^2 m + P n + n^3)."""
+    A, B = model.log_trans().exp(), model.log_emit().exp()
+    theta = stationary(A)[:, None] * A
+    cross = (theta * (B @ torch.sparse.mm(omega, B.T))).sum()
+    G = B @ B.T
+    model_sq = ((theta.T @ G @ theta) * G).sum()
+    return (omega_sq - 2 * cross + model_sq) / omega_sq
+
+
+def cooc_step(model: DenseParams, opt: torch.optim.Optimizer, omega: Tensor, omega_sq: float) -> float:
+    """One full-batch Adam step on `cooc_objective`; returns the objective before the step."""
+    loss = cooc_objective(model, omega, omega_sq)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def _vectors(model: DenseParams) -> dict[str, Tensor]:
+    d = {k: t.detach().clone() for k, t in model.state_dict().items()}
+    return {"state_vectors": d["w"], "word_vectors": d["v"], "state_in_vectors": d["u"],
+            "state_out_vectors": d["z"], "start_vector": d["z_start"]}
 
 
 def train(ns: argparse.Namespace) -> Path:
@@ -79,9 +161,8 @@ def train(ns: argparse.Namespace) -> Path:
     vocab, train_seqs, valid_seqs = load_training_split(ns)
     V = len(vocab)
     model = DenseParams(ns.states, V, ns.hidden, gen)
-    with torch.no_grad():  # start each state at the unigram distribution
-        model.emit_bias.copy_(bw.unigram(train_seqs, V).log().float())
     opt = torch.optim.Adam(model.parameters(), lr=ns.lr)
+    start_kind = "param" if ns.fit == "em" else "stationary"
     batches = common.bucket_batches(train_seqs, ns.batch)
     vbatches = common.bucket_batches(valid_seqs, ns.batch)
     ckdir = common.checkpoint_dir(ns.store, ns.name)
@@ -94,33 +175,28 @@ def train(ns: argparse.Namespace) -> Path:
         history, it0 = common.History.from_json(state["history"]), int(state["iteration"])
         best = bw.HMMParams(tensors["best_start"], tensors["best_trans"], tensors["best_emit"])
         if "best_state_vectors" in tensors:
-            vectors = {k: tensors[f"best_{k}"] for k in ("state_vectors", "word_vectors")}
+            vectors = {k[5:]: t for k, t in tensors.items() if k.startswith("best_") and k[5:] not in
+                       ("start", "trans", "emit")}
         partial, first = bw.load_partial(tensors, state)
         t0 -= state.get("seconds", 0.0)
     else:
         history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
-                    valid_ppl=common.evaluate(model.probs().score, vbatches))
-        best = model.probs()
+                    valid_ppl=common.evaluate(model.probs(start_kind).score, vbatches))
+        best = model.probs(start_kind)
     N = common.num_tokens(train_seqs)
     iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
     if ns.patience and history.bad_evals >= ns.patience:
         it0 = iters  # early-stopped before the checkpoint: export the best again
     bar = common.Progress(N * max(iters - it0, 0), f"densehmm Z={ns.states} d={ns.hidden} ({ns.fit})", ns.progress)
     if ns.fit == "cooc":
-        from latentlm.training.brown import bigram_matrix
+        omega = empirical_cooc(train_seqs, V)
+        omega_sq = float((omega.values().double() ** 2).sum())
 
-        big = bigram_matrix(train_seqs, V).tocoo()
-        left, right = torch.as_tensor(big.row), torch.as_tensor(big.col)
-        weight = torch.as_tensor(big.data, dtype=torch.float32)
-        weight = weight / weight.sum()
-
-    def save(it: int, best: bw.HMMParams, done: int = 0, counts: bw.Counts | None = None,
-             rng: dict[str, Tensor] | None = None) -> None:
-        """Checkpoint after `it` iterations and `done` batches (em: with their `counts`) or chunks (cooc:
-        with the generators as they were when the iteration's pair order was drawn, `rng`) of the next."""
+    def save(it: int, best: bw.HMMParams, done: int = 0, counts: bw.Counts | None = None) -> None:
+        """Checkpoint after `it` iterations and `done` E-step batches of the next (em: with their `counts`)."""
         ot, ometa = common.optimizer_tensors(opt)
         tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **ot,
-                   **(rng or common.rng_tensors(gen)), **{f"best_{k}": v for k, v in best.tensors().items()},
+                   **common.rng_tensors(gen), **{f"best_{k}": v for k, v in best.tensors().items()},
                    **{f"best_{k}": v for k, v in (vectors or {}).items()}}
         state = {"iteration": it, "batch": done, "history": history.to_json(), "optimizer": ometa,
                  "seconds": time.perf_counter() - t0}
@@ -134,34 +210,25 @@ def train(ns: argparse.Namespace) -> Path:
         if ns.fit == "em":
             c = bw.e_step(model.probs(), batches, on_batch=lambda n, loss: bar.update(n, loss), start=first,
                           partial=partial, every=every, on_checkpoint=functools.partial(save, it, best))
-            gradient_m_step(model, c, opt, steps=25)
-        else:
-            rng = common.rng_tensors(gen)  # a resumed iteration redraws the same order from here
-            perm = torch.randperm(len(left), generator=gen)
-            chunks = perm.split(1 << 16)
-            for ci in range(first, len(chunks)):
-                ch = chunks[ci]
-                loss = cooc_loss(model, left[ch], right[ch], weight[ch] * len(chunks))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                bar.update(N // len(chunks), float(loss.detach()))
-                if every and (ci + 1) % every == 0 and ci + 1 < len(chunks):
-                    save(it, best, ci + 1, rng=rng)
+            gradient_m_step(model, c, opt, steps=M_STEPS)
+        else:  # one iteration = COOC_STEPS full-batch steps, checkpointed at its end
+            for _ in range(COOC_STEPS):
+                loss = cooc_step(model, opt, omega, omega_sq)
+                bar.update(N // COOC_STEPS, loss)
         partial, first = None, 0
-        p = model.probs()
+        p = model.probs(start_kind)
         vppl = common.evaluate(p.score, vbatches)
         bar.update(0, valid_ppl=vppl)
         if history.add(iteration=it + 1, tokens=N * (it + 1), seconds=time.perf_counter() - t0, valid_ppl=vppl):
-            best = p
-            vectors = {"state_vectors": model.u.detach().clone(), "word_vectors": model.o.detach().clone()}
+            best, vectors = p, _vectors(model)
         save(it + 1, best)
         if ns.patience and history.bad_evals >= ns.patience:
             break
     bar.close()
     if vectors is None or history.best == history.rows[0]["valid_ppl"]:
-        vectors = {"state_vectors": model.u.detach().clone(), "word_vectors": model.o.detach().clone()}
+        vectors = _vectors(model)
     prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": f"DenseHMM ({ns.fit})"})
     return bw.export(ns.store, ns.name, best, vocab, provenance=prov, extra_tensors=vectors,
-                     config_extra={"vector_dim": ns.hidden, "densehmm_fit": ns.fit},
+                     config_extra={"vector_dim": ns.hidden, "densehmm_fit": ns.fit,
+                                   "densehmm_start": start_kind},
                      extra_files={"curve.png": common.curve_png(history, f"DenseHMM {ns.states} states ({ns.fit})")})
