@@ -70,7 +70,8 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "min_count": (int, 1, "text files: keep words seen at least this often"),
     "max_vocab": (int, 10000, "text files: vocabulary size including <unk> and <eos>"),
     "lowercase": (bool, False, "text files: lower-case the text (recorded in the manifest)"),
-    "fit": (str, "em", "densehmm: 'em' (EM with a gradient M-step) or 'cooc' (co-occurrence fit)"),
+    "fit": (str, "em", "densehmm: 'em' (EM with a gradient M-step), 'em-tied' (the same EM on the earlier tied "
+                       "variant: emissions from the outgoing vectors plus a word bias) or 'cooc' (co-occurrence fit)"),
     "nt": (int, None, "pcfg: nonterminals"),
     "pt": (int, None, "pcfg: preterminals"),
     "dim": (int, None, "lds: latent dimension"),
@@ -213,8 +214,8 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--smoothing: must be >= 0, got {ns.smoothing}", param="smoothing")
     if ns.lr is not None and not (ns.lr > 0 and math.isfinite(ns.lr)):
         raise InputError(f"--lr: must be a positive number, got {ns.lr}", param="lr")
-    if ns.fit not in ("em", "cooc"):
-        raise InputError(f"--fit: expected 'em' or 'cooc', got {ns.fit!r}", param="fit")
+    if ns.fit not in ("em", "em-tied", "cooc"):
+        raise InputError(f"--fit: expected 'em', 'em-tied' or 'cooc', got {ns.fit!r}", param="fit")
     if recipe.check is not None:
         recipe.check(ns)
     if ns.dropout is not None and not 0 <= ns.dropout < 1:

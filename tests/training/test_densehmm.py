@@ -184,3 +184,28 @@ def test_train_exports_hmm_artifact_with_paper_vectors(tmp_path):
             assert torch.allclose(start.float(), t["start"], atol=1e-5)
         rows = art.manifest["provenance"]["curve"]
         assert rows[-1]["valid_ppl"] <= rows[0]["valid_ppl"]
+
+
+def test_em_tied_variant_trains_and_differs_from_the_paper_model(tmp_path):
+    """`--fit em-tied`: emissions from the outgoing vectors plus a word bias, start from the outgoing
+    vectors; EM improves it and it exports the outgoing vectors as `state_vectors`."""
+    from latentlm.models.registry import load_artifact
+    from latentlm.training.settings import resolve_settings
+    from tests.training.helpers import train_args
+    from tests.training.test_resume import tiny_corpus
+
+    g = torch.Generator().manual_seed(0)
+    tied = dh.TiedDenseParams(5, 7, 3, g)
+    assert not hasattr(tied, "w") and tied.word_bias.shape == (7,)
+    with torch.no_grad():
+        tied.word_bias[2] = 3.0
+        emit = torch.softmax(tied.z @ tied.v.T + tied.word_bias, 1)
+        assert torch.allclose(tied.log_emit().exp(), emit)
+        assert torch.allclose(tied.log_start().exp(), torch.softmax(tied.z @ tied.z_start, 0))
+    ns = resolve_settings(train_args(tmp_path, "densehmm", name="d-tied", data=[tiny_corpus(tmp_path)],
+                                     states=6, hidden=3, epochs=3, fit="em-tied", lr=0.05, batch=32))
+    art = load_artifact(dh.train(ns))
+    assert art.manifest["config"]["densehmm_fit"] == "em-tied"
+    assert torch.equal(art.tensors["state_vectors"], art.tensors["state_out_vectors"])
+    rows = art.manifest["provenance"]["curve"]
+    assert rows[-1]["valid_ppl"] < rows[0]["valid_ppl"]
