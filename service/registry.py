@@ -16,6 +16,9 @@ from latentlm.models import backend as dispatch
 from latentlm.models import kernels
 from latentlm.models.errors import LatentLMError, ModelNotFound
 from latentlm.models.store import (
+    MANIFEST,
+    VOCAB,
+    WEIGHTS,
     check_model_dir,
     content_hash,
     file_signature,
@@ -68,6 +71,17 @@ class ModelRegistry:
     def list(self) -> list[ops.LoadedModel]:
         return [self.models[k] for k in sorted(self.models)]
 
+    def _dir_present(self, name: str) -> bool:
+        """Whether the loaded model `name` is still in the store in some form: its directory (or a link of that
+        name) exists, or `write_artifact` is swapping a new version in (`.<name>.*` beside it)."""
+        path = self.store / name
+        if path.exists() or path.is_symlink():
+            return True
+        try:
+            return any(p.name.startswith(f".{name}.") for p in self.store.iterdir())
+        except OSError:  # the store itself is unreadable: keep serving what is loaded
+            return True
+
     def reload(self, rehash: bool = True) -> dict[str, list[str]]:
         """Sync with the store; returns {"added", "updated", "removed", "failed"} names. Blocking.
 
@@ -79,6 +93,12 @@ class ModelRegistry:
         with self._lock:
             current = dict(self.models)
             names = list_models(self.store)
+            # A model that is loaded (or a directory that holds model files) but has no readable manifest now is
+            # refused, not silently unloaded: a deleted, renamed or half-written manifest keeps the last good
+            # version serving. Only a model whose whole directory is gone (and no write of it is under way) is
+            # removed.
+            names = sorted(set(names) | {n for n in current if self._dir_present(n)}
+                           | set(_manifestless_model_dirs(self.store)))
             added, updated, failed = [], [], []
             new: dict[str, ops.LoadedModel] = {}
             errors: dict[str, str] = {}
@@ -116,6 +136,22 @@ class ModelRegistry:
                 _clear_fused_cache()
             self.ready = True
             return {"added": added, "updated": updated, "removed": removed, "failed": failed}
+
+
+def _manifestless_model_dirs(store: Path) -> list[str]:
+    """Directories of the store that hold a model's weights or vocabulary but no manifest file: an artifact that
+    is half written or lost its manifest (reported as refused by `reload`, never served)."""
+    out = []
+    try:
+        entries = list(store.iterdir()) if store.is_dir() else []
+    except OSError:
+        return out
+    for p in entries:
+        if p.name.startswith(".") or not p.is_dir() or (p / MANIFEST).is_file():
+            continue
+        if any((p / f).exists() or (p / f).is_symlink() for f in (WEIGHTS, VOCAB)):
+            out.append(p.name)
+    return out
 
 
 def _clear_fused_cache() -> None:
