@@ -33,7 +33,7 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,9 @@ REDIS_TIMEOUT_S = 5.0         # connect and read timeout of a job-store command 
 REDIS_MAX_VALUE = 512 << 20   # Redis refuses a string above 512 MiB: an output file must stay below
 FAILURE_TTL_S = 7 * 86400     # how long rq keeps a failed job's record
 INTERNAL = ("total", "cancel_requested", "owner", "final_counts")  # batch record fields never shown
+READ_CHUNK = 1 << 20          # files are read, written and scanned in pieces of this size, never whole
+DEFAULT_MAX_LINE_BYTES = 2_000_000  # `Settings.job_max_line_bytes` (LATENTLM_JOB_MAX_LINE_BYTES)
+UPLOAD_TTL_S = 3600           # Redis: a half-uploaded file's temporary key expires after this
 
 
 def new_id(prefix: str) -> str:
@@ -112,6 +115,96 @@ class StorageError(APIError):
         why = e.strerror or type(e).__name__
         super().__init__(503, f"job storage unavailable: {why} (errno {e.errno}); retry later",
                          code="storage_unavailable", headers={"Retry-After": "1"})
+
+
+class LineTooLarge(Exception):
+    """A line of a batch input file is longer than the per-line limit (`job_max_line_bytes`)."""
+
+    def __init__(self, line: int, size: int, limit: int):
+        super().__init__(f"line {line} has {size} bytes or more, above the limit of {limit} bytes per line "
+                         "(LATENTLM_JOB_MAX_LINE_BYTES)")
+        self.line, self.size, self.limit = line, size, limit
+
+
+def max_line_bytes(settings: Settings | None) -> int:
+    """The per-line limit of batch input files (`job_max_line_bytes`; 0 or unset: the default)."""
+    v = getattr(settings, "job_max_line_bytes", 0) if settings is not None else 0
+    return int(v) if v and int(v) > 0 else DEFAULT_MAX_LINE_BYTES
+
+
+def read_chunks(f: Any, size: int | None = None) -> Iterator[bytes]:
+    """The bytes of the open binary file `f` in pieces of `size` (default `READ_CHUNK`; closed at the end)."""
+    size = size or READ_CHUNK
+    try:
+        while chunk := f.read(size):
+            yield chunk
+    finally:
+        f.close()
+
+
+def iter_lines(chunks: Iterable[bytes], limit: int) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line without its end of line) of a byte stream split on `\n` (a trailing `\r` is
+    dropped); raises `LineTooLarge` as soon as a line exceeds `limit` bytes, before the rest of it is read. At most
+    `limit` + one chunk is held at a time."""
+    buf = bytearray()
+    n = 1
+    for chunk in chunks:
+        start = 0
+        while True:
+            i = chunk.find(b"\n", start)
+            if i < 0:
+                buf += memoryview(chunk)[start:]
+                if len(buf) > limit + 1:  # + 1: a `\r` before the `\n` still to come
+                    raise LineTooLarge(n, len(buf), limit)
+                break
+            if buf:
+                buf += memoryview(chunk)[start:i]
+                line = bytes(buf)
+                buf.clear()
+            else:
+                line = chunk[start:i]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if len(line) > limit:
+                raise LineTooLarge(n, len(line), limit)
+            yield n, line
+            n += 1
+            start = i + 1
+    if buf:
+        line = bytes(buf[:-1] if buf.endswith(b"\r") else buf)
+        if len(line) > limit:
+            raise LineTooLarge(n, len(line), limit)
+        yield n, line
+
+
+def checked_upload(f: Any, limit: int, counter: list[int]) -> Iterator[bytes]:
+    """The chunks of the uploaded file `f`, passed on as they are read while every line's length is checked
+    (413 `line_too_large` naming the line and the limit as soon as one is over it); `counter[0]` counts bytes."""
+
+    def too_large(line: int, length: int) -> APIError:
+        return APIError(413, f"file: line {line} has {length} bytes or more, above the limit of {limit} bytes per "
+                             "line (LATENTLM_JOB_MAX_LINE_BYTES)", param="file", code="line_too_large")
+
+    line, length, last_cr = 1, 0, False
+    for chunk in read_chunks(f):
+        counter[0] += len(chunk)
+        start = 0
+        while True:
+            i = chunk.find(b"\n", start)
+            end = len(chunk) if i < 0 else i
+            if end > start:
+                length += end - start
+                last_cr = chunk[end - 1] == 13  # a `\r` before the `\n` is not part of the line
+            if i < 0:
+                if length > limit + 1:
+                    raise too_large(line, length)
+                break
+            if length - last_cr > limit:
+                raise too_large(line, length - last_cr)
+            line, length, last_cr, start = line + 1, 0, False, i + 1
+        yield chunk
+    if length - last_cr > limit:
+        raise too_large(line, length - last_cr)
 
 
 class BatchFailure(Exception):
@@ -195,6 +288,53 @@ class RedisJobStore:
         with self.redis.pipeline() as p:
             self._set_file(p, meta, content)
             p.execute()
+
+    def put_file_stream(self, meta: dict, chunks: Iterable[bytes]) -> None:
+        """Store a file from its chunks (APPENDed to a temporary key, renamed in place with the metadata once
+        complete); `meta["bytes"]` is set from what was stored. An error while reading leaves nothing."""
+        fid, exp = meta["id"], meta.get("expires_at")
+        tmp, key = self._k("file", fid, "upload"), self._k("file", fid, "content")
+        size = 0
+        try:
+            self.redis.set(tmp, b"", ex=UPLOAD_TTL_S)
+            for chunk in chunks:
+                self.redis.append(tmp, chunk)
+                size += len(chunk)
+            meta["bytes"] = size
+            with self.redis.pipeline() as p:
+                p.rename(tmp, key)
+                if exp:
+                    p.expireat(key, exp)
+                else:
+                    p.persist(key)
+                p.set(self._k("file", fid, "meta"), json.dumps(meta), exat=exp or None)
+                if exp:
+                    p.zadd(self._k("expiry"), {f"file:{fid}": exp})
+                p.execute()
+        except BaseException:
+            try:
+                self.redis.delete(tmp)
+            except Exception:  # Redis down: the key expires by itself
+                pass
+            raise
+
+    def iter_file(self, fid: str) -> Iterator[bytes] | None:
+        """The file's content in chunks of `READ_CHUNK` (GETRANGE), or None when there is no such file."""
+        if self.file_meta(fid) is None:
+            return None
+        key = self._k("file", fid, "content")
+        size = self.redis.strlen(key)
+        if not size and not self.redis.exists(key):
+            return None
+
+        def gen() -> Iterator[bytes]:
+            for off in range(0, size, READ_CHUNK):
+                part = self.redis.getrange(key, off, min(size, off + READ_CHUNK) - 1)
+                if not part:
+                    return
+                yield part
+
+        return gen()
 
     def file_meta(self, fid: str) -> dict | None:
         if not _safe(fid, "file"):
@@ -461,6 +601,40 @@ class LocalJobStore:
         except FileNotFoundError:
             return None
 
+    def put_file_stream(self, meta: dict, chunks: Iterable[bytes]) -> None:
+        """Write a file from its chunks (to a `.tmp` file, renamed once complete, then the metadata);
+        `meta["bytes"]` is set from what was written. An error while reading leaves nothing behind."""
+        body = self.root / "files" / f"{meta['id']}.content"
+        tmp = body.with_name(f".{body.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        size = 0
+        try:
+            with open(tmp, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+                    size += len(chunk)
+            os.replace(tmp, body)
+        except OSError as e:
+            _unlink(tmp)
+            raise StorageError(e) from e
+        except BaseException:
+            _unlink(tmp)
+            raise
+        meta["bytes"] = size
+        try:
+            self._write(self.root / "files" / f"{meta['id']}.json", json.dumps(meta).encode())
+        except StorageError:
+            _unlink(body)
+            raise
+
+    def iter_file(self, fid: str) -> Iterator[bytes] | None:
+        """The file's content in chunks of `READ_CHUNK`, or None when there is no such file."""
+        if self.file_meta(fid) is None:
+            return None
+        try:
+            return read_chunks(open(self.root / "files" / f"{fid}.content", "rb"))
+        except FileNotFoundError:
+            return None
+
     def delete_file(self, fid: str) -> bool:
         if not _safe(fid, "file"):
             return False
@@ -692,12 +866,18 @@ def _expires(now: int, retention_s: int) -> int | None:
     return now + retention_s if retention_s > 0 else None
 
 
-def create_file(store: JobStore, content: bytes, filename: str, purpose: str, owner: str | None = None,
-                retention_s: int = 0) -> dict:
+def create_file(store: JobStore, content: bytes | Any, filename: str, purpose: str, owner: str | None = None,
+                retention_s: int = 0, max_line: int = DEFAULT_MAX_LINE_BYTES) -> dict:
+    """Store an uploaded file: `content` is its bytes or an open binary file, streamed in chunks of `READ_CHUNK`
+    (never read whole) while every line is checked against `max_line` bytes (413 `line_too_large` naming the
+    line and the limit; nothing is stored then). Blocking: call it off the event loop."""
+    import io
+
+    f = io.BytesIO(content) if isinstance(content, bytes | bytearray) else content
     now = int(time.time())
-    meta = {"id": new_id("file"), "bytes": len(content), "created_at": now, "expires_at": _expires(now, retention_s),
+    meta = {"id": new_id("file"), "bytes": 0, "created_at": now, "expires_at": _expires(now, retention_s),
             "filename": filename, "purpose": purpose, "owner": owner}
-    store.put_file(meta, content)
+    store.put_file_stream(meta, checked_upload(f, max_line, [0]))
     return file_object(meta)
 
 
@@ -722,28 +902,52 @@ def delete_file(store: JobStore, fid: str, owner: str | None) -> dict:
     return {"id": fid, "object": "file", "deleted": True}
 
 
-def parse_input_file(content: bytes, endpoint: str) -> tuple[list[dict], list[dict]]:
-    """JSONL lines -> (requests, errors). Errors name the 1-based line and the field."""
+def parse_input_file(content: bytes | Iterable[bytes] | None, endpoint: str,
+                     max_line: int = DEFAULT_MAX_LINE_BYTES) -> tuple[list[dict], list[dict]]:
+    """JSONL lines -> (requests, errors). Errors name the 1-based line (blank lines counted, skipped) and the
+    field. `content` is the file's bytes or its chunks (streamed: a line over `max_line` bytes is an error,
+    `line_too_large`, found before more than the limit is held)."""
     errors: list[dict] = []
     reqs: list[dict] = []
     seen: set[str] = set()
+    chunks = [content] if isinstance(content, bytes | bytearray) else (content or [])
+    n_lines = 0
+    lines: list[tuple[int, bytes]] = []
     try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        return [], [{"code": "invalid_file", "message": "input file is not UTF-8 text", "line": None, "param": None}]
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    if not lines:
+        for n, ln in iter_lines(chunks, max_line):
+            if not ln.strip():
+                continue
+            n_lines += 1
+            if n_lines > MAX_LINES:
+                errors.append({"code": "too_many_lines", "message": f"more than {MAX_LINES} lines",
+                               "line": n, "param": None})
+                return [], errors
+            try:
+                ln.decode("utf-8")
+            except UnicodeDecodeError:
+                return [], [{"code": "invalid_file", "message": f"input file is not UTF-8 text (line {n})",
+                             "line": n, "param": None}]
+            lines.append((n, ln))
+            if len(lines) >= 1024:
+                _parse_lines(lines, endpoint, reqs, errors, seen)
+                lines.clear()
+    except LineTooLarge as e:
+        return [], [{"code": "line_too_large", "message": str(e), "line": e.line, "param": None}]
+    _parse_lines(lines, endpoint, reqs, errors, seen)
+    if not n_lines:
         errors.append({"code": "empty_file", "message": "input file has no request lines", "line": None,
                        "param": None})
-    if len(lines) > MAX_LINES:
-        errors.append({"code": "too_many_lines", "message": f"{len(lines)} lines exceed {MAX_LINES}",
-                       "line": None, "param": None})
-        return [], errors
+    return reqs, errors[:100]
+
+
+def _parse_lines(lines: list[tuple[int, bytes]], endpoint: str, reqs: list[dict], errors: list[dict],
+                 seen: set[str]) -> None:
+    """Check (number, line) pairs as request lines: valid ones appended to `reqs`, problems to `errors`."""
 
     def bad(n: int, param: str, msg: str) -> None:
         errors.append({"code": "invalid_request", "message": f"line {n}: {msg}", "line": n, "param": param})
 
-    for n, ln in enumerate(lines, 1):
+    for n, ln in lines:
         try:
             obj = orjson.loads(ln)  # a batch file can hold 100,000 lines: 3-5x faster than json.loads
         except json.JSONDecodeError as e:  # orjson's error is a subclass
@@ -769,22 +973,22 @@ def parse_input_file(content: bytes, endpoint: str) -> tuple[list[dict], list[di
         if extra:
             bad(n, extra[0], f"unknown field {extra[0]!r}")
         reqs.append(obj)
-    return reqs, errors[:100]
 
 
 def create_batch(store: JobStore, input_file_id: str, endpoint: str, completion_window: str = "24h",
-                 metadata: dict | None = None, owner: str | None = None, retention_s: int = 0) -> dict:
+                 metadata: dict | None = None, owner: str | None = None, retention_s: int = 0,
+                 max_line: int = DEFAULT_MAX_LINE_BYTES) -> dict:
     """Validate the input file and record the batch (status in_progress, or failed with `errors`).
     `expires_at`: when the batch, its chunks and its output files are deleted (None: kept)."""
     if endpoint not in ENDPOINTS:
         raise APIError(422, f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint",
                        code="invalid_value")
     get_file(store, input_file_id, owner, param="input_file_id")
-    content = store.file_content(input_file_id)
+    content = store.iter_file(input_file_id)  # streamed: never the whole file in memory
     if content is None:
         raise APIError(404, f"input_file_id: no file {input_file_id!r}", param="input_file_id", code="file_not_found")
     now = int(time.time())
-    reqs, errors = parse_input_file(content, endpoint)
+    reqs, errors = parse_input_file(content, endpoint, max_line)
     batch = {"id": new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
              "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
              "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
@@ -981,10 +1185,10 @@ def _hold(store: JobStore, bid: str, token: str, ttl_s: float) -> bool:
 def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings,
              progress: Callable[[int, int], None] | None, token: str) -> str | None:
     bid = b["id"]
-    content = store.file_content(b["input_file_id"])
+    content = store.iter_file(b["input_file_id"])
     if content is None:
         raise BatchFailure("input_file_missing", f"input file {b['input_file_id']} is gone")
-    reqs, errors = parse_input_file(content, b["endpoint"])
+    reqs, errors = parse_input_file(content, b["endpoint"], max_line_bytes(settings))
     if errors:
         raise BatchFailure("invalid_file", errors[0]["message"])
     op = ENDPOINTS[b["endpoint"]]

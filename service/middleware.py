@@ -65,11 +65,15 @@ class Guard:
                     self.metrics.error(429, "rate_limited")
                     await errors.error_response(e)(scope, _empty_receive, send_)
                     return
+            if scope["method"] in ("POST", "PUT", "PATCH") and path == "/v1/files":
+                # an upload is streamed to the route (multipart spooled to disk), never buffered whole here: the
+                # limit is checked on Content-Length and while the body arrives (413 then, whatever the app did)
+                await self._upload(scope, receive, send_)
+                return
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 s = self.settings
-                limit = s.max_file_bytes if path == "/v1/files" else s.max_payload_bytes
-                if path != "/v1/files":
-                    scope = _json_content_type(scope)
+                limit = s.max_payload_bytes
+                scope = _json_content_type(scope)
                 body = await read_body(scope, receive, limit)
                 if body is None:
                     e = APIError(413, f"request body exceeds the limit of {limit} bytes", param="body",
@@ -87,8 +91,51 @@ class Guard:
             label = getattr(route, "path", None) or "unmatched"
             self.metrics.observe_request(label, scope["method"], status[0], time.perf_counter() - start)
 
+    async def _upload(self, scope, receive, send) -> None:
+        """Run the app on an upload whose body is counted as it is received: over `max_file_bytes` (by
+        Content-Length, or once more bytes than that arrived) the app's answer is replaced by a 413."""
+        limit = self.settings.max_file_bytes
+        e = APIError(413, f"request body exceeds the limit of {limit} bytes", param="body", code="payload_too_large")
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                self.metrics.error(413, "payload_too_large")
+                await errors.error_response(e)(scope, _empty_receive, send)
+                return
+        seen, over, started = [0], [False], [False]
+
+        async def counted():
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen[0] += len(msg.get("body", b""))
+                if seen[0] > limit:
+                    over[0] = True
+                    raise BodyTooLarge(limit)
+            return msg
+
+        async def send_(msg):
+            if over[0]:  # whatever the app answers to a cut body, the client gets the 413
+                if msg["type"] == "http.response.start" and not started[0]:
+                    started[0] = True
+                    self.metrics.error(413, "payload_too_large")
+                    await errors.error_response(e)(scope, _empty_receive, send)
+                return
+            started[0] = started[0] or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, counted, send_)
+        except BodyTooLarge:
+            if not started[0]:
+                started[0] = True
+                self.metrics.error(413, "payload_too_large")
+                await errors.error_response(e)(scope, _empty_receive, send)
+
     def _auth(self, scope) -> APIError | None:
         return check_auth(scope, self.keys)
+
+
+class BodyTooLarge(Exception):
+    """Raised by the counting `receive` of an upload once its body exceeds the limit."""
 
 
 def client_id(scope, keyed: bool) -> str:

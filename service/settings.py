@@ -38,6 +38,16 @@ class Settings:
     max_payload_bytes: int = 2_000_000   # request body before 413
     max_file_bytes: int = 200_000_000    # /v1/files upload before 413
     max_sample_tokens: int = 100_000     # n * max_tokens of one /v1/sample before 413
+    max_request_cost: int = 2_000_000_000_000  # estimated work of one request (`ops.operation_cost` units, ~0.05-
+                                         # 0.15 ns each on one CPU core: ~2-5 min) before 413 `budget_exceeded`;
+                                         # 0 = no budget. The largest score, posterior (top_k 1), MBR decode and
+                                         # sample the other limits allow on the default model (1,024-state rank
+                                         # HMM) pass; Viterbi over its states (m^2 r per token) stops near 7k tokens
+    heavy_request_cost: int = 2_000_000_000  # above this estimated cost a request runs in the heavy lane (its own
+                                         # thread, in slices, round robin), so it never delays light requests
+    heavy_slice_cost: int = 2_000_000_000  # the heavy lane's slice (whole sequences): its preemption and
+                                         # cancellation granularity (~0.1-0.3 s on one CPU core)
+    posterior_stream_positions: int = 1024  # streamed posteriors (NDJSON): token positions per line at most
     api_keys: str = ""                   # comma-separated bearer keys; empty = no auth
     protect_docs: bool = False           # with api_keys: /metrics, /docs, /redoc and /openapi.json need a key too
     rate_limit_per_key: float = 0.0      # requests per second per API key (or per client address without keys)
@@ -56,6 +66,7 @@ class Settings:
     job_retention_s: int = 604_800       # files and batches (chunks, outputs) deleted this long after creation
                                          # (`expires_at`; Redis keys get the same TTL); 0 = kept forever
     job_sweep_interval_s: float = 300.0  # how often the local runner and `latentlm worker` delete expired jobs
+    job_max_line_bytes: int = 2_000_000  # one line of a batch input file (upload: 413 naming the line)
     job_max_output_bytes: int = 500_000_000  # a batch's output (checked as chunks are committed; Redis caps a
                                          # value at 512 MiB): over it the batch fails and its chunks are deleted
     redis_retry_max_s: float = 30.0      # `latentlm worker`: longest wait between Redis reconnect attempts

@@ -5,7 +5,7 @@ delete files and finished batches. With API keys, files and batches belong to th
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from latentlm.service import jobs
@@ -35,8 +35,10 @@ def upload_file(file: UploadFile = File(...), purpose: str = Form("batch"),
     if purpose != "batch":
         raise APIError(422, f"purpose: only 'batch' is supported, got {purpose!r}", param="purpose",
                        code="invalid_value")
-    return jobs.create_file(state.jobs, file.file.read(), file.filename or "input.jsonl", purpose, who,
-                            state.settings.job_retention_s)
+    # streamed from the spooled upload in chunks (never read whole), each line checked against
+    # LATENTLM_JOB_MAX_LINE_BYTES (413 `line_too_large` naming the line); a sync route: off the event loop
+    return jobs.create_file(state.jobs, file.file, file.filename or "input.jsonl", purpose, who,
+                            state.settings.job_retention_s, jobs.max_line_bytes(state.settings))
 
 
 @router.get("/files/{file_id}")
@@ -47,11 +49,11 @@ def get_file(file_id: str, state: ServiceState = Depends(get_state), who: str | 
 @router.get("/files/{file_id}/content")
 def file_content(file_id: str, state: ServiceState = Depends(get_state),
                  who: str | None = Depends(owner)) -> Response:
-    jobs.get_file(state.jobs, file_id, who)
-    content = state.jobs.file_content(file_id)
-    if content is None:
+    meta = jobs.get_file(state.jobs, file_id, who)
+    chunks = state.jobs.iter_file(file_id)  # streamed in chunks: an output file can be hundreds of MB
+    if chunks is None:
         raise APIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
-    return Response(content, media_type="application/jsonl")
+    return StreamingResponse(chunks, media_type="application/jsonl", headers={"Content-Length": str(meta["bytes"])})
 
 
 @router.delete("/files/{file_id}")
@@ -65,7 +67,7 @@ def create_batch(req: CreateBatch, state: ServiceState = Depends(get_state),
                  who: str | None = Depends(owner)) -> dict:
     """Validate the input file and queue the batch (status in_progress; failed with `errors` if invalid)."""
     b = jobs.create_batch(state.jobs, req.input_file_id, req.endpoint, req.completion_window, req.metadata, who,
-                          state.settings.job_retention_s)
+                          state.settings.job_retention_s, jobs.max_line_bytes(state.settings))
     if b["status"] == "in_progress":
         if isinstance(state.jobs, jobs.RedisJobStore):
             state.jobs.claim_requeue(b["id"], 2 * state.settings.job_lease_s)
