@@ -268,6 +268,116 @@ def posterior_entries(model: LoadedModel, seqs: Sequence[Sequence[int]], top_k: 
     return (width if top_k is None else min(top_k, width)) * sum(len(s) for s in seqs)
 
 
+# -- cost estimates ----------------------------------------------------------------------------------
+# A request's work is estimated before it runs, in multiply-add-like units ("cost"): the service refuses a
+# request above its budget (`max_request_cost`) and sends requests above `heavy_request_cost` to the heavy lane.
+# The model is the algorithm's own: chains tokens x width^2 (width: the states one step of the recursion spans:
+# Z for a dense HMM, the k states of a cluster for a blocked HMM, the rank r for a rank-space HMM; Viterbi over
+# a rank-space HMM's m states builds an m x m matrix per token: m^2 r), PCFGs n^3/6 split points x the rule work
+# of a split per sentence (dense: nt x S^2; rank: r, plus n^2 x r x S for the terminals), sampling n x
+# max_tokens steps (plus the prefix) with a fixed per-step overhead, and a floor per token for the work around
+# the recursion (tokenising, writing the response).
+TOKEN_COST = 5_000  # per input token (encoding, copying), whatever the model
+OUTPUT_TOKEN_COST = 200_000  # per token whose result is a list (posterior, MBR, embed): building the objects
+ENTRY_COST = 20_000  # per (state, probability) entry or embedding value returned
+SAMPLE_STEP_COST = 3_000_000  # per sampling step (one Python-level step of the sampler, vectorised over n)
+PCFG_VITERBI_FACTOR = 10  # max-product charts are not GEMMs: measured ~10x the inside pass per rule product
+
+
+def chain_width(impl: Any) -> int:
+    """States one step of a chain recursion spans (see above)."""
+    from latentlm.models.rank_hmm import RankHMM
+
+    if isinstance(impl, RankHMM):
+        return int(impl.rank)
+    return int(getattr(impl, "states_per_token", None) or impl.num_states)
+
+
+def operation_cost(model: LoadedModel, op: str, seqs: Sequence[Sequence[int]] = (), *,
+                   method: str | None = None, top_k: int | None = None, n: int = 1, max_tokens: int = 0,
+                   prefix_tokens: int = 0) -> int:
+    """Estimated work of `op` over `seqs` (or, for `sample`, of n x max_tokens steps after a prefix of
+    `prefix_tokens`), in the units above (~0.05-0.1 ns each on one AVX2 core); known before any work."""
+    from latentlm.models.dense_pcfg import DensePCFG
+    from latentlm.models.lds import LDS
+    from latentlm.models.ngram import NGramLM
+    from latentlm.models.rank_hmm import RankHMM
+    from latentlm.models.tree import PCFGOps
+
+    impl = model.impl
+    lengths = [len(s) for s in seqs]
+    ntok = sum(lengths)
+    if op == "decode" and method is None:
+        method = default_method(model)
+    if isinstance(impl, PCFGOps):
+        S = impl.nt + impl.pt
+        if op == "sample":
+            return int(n * max_tokens * (S * S + TOKEN_COST) + 8 * SAMPLE_STEP_COST)
+        if op == "decode" and method == "viterbi":
+            split = PCFG_VITERBI_FACTOR * impl.nt * S * S
+        else:
+            split = impl.nt * S * S if isinstance(impl, DensePCFG) else impl.chart_width
+        out = ENTRY_COST // 2 if op in ("posterior", "decode") else 0  # spans listed per sentence
+        work = sum(L * (L * L - 1) // 6 * split + L * L * (impl.chart_width * S + out) for L in lengths)
+        return int(work + TOKEN_COST * ntok)
+    if op == "sample":
+        w = chain_width(impl)
+        return int(max_tokens * (SAMPLE_STEP_COST + n * (w * w + TOKEN_COST)) + prefix_tokens * (w * w + TOKEN_COST))
+    if op == "embed" and isinstance(impl, LDS):
+        d = impl.num_states
+        lags = int((getattr(impl, "config", None) or {}).get("lags") or 1)
+        return int(ntok * (d * d * lags + OUTPUT_TOKEN_COST + ENTRY_COST * d))
+    if isinstance(impl, NGramLM):
+        return int(ntok * (64 * getattr(impl, "order", 3) + TOKEN_COST))
+    w = chain_width(impl)
+    K = int(getattr(impl, "states_per_token", None) or impl.num_states)  # states listed per token
+    rank_m = impl.num_states if isinstance(impl, RankHMM) else None
+    if op == "score":
+        per = w * w + TOKEN_COST
+    elif op == "decode" and method == "viterbi":
+        per = (rank_m * rank_m * (w + 1) if rank_m else 2 * w * w) + 30_000
+    else:  # posterior, MBR decode, embed: forward + backward + the marginals over the listed states
+        if op == "embed":
+            vecs = (getattr(impl, "extras", None) or {}).get("state_vectors")
+            listed = int(vecs.shape[1]) if vecs is not None else K
+        else:
+            listed = 1 if op == "decode" else K if top_k is None else min(top_k, K)
+        per = 2 * w * w + (2 * w * rank_m if rank_m else 0) + K + OUTPUT_TOKEN_COST + ENTRY_COST * listed
+    return int(ntok * per)
+
+
+def posterior_chunks(model: LoadedModel, seqs: list[list[int]], top_k: int | None, positions: int = 1024,
+                     offset: int = 0):
+    """Posterior results of `seqs` in pieces, for streaming: yields dicts `{"index", "offset", "marginals"}` of
+    at most `positions` tokens each (chain families; the marginals of a long sequence are formatted piece by
+    piece from the tensor, never all as Python objects at once) or `{"index", "spans"}` per sentence (PCFGs).
+    Concatenating a sequence's pieces gives exactly `run(model, "posterior", ...)`'s answer. `offset` is added
+    to the indices."""
+    from latentlm.models.base import Batch, ChainOps
+
+    check_supported(model, "posterior")
+    impl = model.runner("posterior")
+    if not isinstance(impl, ChainOps):
+        for r in run(model, "posterior", seqs, top_k=top_k):
+            r["index"] += offset
+            yield r
+        return
+    with torch.no_grad():
+        ids, probs = impl.posterior(Batch.from_lists(seqs, impl.device))
+    K = probs.shape[-1]
+    k = K if top_k is None else min(top_k, K)
+    for i, s in enumerate(seqs):
+        for t0 in range(0, len(s), positions):
+            t1 = min(len(s), t0 + positions)
+            p, j = probs[i, t0:t1].topk(k, dim=-1)  # as op_posterior: sorted by probability
+            states = ids[i, t0:t1].gather(-1, j)
+            p, states = p.double().cpu().tolist(), states.cpu().tolist()
+            yield {"index": offset + i, "offset": t0,
+                   "marginals": [{"states": st, "probs": pr} for st, pr in zip(states, p, strict=True)]}
+        if not s:
+            yield {"index": offset + i, "offset": 0, "marginals": []}
+
+
 def parse_top_k(value: Any) -> int | None:
     """'all' / None -> None (every state); positive int -> int."""
     if value is None or value == "all":
@@ -326,4 +436,5 @@ def dumps(obj: Any) -> bytes:
 
 __all__ = ["LoadedModel", "load_model", "encode_inputs", "run", "run_merged", "sample", "resolve_device",
            "batch_tokens", "device_batches",
-           "parse_top_k", "check_seed", "posterior_entries", "dumps", "default_method", "LimitExceeded", "OPERATIONS"]
+           "parse_top_k", "check_seed", "posterior_entries", "operation_cost", "posterior_chunks", "dumps",
+           "default_method", "LimitExceeded", "OPERATIONS"]

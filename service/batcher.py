@@ -10,7 +10,16 @@ results back with one loop callback. A batch is taken when its oldest request ha
 (see `announce`); while the thread is busy, new requests accumulate and are merged. More than `max_queue`
 waiting requests -> QueueFull. The token cap is per model: `max_batch_tokens`, or where that is None or 0
 `ops.batch_tokens` of the model's device (16k on CPU, 256k on CUDA, where one batch costs a graph replay whatever
-its size)."""
+its size).
+
+Two lanes, each with its own thread, so a heavy request never delays a light one by more than the light batch
+being computed: requests whose estimated cost (`ops.operation_cost`) is above the service's `heavy_request_cost`
+go to the heavy lane. The heavy lane does not merge; it cuts each request into slices of at most `slice_cost`
+(whole sequences; one sequence is never cut) and runs the slices of the requests it holds in turn (round robin),
+so a long request does not hold back a shorter heavy one either. Cancelled work (the client disconnected: the
+request's future is cancelled) is dropped from either queue, and a heavy request stops at its next slice
+boundary. Streamed requests (`stream`) run in the heavy lane and hand each slice's output to the event loop as it
+is produced, at most `STREAM_AHEAD` payloads ahead of the client."""
 
 from __future__ import annotations
 
@@ -20,9 +29,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from prometheus_client import Counter, Gauge
 
 from latentlm import ops
 from latentlm.service.errors import ShuttingDown
@@ -31,17 +42,51 @@ from latentlm.service.metrics import Metrics
 log = logging.getLogger("latentlm.service")
 
 
+LIGHT, HEAVY = "light", "heavy"
+STREAM_AHEAD = 2  # payloads a stream may have computed and not yet sent before its slices wait
+DEFAULT_SLICE_COST = 2_000_000_000  # heavy-lane slice when the caller names none (~0.1-0.2 s on one CPU core)
+
+
 class QueueFull(Exception):
     """The queue holds `max_queue` requests; answer 429."""
 
 
-@dataclass
+class Cancelled(Exception):
+    """The request was cancelled (its client went away) while its heavy work was running."""
+
+
+class CancelScope:
+    """What one HTTP request waits on: `cancel()` (the client disconnected) cancels its futures, so queued work
+    is dropped and running heavy work stops at its next slice boundary; callbacks (stream sinks) run too."""
+
+    __slots__ = ("futures", "callbacks", "cancelled")
+
+    def __init__(self) -> None:
+        self.futures: list[asyncio.Future] = []
+        self.callbacks: list[Callable[[], None]] = []
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        for f in self.futures:
+            f.cancel()
+        for cb in self.callbacks:
+            cb()
+
+
+@dataclass(eq=False)
 class _Item:
     seqs: list[list[int]]
     future: asyncio.Future
     enqueued: float
     call: Callable[[], Any] | None = None  # unmergeable work (sampling): run as is
     tokens: int = 0
+    job: Callable[[], Generator[Any, None, Any]] | None = None  # heavy lane: yields after each slice
+    gen: Generator[Any, None, Any] | None = None
+    sink: Callable[[Any], None] | None = None  # stream: event-loop callback taking each yielded payload
+    ahead: int = 0  # stream payloads posted and not yet taken by the client (backpressure)
+    cancelled: bool = False  # set on the event loop when the future is cancelled; read by the lane threads
+    op: str = ""  # heavy lane: the operation (metrics labels)
 
 
 @dataclass
@@ -52,6 +97,35 @@ class _Queue:
     cap: int = 16384  # max_batch_tokens for this model
     items: deque[_Item] = field(default_factory=deque)
     tokens: int = 0
+    lane: str = LIGHT
+
+
+def slices(costs: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) ranges of sequences whose summed cost stays <= `limit` (at least one each)."""
+    out, lo, acc = [], 0, 0
+    for i, c in enumerate(costs):
+        if i > lo and acc + c > limit:
+            out.append((lo, i))
+            lo, acc = i, 0
+        acc += c
+    if lo < len(costs):
+        out.append((lo, len(costs)))
+    return out
+
+
+def sliced_run(model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]], cap: int,
+               slice_cost: int) -> Generator[None, None, list[dict]]:
+    """`ops.run` over `seqs` in slices of at most `slice_cost` (yielding after each): the same results, in
+    input order, with a preemption point between slices."""
+    costs = [ops.operation_cost(model, op, [s], method=opts.get("method"), top_k=opts.get("top_k")) for s in seqs]
+    results: list[dict] = []
+    for lo, hi in slices(costs, slice_cost):
+        part = ops.run(model, op, seqs[lo:hi], max_batch_tokens=cap, **opts)
+        for r in part:
+            r["index"] += lo
+        results.extend(part)
+        yield None
+    return results
 
 
 class Batcher:
@@ -74,7 +148,20 @@ class Batcher:
         self._wait_children: dict[str, Any] = {}
         self._refusing = False  # after fail_pending: new work raises ShuttingDown
         self._running: list[_Item] = []  # the batch the inference thread computes now (guarded by _cv)
+        self._heavy_cv = threading.Condition(self._cv._lock)  # type: ignore[attr-defined]  # same lock
+        self._heavy_idle = True
+        self._active: deque[_Item] = deque()  # heavy requests started and not finished (guarded by the lock)
+        self._heavy_running: _Item | None = None
+        self._heavy_thread: threading.Thread | None = None
         metrics.queue_depth.set_function(lambda: self.depth)  # read at scrape time, not set per request
+        r = metrics.registry
+        self.cancelled = Counter("latentlm_cancelled_requests", "requests whose work was dropped or stopped "
+                                 "because the client went away", ["lane", "where"], registry=r)
+        self.heavy_active = Gauge("latentlm_heavy_lane_requests", "requests in the heavy lane (queued or "
+                                  "running)", registry=r)
+        self.heavy_active.set_function(lambda: len(self._active) + self._heavy_queued())
+        self.heavy_slices = Counter("latentlm_heavy_slices", "slices run by the heavy lane", ["operation"],
+                                    registry=r)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -82,6 +169,8 @@ class Batcher:
         self._stopping = self._refusing = False
         self._thread = threading.Thread(target=self._worker, name="latentlm-infer", daemon=True)
         self._thread.start()
+        self._heavy_thread = threading.Thread(target=self._heavy_worker, name="latentlm-heavy", daemon=True)
+        self._heavy_thread.start()
 
     async def stop(self) -> None:
         """Stop taking batches; queued requests fail with ShuttingDown (503; a batch in flight finishes, its
@@ -89,24 +178,35 @@ class Batcher:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+            self._heavy_cv.notify()
         self.fail_pending()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 1.0)
+        loop = asyncio.get_running_loop()
+        for t in (self._thread, self._heavy_thread):
+            if t is not None:
+                await loop.run_in_executor(None, t.join, 1.0)
 
     def fail_pending(self) -> int:
         """Event loop: answer every queued request and the batch being computed with ShuttingDown (503); the
         computation itself runs to its end and its results are dropped. Returns how many were answered."""
         with self._cv:
             self._refusing = True
-            left = [it for q in self.queues.values() for it in q.items] + self._running
+            left = [it for q in self.queues.values() for it in q.items] + self._running + list(self._active)
+            if self._heavy_running is not None:
+                left.append(self._heavy_running)
             self.queues.clear()
+            self._active.clear()
             self.depth = 0
         n = 0
         for it in left:
+            if it.sink is not None and not it.cancelled:
+                it.sink(ShuttingDown())
             if not it.future.done():
                 it.future.set_exception(ShuttingDown())
                 n += 1
         return n
+
+    def _heavy_queued(self) -> int:
+        return sum(len(q.items) for q in list(self.queues.values()) if q.lane == HEAVY)
 
     # -- submitting (event loop) ----------------------------------------------------------------------
     def _enqueue(self, key: tuple, make_queue: Callable[[], _Queue], item: _Item) -> None:
@@ -121,29 +221,83 @@ class Batcher:
             q.items.append(item)
             q.tokens += item.tokens
             self.depth += 1
+            if q.lane == HEAVY:
+                self._heavy_cv.notify()
             # wake the thread when it sleeps without a deadline, or when waiting for company is over
-            if self._idle or q.tokens >= q.cap or self.arriving == 0:
+            elif self._idle or q.tokens >= q.cap or self.arriving == 0:
                 self._cv.notify()
 
-    async def submit(self, model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]],
-                     ticket: list[bool] | None = None) -> list[dict]:
-        """Queue a request (raises QueueFull) and wait for its results."""
-        key = (id(model), model.content_hash, op, tuple(sorted(opts.items())))
+    def _future(self, scope: CancelScope | None) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
+        if scope is not None:
+            if scope.cancelled:
+                fut.cancel()
+            scope.futures.append(fut)
+        return fut
+
+    @staticmethod
+    def _watch(item: _Item) -> None:
+        """Mark the item cancelled when its future is (the lane threads read the flag)."""
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled():
+                item.cancelled = True
+        item.future.add_done_callback(done)
+
+    async def submit(self, model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]],
+                     ticket: list[bool] | None = None, *, heavy: bool = False, slice_cost: int | None = None,
+                     scope: CancelScope | None = None) -> list[dict]:
+        """Queue a request (raises QueueFull) and wait for its results. `heavy`: the heavy lane, in slices of
+        at most `slice_cost`; `scope`: cancelling it drops the work (the await raises CancelledError)."""
+        fut = self._future(scope)
         self.retract(ticket)
         item = _Item(seqs, fut, time.perf_counter(), tokens=sum(len(s) for s in seqs))
-        self._enqueue(key, lambda: _Queue(model, op, dict(opts), self.cap_for(model)), item)
+        if heavy:
+            cap, sc = self.cap_for(model), slice_cost or DEFAULT_SLICE_COST
+            item.job = lambda: sliced_run(model, op, opts, seqs, cap, sc)
+            self._watch(item)
+            self._enqueue(("heavy", next(self._counter)), lambda: _Queue(model, op, {}, lane=HEAVY), item)
+        else:
+            key = (id(model), model.content_hash, op, tuple(sorted(opts.items())))
+            self._enqueue(key, lambda: _Queue(model, op, dict(opts), self.cap_for(model)), item)
         return await fut
+
+    def stream(self, model: ops.LoadedModel, op: str, job: Callable[[], Generator[Any, None, Any]],
+               scope: CancelScope | None = None) -> StreamReader:
+        """Heavy lane: run `job` (a generator yielding payloads) and hand each payload to the returned reader
+        as it comes, at most STREAM_AHEAD ahead of the reader. Raises QueueFull."""
+        fut = self._future(scope)
+        reader = StreamReader(self, fut)
+        item = _Item([], fut, time.perf_counter(), job=job, sink=reader.put)
+        reader.item = item
+        self._watch(item)
+        if scope is not None:
+            scope.callbacks.append(reader.close)
+        self._enqueue(("heavy", next(self._counter)), lambda: _Queue(model, op, {}, lane=HEAVY), item)
+        return reader
+
+    def _taken(self, item: _Item) -> None:
+        """Event loop: the reader took a payload; a stream waiting on its client may go on."""
+        with self._cv:
+            item.ahead -= 1
+            self._heavy_cv.notify()
 
     def cap_for(self, model: ops.LoadedModel) -> int:
         """Padded tokens of one batch for `model`: max_batch_tokens, or (None, 0) by its device."""
         return ops.batch_tokens(getattr(model, "device", "cpu"), self.max_batch_tokens)
 
-    async def call(self, model: ops.LoadedModel, op: str, fn: Callable[[], Any]) -> Any:
-        """Run unmergeable work (sampling) on the inference thread, in queue order."""
-        key = ("call", next(self._counter))
-        fut = asyncio.get_running_loop().create_future()
-        self._enqueue(key, lambda: _Queue(model, op, {}), _Item([], fut, time.perf_counter(), call=fn))
+    async def call(self, model: ops.LoadedModel, op: str, fn: Callable[[], Any], *, heavy: bool = False,
+                   scope: CancelScope | None = None) -> Any:
+        """Run unmergeable work (sampling) on a lane's thread, in queue order (one slice in the heavy lane)."""
+        fut = self._future(scope)
+        item = _Item([], fut, time.perf_counter(), call=fn)
+        if heavy:
+            def job() -> Generator[None, None, Any]:
+                return fn()
+                yield  # a generator of one slice
+            item.job = job
+            self._watch(item)
+        key = ("heavy" if heavy else "call", next(self._counter))
+        self._enqueue(key, lambda: _Queue(model, op, {}, lane=HEAVY if heavy else LIGHT), item)
         return await fut
 
     def _company_coming(self) -> bool:
@@ -169,12 +323,13 @@ class Batcher:
             while True:
                 if self._stopping:
                     return None
-                if not self.queues:
+                light = [k for k, q in self.queues.items() if q.lane == LIGHT]
+                if not light:
                     self._idle = True
                     self._cv.wait()
                     continue
                 self._idle = False
-                key = min(self.queues, key=lambda k: self.queues[k].items[0].enqueued)
+                key = min(light, key=lambda k: self.queues[k].items[0].enqueued)
                 q = self.queues[key]
                 wait = q.items[0].enqueued + self.delay - time.perf_counter()
                 if wait > 0 and q.tokens < q.cap and q.items[0].call is None and (
@@ -196,6 +351,8 @@ class Batcher:
             q.tokens -= it.tokens
             self.depth -= 1
             if it.future.done():  # the client went away
+                if it.future.cancelled():
+                    self.cancelled.labels(LIGHT, "queued").inc()
                 continue
             items.append(it)
             tokens += it.tokens
@@ -221,6 +378,83 @@ class Batcher:
                 outcomes = [(False, e)] * len(items)
             try:
                 self._loop.call_soon_threadsafe(_deliver, items, outcomes)
+            except RuntimeError:  # the event loop is closed
+                return
+
+    # -- the heavy lane's thread ------------------------------------------------------------------------
+    def _next_heavy(self) -> _Item | None:
+        """Block until a heavy request can run a slice: queued ones join the round robin (`_active`) in arrival
+        order; a stream whose client is STREAM_AHEAD payloads behind waits. None when stopping."""
+        with self._cv:
+            self._heavy_running = None
+            while True:
+                if self._stopping:
+                    return None
+                for key in [k for k, q in self.queues.items() if q.lane == HEAVY]:
+                    q = self.queues.pop(key)
+                    for it in q.items:
+                        self.depth -= 1
+                        if it.future.done() and it.sink is None:
+                            if it.future.cancelled():
+                                self.cancelled.labels(HEAVY, "queued").inc()
+                            continue
+                        it.op = q.op
+                        self._active.append(it)
+                for _ in range(len(self._active)):
+                    it = self._active.popleft()
+                    if it.cancelled or it.future.done() and it.sink is None:
+                        self._drop(it)
+                        continue
+                    if it.sink is not None and it.ahead >= STREAM_AHEAD:
+                        self._active.append(it)  # its client is behind: the next one
+                        continue
+                    self._heavy_running = it
+                    return it
+                self._heavy_idle = not self._active
+                self._heavy_cv.wait(None if self._heavy_idle else 0.5)
+
+    def _drop(self, it: _Item) -> None:
+        """A cancelled heavy request: close its generator (holds the lock; no model work runs here)."""
+        self.cancelled.labels(HEAVY, "running" if it.gen is not None else "queued").inc()
+        if it.gen is not None:
+            it.gen.close()
+            it.gen = None
+
+    def _heavy_worker(self) -> None:
+        assert self._loop is not None
+        while (it := self._next_heavy()) is not None:
+            op = it.op
+            outcome: tuple[bool, Any] | None = None
+            try:
+                if it.gen is None:
+                    wait = time.perf_counter() - it.enqueued
+                    self.metrics.queue_wait.labels(op).observe(wait)
+                    it.gen = it.job()  # type: ignore[misc]
+                start = time.perf_counter()
+                payload = next(it.gen)
+                self.heavy_slices.labels(op).inc()
+                self.metrics.batch_seconds.labels(op).observe(time.perf_counter() - start)
+            except StopIteration as stop:
+                outcome = (True, stop.value)
+            except Exception as e:  # a model or input error: this request fails, the lane goes on
+                if not isinstance(e, ops.LimitExceeded | ops.InputError):
+                    log.info("heavy %s request failed: %s: %s", op, type(e).__name__, e)
+                outcome = (False, e)
+            try:
+                if outcome is None:
+                    with self._cv:
+                        if it.sink is not None and payload is not None:
+                            it.ahead += 1
+                        self._active.append(it)  # round robin: to the back
+                    if it.sink is not None and payload is not None:
+                        self._loop.call_soon_threadsafe(it.sink, payload)
+                    continue
+                it.gen = None
+                if it.sink is not None:
+                    self._loop.call_soon_threadsafe(it.sink, outcome[1] if not outcome[0] else StreamReader.END)
+                    self._loop.call_soon_threadsafe(_deliver, [it], [(True, None)])
+                else:
+                    self._loop.call_soon_threadsafe(_deliver, [it], [outcome])
             except RuntimeError:  # the event loop is closed
                 return
 
@@ -251,3 +485,43 @@ def _deliver(items: list[_Item], outcomes: list[tuple[bool, Any]]) -> None:
             it.future.set_result(value)
         else:
             it.future.set_exception(value)
+
+
+class StreamReader:
+    """The event-loop side of `Batcher.stream`: `async for payload in reader` (an exception the job raised is
+    raised here; `ShuttingDown` when the service stops). `close()` cancels the job (it stops at its next slice)."""
+
+    END = object()
+
+    def __init__(self, batcher: Batcher, future: asyncio.Future) -> None:
+        self.batcher, self.future = batcher, future
+        self.item: _Item | None = None
+        self._q: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    def put(self, payload: Any) -> None:
+        if not self.closed:
+            self._q.put_nowait(payload)
+
+    def close(self) -> None:
+        """Stop: the job is dropped at its next slice boundary; a pending read ends."""
+        if not self.closed:
+            self.closed = True
+            if not self.future.done():
+                self.future.cancel()
+            self._q.put_nowait(self.END)
+
+    def __aiter__(self) -> StreamReader:
+        return self
+
+    async def __anext__(self) -> Any:
+        payload = await self._q.get()
+        if payload is self.END:
+            self.closed = True
+            raise StopAsyncIteration
+        if isinstance(payload, BaseException):
+            self.closed = True
+            raise payload
+        if self.item is not None:
+            self.batcher._taken(self.item)
+        return payload

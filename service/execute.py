@@ -25,6 +25,7 @@ class Prepared:
     opts: dict[str, Any]
     seqs: list[list[int]]
     request: BaseModel
+    cost: int = 0  # `ops.operation_cost` estimate
 
     @property
     def num_tokens(self) -> int:
@@ -43,8 +44,9 @@ def parse(op: str, body: Any) -> BaseModel:
 
 def options(model: ops.LoadedModel, op: str, req: BaseModel) -> dict[str, Any]:
     """The keyword options `ops.run` takes for `op`: every request field but `model` and `input` (they are
-    named as in the CLI), with `top_k` parsed and a missing decode `method` set to the family's default."""
-    opts = {k: getattr(req, k) for k in type(req).model_fields if k != "model" and k != "input"}
+    named as in the CLI; `stream` is the route's), with `top_k` parsed and a missing decode `method` set to the
+    family's default."""
+    opts = {k: getattr(req, k) for k in type(req).model_fields if k not in ("model", "input", "stream")}
     if "top_k" in opts:
         opts["top_k"] = ops.parse_top_k(opts["top_k"])
     if op == "decode" and opts.get("method") is None:
@@ -53,9 +55,11 @@ def options(model: ops.LoadedModel, op: str, req: BaseModel) -> dict[str, Any]:
 
 
 def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens: int,
-            max_posterior_entries: int | None = None) -> Prepared:
-    """Check support, encode inputs (strings per the manifest; id lists as is), the token limit and, for a
-    posterior, the response budget (`max_posterior_entries`; None: unbounded) before any work."""
+            max_posterior_entries: int | None = None, *, max_cost: int | None = None,
+            streaming: bool = False) -> Prepared:
+    """Check support, encode inputs (strings per the manifest; id lists as is), the token limit, the cost
+    budget (`max_cost`; None or 0: none) and, for a posterior that is not streamed, the response budget
+    (`max_posterior_entries`; None: unbounded) before any work."""
     opts = options(model, op, req)
     ops.check_supported(model, op, opts.get("method"))
     raw = req.input if isinstance(req.input, list) else [req.input]
@@ -64,9 +68,19 @@ def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens:
     if n > max_request_tokens:
         raise LimitExceeded(f"input: {n} tokens exceed the limit of {max_request_tokens} per request "
                             "(split the input or use /v1/batches)", param="input")
-    if op == "posterior" and max_posterior_entries is not None:
+    cost = ops.operation_cost(model, op, seqs, method=opts.get("method"), top_k=opts.get("top_k"))
+    check_cost(op, cost, max_cost, "input", "send less input (or shorter sequences) per request")
+    if op == "posterior" and max_posterior_entries is not None and not streaming:
         check_posterior(model, seqs, opts.get("top_k"), max_posterior_entries)
-    return Prepared(model, op, opts, seqs, req)
+    return Prepared(model, op, opts, seqs, req, cost)
+
+
+def check_cost(op: str, cost: int, max_cost: int | None, param: str, advice: str) -> None:
+    """413 `budget_exceeded` naming the estimate and the budget when `cost` is above `max_cost`."""
+    if max_cost and cost > max_cost:
+        raise APIError(413, f"{param}: the estimated cost of this {op} request is {cost:,} units, above the budget "
+                            f"of {max_cost:,} per request (max_request_cost, LATENTLM_MAX_REQUEST_COST); {advice}",
+                       param=param, code="budget_exceeded")
 
 
 def check_posterior(model: ops.LoadedModel, seqs: list[list[int]], top_k: int | None, limit: int) -> None:
@@ -78,7 +92,7 @@ def check_posterior(model: ops.LoadedModel, seqs: list[list[int]], top_k: int | 
         raise LimitExceeded(
             f"top_k: a posterior of {n} tokens with {what} returns {entries} entries, above the limit of {limit} "
             "per request (max_posterior_entries, LATENTLM_MAX_POSTERIOR_ENTRIES); ask for fewer states per "
-            "token with top_k, or send less input", param="top_k")
+            "token with top_k, send less input, or stream the answer (\"stream\": true, NDJSON)", param="top_k")
 
 
 def body(prep: Prepared, results: list[dict]) -> dict[str, Any]:
@@ -93,17 +107,22 @@ def run_direct(prep: Prepared, max_batch_tokens: int) -> dict[str, Any]:
 
 
 def check_sample(req: SampleRequest, max_sample_tokens: int, *, model: ops.LoadedModel | None = None,
-                 max_request_tokens: int | None = None) -> None:
-    """413 when n * max_tokens exceeds `max_sample_tokens`, or the prefix's tokens `max_request_tokens`
-    (counted with `model`'s tokenizer for a text prefix)."""
+                 max_request_tokens: int | None = None, max_cost: int | None = None) -> int:
+    """413 when n * max_tokens exceeds `max_sample_tokens`, the prefix's tokens `max_request_tokens`
+    (counted with `model`'s tokenizer for a text prefix) or the estimated cost `max_cost`. Returns the cost
+    estimate (0 without `model`)."""
     if req.n * req.max_tokens > max_sample_tokens:
         raise LimitExceeded(f"n * max_tokens = {req.n * req.max_tokens} exceeds the limit of {max_sample_tokens}",
                             param="max_tokens")
-    if max_request_tokens is not None and req.prefix:
-        n = prefix_tokens(model, req.prefix)
-        if n > max_request_tokens:
-            raise LimitExceeded(f"prefix: {n} tokens exceed the limit of {max_request_tokens} per request "
-                                "(max_request_tokens)", param="prefix")
+    n = prefix_tokens(model, req.prefix) if req.prefix else 0
+    if max_request_tokens is not None and n > max_request_tokens:
+        raise LimitExceeded(f"prefix: {n} tokens exceed the limit of {max_request_tokens} per request "
+                            "(max_request_tokens)", param="prefix")
+    if model is None:
+        return 0
+    cost = ops.operation_cost(model, "sample", n=req.n, max_tokens=req.max_tokens, prefix_tokens=n)
+    check_cost("sample", cost, max_cost, "max_tokens", "ask for fewer or shorter samples (n, max_tokens)")
+    return cost
 
 
 def prefix_tokens(model: ops.LoadedModel | None, prefix: str | list[int] | None) -> int:

@@ -77,6 +77,12 @@ class PosteriorRequest(_WithInput):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
+    stream: StrictBool = Field(False, description="NDJSON (application/x-ndjson): one line per sequence, or per "
+                                                  "chunk of token positions of a long one, ending with a usage line; "
+                                                  "not bounded by max_posterior_entries (the request still is by "
+                                                  "max_request_tokens and max_request_cost). Also chosen by "
+                                                  "'Accept: application/x-ndjson'")
+
 
 class DecodeRequest(_WithInput):
     method: str | None = Field(None, description="viterbi (best path) or mbr (per-token argmax of marginals); "
