@@ -9,6 +9,11 @@ between contexts, and the tagging HMM's accuracy when its artifact is given.
 
 Words are mapped to the PTB vocabulary like Mikolov's preprocessing (lower case, numbers -> N, else <unk>);
 each sentence gets the `<eos>` the models were trained with, whose embedding is dropped.
+
+`--word2vec` adds the paper's baseline (§7.2): gensim word2vec type vectors of dimension h trained on exactly the
+token stream the LDS saw (PTB train, the LDS's vocabulary, `<unk>` and one `<eos>` per sentence), CBOW with a
+window of 3 (the paper's best configuration) and the other configurations named in `--w2v-configs`
+(`cbow:WINDOW:EPOCHS` or `sg:WINDOW:EPOCHS`). Needs `pip install -e '.[bench]'` (gensim).
 """
 
 from __future__ import annotations
@@ -85,6 +90,40 @@ def type_svd_vectors(dim: int) -> tuple[np.ndarray, object]:
     return U[:V] * np.sqrt(S), vocab
 
 
+def cpu_model() -> str:
+    """`Model name` as lscpu prints it (the machine column of every results row)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def word2vec_vectors(vocab, dim: int, arch: str = "cbow", window: int = 3, epochs: int = 5,
+                     seed: int = 0) -> tuple[np.ndarray, dict]:
+    """Type vectors (V x dim, row = vocabulary id) from gensim word2vec trained on the PTB training stream the
+    `lds` trainer reads (`training.lds.corpus(["ptb"])`: the same ids, `<eos>` closing each sentence).
+    One worker thread, fixed seed. Ids word2vec never saw (none at min_count=1) get zero vectors."""
+    from gensim.models import Word2Vec
+
+    from latentlm.training.lds import corpus
+
+    v2, seqs = corpus(["ptb"], 50000, False)
+    assert v2.tokens == vocab.tokens, "word2vec must see the LDS's vocabulary"
+    sents = [[vocab.tokens[i] for i in s] for s in seqs]
+    t0 = time.time()
+    m = Word2Vec(sentences=sents, vector_size=dim, window=window, min_count=1, sg=int(arch == "sg"),
+                 epochs=epochs, workers=1, seed=seed)
+    W = np.zeros((len(vocab), dim))
+    for i, w in enumerate(vocab.tokens):
+        if w in m.wv.key_to_index:
+            W[i] = m.wv[w]
+    info = {"tokens": sum(len(s) for s in sents), "seconds": time.time() - t0}
+    return W, info
+
+
 def probe(Xtr, ytr, tests: dict, hidden: int = 25, epochs: int = 40, seed: int = 0) -> dict[str, float]:
     """MLP(hidden) probe with standardised inputs, Adam, minibatches of 256; returns accuracy per test set."""
     torch.manual_seed(seed)
@@ -130,6 +169,9 @@ def main() -> None:
     ap.add_argument("--tagger", default=None)
     ap.add_argument("--train-sentences", type=int, default=5000)
     ap.add_argument("--test-sentences", type=int, default=3000)
+    ap.add_argument("--word2vec", action="store_true", help="add gensim word2vec rows (the paper's baseline)")
+    ap.add_argument("--w2v-configs", default="cbow:3:5,cbow:3:20,sg:5:5",
+                    help="comma-separated ARCH:WINDOW:EPOCHS (arch cbow or sg)")
     ap.add_argument("--out", default="results/embeddings_results.md")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -166,6 +208,14 @@ def main() -> None:
     W, _ = type_svd_vectors(dim)
     feats["type-level SVD"] = {k: np.concatenate([W[s[:-1]] for s in v]) for k, v in ids.items()}
     desc["type-level SVD"] = f"d={dim}, SVD of whitened lag-1 co-occurrence (one vector per word)"
+    if a.word2vec:
+        for cfg in a.w2v_configs.split(","):
+            arch, window, epochs = cfg.split(":")
+            W2, info = word2vec_vectors(vocab, dim, arch, int(window), int(epochs))
+            name = f"word2vec {arch} w={window} ep={epochs}"
+            feats[name] = {k: np.concatenate([W2[s[:-1]] for s in v]) for k, v in ids.items()}
+            desc[name] = (f"d={dim}, gensim, the LDS's training stream ({info['tokens']} tokens), "
+                          f"{info['seconds']:.0f} s, one vector per word")
     rows = []
     for name, f in feats.items():
         res = probe(f["train"], ys["train"], {k: (f[k], ys[k]) for k in ("brown-test", "wsj")})
@@ -180,8 +230,9 @@ def main() -> None:
         tag_rows = tm.artifact.manifest["provenance"].get("results", {})
     lines = [
         "# Token embeddings: part-of-speech probe", "",
-        f"Machine: 2-core CPU sandbox ({platform.processor() or platform.machine()}), {dt.date.today()}, "
+        f"Machine: {cpu_model()} (2 cores), {dt.date.today()}, "
         f"script `bench/embed_probe.py`, {time.time() - t0:.0f} s.", "",
+        "Command: `python " + " ".join(sys.argv) + "`", "",
         "Embedding models are fitted on PTB train text only (Mikolov preprocessing, 10k vocabulary). The probe — an "
         "MLP with 25 hidden units on each token's embedding (paper §7.2) — is trained on the first "
         f"{a.train_sentences} sentences of Brown train ({len(ys['train'])} tokens), which no embedding model saw, "
