@@ -113,8 +113,10 @@ def error_codes(method: str, path: str, op: dict, settings: Settings) -> list[in
             codes.add(422)
         if path.startswith(("/v1/files", "/v1/batches")):
             codes.add(503)  # batch backend unavailable
-        if method == "delete" or path.endswith("curve.png"):
+        if method == "delete" or path.endswith(("curve.png", "/cancel")):
             codes.add(409)
+        if method == "post" and path == "/v1/batches":
+            codes.add(404)  # input_file_id names no file
     if path in OPERATION_PATHS:
         codes |= {400, 404, 413, 422, 429, 503}
     if path == "/v1/models/{model_id}":
@@ -146,8 +148,24 @@ def openapi_document(app: FastAPI, settings: Settings) -> dict:
                 responses[str(code)] = {"description": WHY[code], "content": ref}
             if settings.keys and (path.startswith("/v1") or settings.protect_docs and path == "/metrics"):
                 op["security"] = [{"bearer": []}]
+    _integer_bounds(doc)
     app.openapi_schema = doc
     return doc
+
+
+def _integer_bounds(node) -> None:
+    """FastAPI's OpenAPI models hold `minimum`/`maximum` as floats: 2^63 comes out as 9.223372036854776e+18, which
+    a client (or schemathesis) reads as a bound above 2^63. Integer schemas get their bounds back as integers."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(k), float) and node[k].is_integer():
+                    node[k] = int(node[k])
+        for v in node.values():
+            _integer_bounds(v)
+    elif isinstance(node, list):
+        for v in node:
+            _integer_bounds(v)
 
 
 def install_sigterm(state: ServiceState):

@@ -4,6 +4,8 @@ delete files and finished batches. With API keys, files and batches belong to th
 
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
@@ -18,7 +20,7 @@ router = APIRouter(prefix="/v1", tags=["batches"])
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_file_id: str
-    endpoint: str
+    endpoint: Literal["/v1/score", "/v1/posterior", "/v1/decode", "/v1/sample", "/v1/embed"]
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
 
@@ -29,7 +31,7 @@ def owner(request: Request, state: ServiceState = Depends(get_state)) -> str | N
 
 
 @router.post("/files")
-def upload_file(file: UploadFile = File(...), purpose: str = Form("batch"),
+def upload_file(file: UploadFile = File(...), purpose: Literal["batch"] = Form("batch"),
                 state: ServiceState = Depends(get_state), who: str | None = Depends(owner)) -> dict:
     """Upload a JSONL file of requests: one `{"custom_id", "method", "url", "body"}` per line."""
     if purpose != "batch":
