@@ -9,8 +9,9 @@ name one; `available` says which this machine has).
 |------------|--------------------------------------------------------|-----------------------------------------|
 | "torch"    | torch ops, one GEMM per step; any device, autograd     | broadcast (max, +) in blocks            |
 | "single"   | one sequence's forward whole in compiled code          | one sequence's Viterbi in compiled code |
-|            | (log_cond only; split over two threads when large)     |                                         |
-| "groups"   | ROWS-sequence groups whole in compiled code, no BLAS   | compiled (max, +) product per step      |
+|            | (log_cond only; split over two threads when large)     | (split by columns over two threads)     |
+| "groups"   | ROWS-sequence groups whole in compiled code, no BLAS   | the batch's Viterbi in compiled code    |
+|            |                                                        | (threads split the sequences)           |
 | "lockstep" | compiled per-row sweeps and one BLAS GEMM per step     | - (no GEMM in a max-product)            |
 | "cuda_fused" | a family's `score` only (log p(x), log_cond): fused   | -                                       |
 |            | Triton kernels + CUDA graphs (`models.triton_chain`)   |                                         |
@@ -220,6 +221,16 @@ def threads(engine: Backend, rows: int, T: int, K: int) -> int:
     if engine is Backend.LOCKSTEP:
         return max(1, min(n, rows // LOCKSTEP_MIN_ROWS))
     return n
+
+
+def max_product_threads(rows: int, T: int, K: int) -> int:
+    """Threads for a compiled Viterbi (torch's intra-op thread count at most): the sequences are split
+    between threads with no synchronisation, so each thread needs one; one sequence is split by columns over
+    two threads that meet every step, from SPLIT_MIN_K states and SPLIT_MIN_WORK = T K^2."""
+    n = torch.get_num_threads()
+    if rows == 1:
+        return 2 if n >= 2 and K >= SPLIT_MIN_K and T * K * K >= SPLIT_MIN_WORK else 1
+    return max(1, min(n, rows))
 
 
 def packs(engine: Backend, dtype: torch.dtype, K: int) -> bool:

@@ -526,19 +526,16 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     Returns the best path (B, T) (-1 at padding) and its joint log probability (B,) in float64. Scores are
     re-centred every step (the running maximum moves to a float64 offset), so float32 keeps full
     precision on the differences that decide the path even after 10,000s of steps.
-    O(B T K^2) time, O(B T K) int32 backpointers. `backend`: "single" runs one sequence's whole recursion in
-    compiled code (auto on CPU from T K^2 >= `backend.NATIVE_MAXPLUS_MIN_WORK`), "groups" the compiled
-    (max, +) product per step, "torch" the broadcast (per-step matrices always)."""
+    O(B T K^2) time, O(B T K) int32 backpointers. `backend`: "single" (one sequence, auto on CPU from
+    T K^2 >= `backend.NATIVE_MAXPLUS_MIN_WORK`) and "groups" (a batch, from B K^2) run the whole recursion in
+    compiled code (`kernels.maxplus`: a GEMM-like (max, +) micro-kernel with exact pruning), "torch" the
+    broadcast (per-step matrices always)."""
     B, T, K = log_emit.shape
     device = log_emit.device
     engine = dispatch.max_product(backend, log_emit, log_trans, rows=B, steps=T)
-    if engine is Backend.SINGLE:  # one long sequence: the whole recursion in compiled code
-        L = int(lengths[0])
-        path1, score = maxplus_kernels.viterbi_one_cpu(log_init[0], log_emit[0, :L], log_trans,  # type: ignore[arg-type]
-                                                       log_trans.amax(0))  # type: ignore[union-attr]
-        path = torch.full((1, T), -1, dtype=torch.long)
-        path[0, :L] = path1
-        return path, torch.tensor([score], dtype=torch.float64)
+    if engine in (Backend.SINGLE, Backend.GROUPS) and isinstance(log_trans, Tensor):  # whole in compiled code
+        threads = dispatch.max_product_threads(B, T, K)
+        return maxplus_kernels.viterbi_cpu(log_init, log_emit, log_trans, lengths, threads)
     mask = valid_mask(lengths, T)
     back = torch.empty(T, B, K, dtype=torch.int32, device=device)
     ident = torch.arange(K, device=device, dtype=torch.int32).expand(B, K)

@@ -1,10 +1,19 @@
-"""The (max, +) product and the single-sequence Viterbi recursion on CPU (numba).
+"""The (max, +) product and whole Viterbi recursions on CPU (numba).
 
-`maxplus_cpu` is the (max, +) matrix product at the heart of Viterbi: out[b, j] = max_i delta[b, i] +
-log_trans[i, j] with argmax. Written as a broadcast in PyTorch it materialises B x K x K candidates and
-runs memory-bound (~0.3 G entries/s on 2 cores); this kernel streams `log_trans` once per step, keeps a
-(B x block) tile of running maxima in cache and vectorises the inner loop (~5-10x faster).
-`viterbi_one_cpu` runs the whole recursion of one sequence in compiled code.
+The product out[b, j] = max_i delta[b, i] + log_trans[i, j] (with argmax) is the heart of Viterbi. It
+cannot use BLAS, so it is written here like a GEMM micro-kernel, for each row of `delta`:
+- sources are visited in decreasing delta, CHUNK at a time; for a block of BLOCK columns the chunk's
+  maxima are formed branch-free (one add and one max per entry: `fmax` is a single select that LLVM turns
+  into `maxps` on AVX2 / AVX-512), into a buffer other than the one read, because a read-modify-write of
+  the same array compiles to masked stores that run several times slower;
+- the argmax is not tracked per entry: only the index of the winning chunk is kept (one select per chunk),
+  and the argmax is found afterwards by rescanning that chunk's CHUNK sources for the winning value (exact:
+  the same float additions);
+- exact pruning: once delta_i + max_i' log_trans[i', j] (the column maxima `col_max`) cannot beat any
+  column of the block, no remaining source can, and the block is done.
+`viterbi_rows` runs the whole recursion of a set of sequences in compiled code (one thread's share of a
+batch; threads split the rows with no synchronisation). `maxplus_cpu` / `viterbi_one_cpu` / `viterbi_cpu`
+are the tensor-level entry points. Ties: the source with the larger delta wins (first in the sorted order).
 """
 
 from __future__ import annotations
@@ -13,86 +22,316 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from latentlm.models.kernels.jit import HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.threads import run_split
 
-BLOCK = 256  # columns per task: a block of running maxima and argmaxes stays in L1
-CHECK_EVERY = 16  # sources between pruning checks
+BLOCK = 256  # most columns per block: the block's running maxima and chunk indices stay in L1
+MIN_BLOCK = 32
+PANEL_BYTES = 1 << 18  # a K x block panel of the matrix this large stays in a core's L2 while rows sweep it
+CHUNK = 16  # sources per chunk (a pruning check per chunk; the argmax rescan is CHUNK entries per column)
+BUCKETS = 64  # source ordering: buckets of BUCKET_WIDTH nats below the row maximum, the last one open
+BUCKET_WIDTH = 0.25
+BUCKET_SLACK = 1e-3  # the bucket bounds are loosened by this much, so float rounding never makes one too tight
 
 
 if HAVE_NUMBA:
+    from numba import uint64
+    from numba.core.extending import intrinsic
+
+    from latentlm.models.kernels.threads import spin_until, store_release
+
+    @intrinsic
+    def fmax(typingctx, a, b):  # pragma: no cover - compiled
+        """a if a > b else b as one select, with no branch (vectorises to maxps / maxpd)."""
+        def codegen(context, builder, sig, args):
+            return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+        return a(a, b), codegen
+
+    @intrinsic
+    def pick(typingctx, a, b, x, y):  # pragma: no cover - compiled
+        """x if a > b else y as one select, with no branch (vectorises to a compare and a blend)."""
+        def codegen(context, builder, sig, args):
+            return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[2], args[3])
+        return x(a, b, x, y), codegen
 
     @njit(nogil=True, inline="always", cache=True)
-    def _maxplus_task(delta, log_trans, col_max, order, out_val, out_arg, task, n_blocks):  # pragma: no cover
-        """One (row b, column block) task of the (max, +) product. The argmax is kept in the value's float
-        type so the compare/select pairs vectorise (exact for K < 2**24)."""
-        K = delta.shape[1]
-        b = task // n_blocks
-        j0 = (task % n_blocks) * BLOCK
-        j1 = min(K, j0 + BLOCK)
-        best = out_val[b, j0:j1]  # 1-D views: LLVM vectorises these loops, not the 2-D indexing
-        arg = out_arg[b, j0:j1]
-        cmax = col_max[j0:j1]
-        best[:] = -np.inf
-        arg[:] = 0
-        for n in range(K):
-            i = order[b, n]
-            di = delta[b, i]
-            if n % CHECK_EVERY == 0:
-                # sources come in decreasing delta: once delta_i + max_i' log_trans[i', j] cannot beat
-                # the current best of any column j, no remaining source can (exact pruning)
-                done = True
-                for j in range(j1 - j0):
-                    if di + cmax[j] > best[j]:
-                        done = False
-                        break
-                if done:
-                    break
-            row = log_trans[i, j0:j1]
-            fi = arg.dtype.type(i)
-            for j in range(j1 - j0):
-                v = di + row[j]
-                better = v > best[j]
-                best[j] = v if better else best[j]
-                arg[j] = fi if better else arg[j]
+    def _eight(order, srt, n, last, K, j0):  # pragma: no cover - compiled
+        """Sources order[n : n + 8] (repeating order[last] past the end: a maximum is idempotent) as
+        (their row offsets i * K + j0 as unsigned ints, their deltas)."""
+        n0, n1, n2, n3 = min(n, last), min(n + 1, last), min(n + 2, last), min(n + 3, last)
+        n4, n5, n6, n7 = min(n + 4, last), min(n + 5, last), min(n + 6, last), min(n + 7, last)
+        rows = (uint64(order[n0] * K + j0), uint64(order[n1] * K + j0), uint64(order[n2] * K + j0),
+                uint64(order[n3] * K + j0), uint64(order[n4] * K + j0), uint64(order[n5] * K + j0),
+                uint64(order[n6] * K + j0), uint64(order[n7] * K + j0))
+        return rows, (srt[n0], srt[n1], srt[n2], srt[n3], srt[n4], srt[n5], srt[n6], srt[n7])
 
-    @njit(nogil=True, cache=True)
-    def maxplus_serial(delta, log_trans, col_max, order, out_val, out_arg):  # pragma: no cover - compiled
-        """(max, +) product of every row, single-threaded (numba's thread pool costs milliseconds per call
-        on a busy 2-core machine, more than the work itself)."""
-        n_blocks = (delta.shape[1] + BLOCK - 1) // BLOCK
-        for task in range(delta.shape[0] * n_blocks):
-            _maxplus_task(delta, log_trans, col_max, order, out_val, out_arg, task, n_blocks)
+    @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
+    def _max8(flat, r, d, u):  # pragma: no cover - compiled
+        """max over the 8 sources (row offsets r, deltas d) of d + A at column offset u (a balanced tree)."""
+        m0 = fmax(d[0] + flat[r[0] + u], d[1] + flat[r[1] + u])
+        m1 = fmax(d[2] + flat[r[2] + u], d[3] + flat[r[3] + u])
+        m2 = fmax(d[4] + flat[r[4] + u], d[5] + flat[r[5] + u])
+        m3 = fmax(d[6] + flat[r[6] + u], d[7] + flat[r[7] + u])
+        return fmax(fmax(m0, m1), fmax(m2, m3))
 
-    @njit(nogil=True, cache=True)
-    def viterbi_one(log_init, log_emit, log_trans, col_max, back, path):  # pragma: no cover - compiled
-        """Whole Viterbi recursion of one sequence in compiled code (no per-step interpreter work):
-        log_init (K,), log_emit (T, K), back (T, K) scratch, path (T,) out. Returns the float64 score."""
-        T, K = log_emit.shape
-        delta = np.empty((1, K), dtype=log_emit.dtype)
-        val = np.empty((1, K), dtype=log_emit.dtype)
-        order = np.empty((1, K), dtype=np.int64)
-        offset = 0.0
-        for t in range(T):
-            if t == 0:
-                for j in range(K):
-                    delta[0, j] = log_init[j] + log_emit[0, j]
+    @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
+    def _chunk_max(flat, order, srt, n0, n1, K, j0, out, half, w):  # pragma: no cover - compiled
+        """out[j] = max over the CHUNK (= 16) sources order[n0:n1] of drow[i] + A[i, j0 + j], j < w, in
+        registers: 16 loads, 16 adds, 15 maxima and one store per entry, and in `half` 8.0 where the second
+        8 sources hold the maximum (else 0.0), so the argmax rescan reads 8 sources, not 16. Unsigned indices
+        (no negative-index wrap), so the loop vectorises."""
+        ra, da = _eight(order, srt, n0, n1 - 1, K, j0)
+        rb, db = _eight(order, srt, n0 + 8, n1 - 1, K, j0)
+        eight, zero = out.dtype.type(8.0), out.dtype.type(0.0)
+        for j in range(w):
+            u = uint64(j)
+            ma = _max8(flat, ra, da, u)
+            mb = _max8(flat, rb, db, u)
+            out[j] = fmax(mb, ma)
+            half[j] = pick(mb, ma, eight, zero)
+
+    @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
+    def _merge(cm, half, best, ci, nbest, nci, n0, next_top, col_max, j0, w):  # pragma: no cover - compiled
+        """nbest = max(cm, best), nci = where the maximum's 8 sources start (n0 + half) where the chunk starting
+        at n0 won, else ci (into other buffers than those read:
+        a read-modify-write of one array compiles to slow masked stores). Returns whether the next chunk
+        (whose deltas are at most next_top) could still improve any column: False ends the block (pruning)."""
+        fc = best.dtype.type(n0)
+        alive = False
+        for j in range(w):
+            nb = fmax(cm[j], best[j])
+            nbest[j] = nb
+            nci[j] = pick(cm[j], best[j], fc + half[j], ci[j])
+            alive |= next_top + col_max[j0 + j] > nb
+        return alive
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def source_order(drow, order, tops, srt, counts):  # pragma: no cover - compiled
+        """Sources in decreasing delta, by buckets of BUCKET_WIDTH below the row's maximum (a counting sort,
+        O(K), instead of an O(K log K) sort that costs as much as the product itself at K = 256): order (K,)
+        the sources, tops (K,) for each position an upper bound of every delta from there on (the upper edge
+        of its bucket), srt (K,) the deltas in that order. counts (BUCKETS + 1,) int64 scratch."""
+        K = drow.shape[0]
+        top = drow.max()
+        counts[:] = 0
+        for i in range(K):
+            counts[_bucket(top, drow[i]) + 1] += 1
+        for k in range(BUCKETS):
+            counts[k + 1] += counts[k]
+        for i in range(K):
+            k = _bucket(top, drow[i])
+            n = counts[k]
+            order[n] = i
+            srt[n] = drow[i]
+            tops[n] = top - (k * BUCKET_WIDTH - BUCKET_SLACK) if k > 0 else top
+            counts[k] = n + 1
+
+    @njit(nogil=True, inline="always", cache=True)
+    def _bucket(top, d):  # pragma: no cover - compiled
+        """The bucket of delta d below the row maximum `top` (the last one holds everything further down)."""
+        gap = (top - d) / BUCKET_WIDTH
+        return int(gap) if gap < BUCKETS - 1 else BUCKETS - 1
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def maxplus_block(flat, K, col_max, order, tops, srt, j0, w, val, arg, scratch):  # pragma: no cover
+        """Columns [j0, j0 + w) of one row of the (max, +) product: val[j] = max_i drow[i] + A[i, j] and
+        arg[j] its argmax, for A (K, K) given flat (K * K,), sources in `order` with `tops` from
+        `source_order` (srt: the deltas in that order). scratch (6, >= w). O(K w) worst case."""
+        cm, half = scratch[0], scratch[5]  # the chunk's maxima, and which of its halves holds each
+        b0, b1 = scratch[1], scratch[2]  # running maxima, ping-pong by `flip` (no array swaps: each costs
+        c0, c1 = scratch[3], scratch[4]  # reference counting); c0, c1: where each maximum's 8 sources start
+        for j in range(w):
+            b0[j] = -np.inf
+            c0[j] = 0.0
+        flip = False
+        n_chunks = (K + CHUNK - 1) // CHUNK
+        for c in range(n_chunks):
+            n0 = c * CHUNK
+            _chunk_max(flat, order, srt, n0, min(K, n0 + CHUNK), K, j0, cm, half, w)
+            next_top = tops[n0 + CHUNK] if c + 1 < n_chunks else -np.inf
+            if flip:
+                alive = _merge(cm, half, b1, c1, b0, c0, n0, next_top, col_max, j0, w)
             else:
-                order[0, :] = np.argsort(-delta[0], kind="mergesort")
-                maxplus_serial(delta, log_trans, col_max, order, val, back[t : t + 1])
-                for j in range(K):
-                    delta[0, j] = val[0, j] + log_emit[t, j]
-            top = delta[0].max()
-            if np.isfinite(top):  # re-centre; the offset carries the scale in float64
-                for j in range(K):
-                    delta[0, j] -= top
-                offset += top
-        state = int(np.argmax(delta[0]))
-        best = offset + delta[0, state]
-        path[T - 1] = state
-        for t in range(T - 1, 0, -1):
+                alive = _merge(cm, half, b0, c0, b1, c1, n0, next_top, col_max, j0, w)
+            flip = not flip
+            if not alive:  # exact pruning: no remaining source can beat any column of the block
+                break
+        best = b1 if flip else b0
+        ci = c1 if flip else c0
+        for j in range(w):  # the argmax: rescan the winning 8 sources for the winning value
+            n0 = int(ci[j])
+            win = order[n0]
+            for n in range(n0, min(K, n0 + 8)):
+                i = order[n]
+                if srt[n] + flat[uint64(i * K + j0 + j)] == best[j]:
+                    win = i
+                    break
+            val[j] = best[j]
+            arg[j] = win
+
+    @njit(nogil=True, cache=True)
+    def block_width(K, itemsize):  # pragma: no cover - compiled
+        """Columns per block: the K x width panel of the matrix stays in a core's L2 while every row of a
+        batch sweeps it (whole rows for small K)."""
+        w = PANEL_BYTES // (K * itemsize)
+        return max(MIN_BLOCK, min(BLOCK, w - w % 8))
+
+    @njit(nogil=True, cache=True)
+    def maxplus_rows(delta, flat, col_max, val, arg):  # pragma: no cover - compiled
+        """The (max, +) product of every row of delta (B, K): val (B, K), arg (B, K) int64."""
+        B, K = delta.shape
+        scratch = np.empty((6, BLOCK), dtype=delta.dtype)
+        order = np.empty((B, K), dtype=np.int64)
+        tops = np.empty((B, K), dtype=delta.dtype)
+        srt = np.empty((B, K), dtype=delta.dtype)
+        counts = np.empty(BUCKETS + 1, dtype=np.int64)
+        for b in range(B):
+            source_order(delta[b], order[b], tops[b], srt[b], counts)
+        w = block_width(K, delta.itemsize)
+        for j0 in range(0, K, w):
+            wj = min(w, K - j0)
+            for b in range(B):
+                maxplus_block(flat, K, col_max, order[b], tops[b], srt[b], j0, wj, val[b, j0:], arg[b, j0:],
+                              scratch)
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def viterbi_lockstep(log_init, log_emit, flat, col_max, lengths, rows, first, stride, back, paths,
+                         scores):  # pragma: no cover - compiled
+        """Viterbi of the sequences rows[first::stride] (one thread's share of a batch; `rows` in decreasing
+        length), advanced together so that each panel of the matrix is swept by all of them while it is in
+        cache. log_init (B, K), log_emit (B, T, K), lengths (B,); back (B, T, K) int32 scratch; paths
+        (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred every step (the
+        float64 offset carries the scale), so float32 keeps the differences that decide the path."""
+        B, T, K = log_emit.shape
+        mine = rows[first::stride]
+        m = mine.shape[0]
+        if m == 0:
+            return
+        dt = log_emit.dtype
+        delta = np.empty((m, K), dtype=dt)
+        nxt = np.empty((m, K), dtype=dt)
+        order = np.empty((m, K), dtype=np.int64)
+        tops = np.empty((m, K), dtype=dt)
+        srt = np.empty((m, K), dtype=dt)
+        counts = np.empty(BUCKETS + 1, dtype=np.int64)
+        scratch = np.empty((6, BLOCK), dtype=dt)
+        offset = np.zeros(m)
+        w = block_width(K, log_emit.itemsize)
+        active = m
+        for t in range(lengths[mine[0]]):
+            while active > 0 and lengths[mine[active - 1]] <= t:
+                active -= 1
+            for r in range(active):
+                b = mine[r]
+                d = delta[r]
+                if t == 0:
+                    for j in range(K):
+                        d[j] = log_init[b, j] + log_emit[b, 0, j]
+                else:
+                    source_order(d, order[r], tops[r], srt[r], counts)
+            if t > 0:
+                for j0 in range(0, K, w):
+                    wj = min(w, K - j0)
+                    for r in range(active):
+                        maxplus_block(flat, K, col_max, order[r], tops[r], srt[r], j0, wj, nxt[r, j0:],
+                                      back[mine[r], t, j0:], scratch)
+                for r in range(active):
+                    b = mine[r]
+                    d, v = delta[r], nxt[r]
+                    for j in range(K):
+                        d[j] = v[j] + log_emit[b, t, j]
+            for r in range(active):
+                d = delta[r]
+                top = d.max()
+                if np.isfinite(top):
+                    for j in range(K):
+                        d[j] -= top
+                    offset[r] += top
+        for r in range(m):
+            b = mine[r]
+            L = lengths[b]
+            paths[b, L:] = -1
+            if L == 0:
+                scores[b] = 0.0
+                continue
+            d = delta[r]
+            state = int(np.argmax(d))
+            scores[b] = offset[r] + d[state]
+            paths[b, L - 1] = state
+            for t in range(L - 1, 0, -1):
+                state = int(back[b, t, state])
+                paths[b, t - 1] = state
+
+    @njit(nogil=True, cache=True)
+    def backtrack(last, step_tops, back, path):  # pragma: no cover - compiled
+        """The path of `viterbi_split` from its last (not re-centred) delta, the per-step maxima and the
+        backpointers (L, K): path[:L] out. Returns the path's float64 log-probability."""
+        L = back.shape[0]
+        state = int(np.argmax(last))
+        offset = 0.0
+        for t in range(L - 1):
+            if np.isfinite(step_tops[t]):
+                offset += step_tops[t]
+        score = offset + last[state]
+        path[L - 1] = state
+        for t in range(L - 1, 0, -1):
             state = int(back[t, state])
             path[t - 1] = state
-        return best
+        return score
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def viterbi_split(log_init, log_emit, flat, col_max, shared, partial, flags, tid, j_lo, j_hi, back,
+                      tops_out):  # pragma: no cover - compiled
+        """One of two threads of the Viterbi recursion of one sequence; thread `tid` owns columns
+        [j_lo, j_hi). Each step a thread orders the sources of the whole previous delta (both threads, the
+        same order), forms its columns of the (max, +) product and the backpointers, publishes its columns
+        of the new (not yet re-centred) delta and their maximum, and waits for the other thread's
+        (release/acquire step counters, `threads.spin_until`): one meeting per step. shared (2, K) is
+        double-buffered by step parity (a thread writes buffer t % 2 only after both have finished reading
+        it at step t - 1); partial (2, 16) float64 holds the two maxima 64 bytes apart; flags (32,) int64
+        the two counters on separate cache lines. tops_out (T,) float64: thread 0 writes each step's
+        maximum (the re-centring offsets). O(T K^2 / 2) per thread."""
+        T, K = log_emit.shape
+        other = 1 - tid
+        dt = log_emit.dtype
+        delta = np.empty(K, dtype=dt)
+        order = np.empty(K, dtype=np.int64)
+        tops = np.empty(K, dtype=dt)
+        srt = np.empty(K, dtype=dt)
+        counts = np.empty(BUCKETS + 1, dtype=np.int64)
+        scratch = np.empty((6, BLOCK), dtype=dt)
+        nxt = np.empty(K, dtype=dt)
+        w = block_width(K, log_emit.itemsize)
+        top = 0.0
+        for t in range(T):
+            buf = shared[t % 2]
+            if t == 0:
+                for j in range(j_lo, j_hi):
+                    buf[j] = log_init[j] + log_emit[0, j]
+            else:
+                prev = shared[(t - 1) % 2]
+                shift = dt.type(top) if np.isfinite(top) else dt.type(0.0)
+                for j in range(K):
+                    delta[j] = prev[j] - shift
+                source_order(delta, order, tops, srt, counts)
+                for j0 in range(j_lo, j_hi, w):
+                    wj = min(w, j_hi - j0)
+                    maxplus_block(flat, K, col_max, order, tops, srt, j0, wj, nxt[j0:], back[t, j0:], scratch)
+                for j in range(j_lo, j_hi):
+                    buf[j] = nxt[j] + log_emit[t, j]
+            mine = -np.inf
+            for j in range(j_lo, j_hi):
+                mine = max(mine, buf[j])
+            partial[t % 2, tid * 8] = mine
+            store_release(flags, tid * 16, t + 1)
+            spin_until(flags, other * 16, t + 1)
+            top = max(partial[t % 2, 0], partial[t % 2, 8])
+            if tid == 0:
+                tops_out[t] = top
+
+
+def _arr(x: Tensor) -> np.ndarray:
+    return np.ascontiguousarray(x.detach().numpy())
 
 
 def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -101,22 +340,63 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     Sources are visited in decreasing delta and a column block stops as soon as the bound
     delta_i + col_max[j] (col_max = log_trans.max(0)) cannot improve any of its columns: exact, and
     typically 3-10x less work. Among tied sources the one with the larger delta wins."""
-    d = np.ascontiguousarray(delta.detach().numpy())
-    a = np.ascontiguousarray(log_trans.detach().numpy())
-    cm = a.max(axis=0) if col_max is None else np.ascontiguousarray(col_max.numpy())
-    order = np.argsort(-d, axis=1, kind="stable")
+    d = _arr(delta)
+    a = _arr(log_trans)
+    cm = a.max(axis=0) if col_max is None else _arr(col_max)
     val = np.empty_like(d)
-    arg = np.empty_like(d)
-    maxplus_serial(d, a, cm, order, val, arg)
-    return torch.from_numpy(val), torch.from_numpy(arg).long()
+    arg = np.empty(d.shape, dtype=np.int64)
+    maxplus_rows(d, a.reshape(-1), cm, val, arg)
+    return torch.from_numpy(val), torch.from_numpy(arg)
 
 
-def viterbi_one_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, col_max: Tensor) -> tuple[Tensor, float]:
+def viterbi_one_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, col_max: Tensor | None = None
+                    ) -> tuple[Tensor, float]:
     """Viterbi of one sequence: log_init (K,), log_emit (T, K), log_trans (K, K) -> (path (T,), log-prob).
     Same recursion, pruning and re-centring as `models.chain.viterbi`, without per-step Python. O(T K^2)."""
-    e = np.ascontiguousarray(log_emit.detach().numpy())
-    back = np.empty_like(e)
-    path = np.empty(e.shape[0], dtype=np.int64)
-    score = viterbi_one(np.ascontiguousarray(log_init.numpy()), e, np.ascontiguousarray(log_trans.numpy()),
-                        np.ascontiguousarray(col_max.numpy()), back, path)
-    return torch.from_numpy(path), float(score)
+    T = log_emit.shape[0]
+    paths, scores = viterbi_cpu(log_init[None], log_emit[None], log_trans, torch.tensor([T]), 1)
+    return paths[0], float(scores[0])
+
+
+def viterbi_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, lengths: Tensor, threads: int
+                ) -> tuple[Tensor, Tensor]:
+    """Viterbi of a batch, whole in compiled code: `threads` threads split the sequences (every threads-th
+    in decreasing length, so their shares balance), each advancing its share together. log_init (B, K),
+    log_emit (B, T, K), log_trans (K, K), lengths (B,) -> paths (B, T) int64 (-1 at padding), scores (B,)
+    float64. O(B T K^2) worst case, O(B T K) int32 backpointers."""
+    B, T, K = log_emit.shape
+    e = _arr(log_emit)
+    a = _arr(log_trans)
+    if B == 1 and threads >= 2:
+        return _viterbi_two_threads(_arr(log_init[0]), e[0, : int(lengths[0])], a, T)
+    lens = lengths.detach().cpu().numpy().astype(np.int64)
+    rows = np.argsort(-lens, kind="stable")
+    threads = max(1, min(threads, B))
+    back = np.empty((B, T, K), dtype=np.int32)
+    paths = np.empty((B, T), dtype=np.int64)
+    scores = np.empty(B, dtype=np.float64)
+    init, flat, cm = _arr(log_init), a.reshape(-1), a.max(axis=0)
+    run_split(lambda k: viterbi_lockstep(init, e, flat, cm, lens, rows, k, threads, back, paths, scores), threads)
+    return torch.from_numpy(paths), torch.from_numpy(scores)
+
+
+def _viterbi_two_threads(init: np.ndarray, emit: np.ndarray, a: np.ndarray, T: int) -> tuple[Tensor, Tensor]:
+    """One sequence's Viterbi on two threads splitting the columns (`viterbi_split`), then the backtrack.
+    init (K,), emit (L, K), a (K, K); the path is padded to T with -1."""
+    L, K = emit.shape
+    paths = np.full((1, T), -1, dtype=np.int64)
+    if L == 0:
+        return torch.from_numpy(paths), torch.zeros(1, dtype=torch.float64)
+    w = int(block_width(K, emit.itemsize))
+    half = min(K, ((K // 2 + w - 1) // w) * w)  # the split on a block boundary
+    shared = np.empty((2, K), dtype=emit.dtype)
+    partial = np.zeros((2, 16))
+    flags = np.zeros(32, dtype=np.int64)
+    back = np.empty((L, K), dtype=np.int32)
+    step_tops = np.empty(L)
+    flat, cm = a.reshape(-1), a.max(axis=0)
+    bounds = ((0, half), (half, K))
+    run_split(lambda k: viterbi_split(init, emit, flat, cm, shared, partial, flags, k, bounds[k][0], bounds[k][1],
+                                      back, step_tops), 2)
+    score = backtrack(shared[(L - 1) % 2], step_tops, back, paths[0])
+    return torch.from_numpy(paths), torch.tensor([score], dtype=torch.float64)
