@@ -195,7 +195,7 @@ def test_light_request_answers_while_a_maximal_heavy_request_runs_and_disconnect
     requests to another model answer in under a second; when its client goes away, the heavy lane stops at the
     next slice (the heavy-lane gauge drops to 0 and the cancellation is counted)."""
     body = heavy_viterbi_body()
-    before = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests", lane="heavy")
+    before = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", lane="heavy")
 
     def heavy():
         with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=6)) as c:
@@ -214,7 +214,7 @@ def test_light_request_answers_while_a_maximal_heavy_request_runs_and_disconnect
     assert isinstance(box.get("error"), httpx.ReadTimeout)  # the client gave up after 6 s and closed
     took = wait_for(lambda: heavy_lane(server) == 0, 10)
     print(f"FIGURES heavy lane empty {took:.2f} s after the client's read timeout")
-    after = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests", lane="heavy")
+    after = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", lane="heavy")
     assert after == before + 1
     # the heavy lane is free again: a small heavy request runs at once
     t = time.perf_counter()
@@ -245,7 +245,7 @@ def test_light_request_answers_while_a_long_sample_runs(server):
 def test_two_heavy_requests_share_the_lane_and_a_gone_one_is_dropped(server):
     """Two heavy requests take turns slice by slice; the one whose client leaves is dropped, the other completes."""
     body = heavy_viterbi_body(fraction=0.02)
-    before = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests", lane="heavy")
+    before = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", lane="heavy")
     results = {}
 
     def go(name, read):
@@ -262,7 +262,7 @@ def test_two_heavy_requests_share_the_lane_and_a_gone_one_is_dropped(server):
         t.join(90)
     assert results == {"a": 200, "b": "gone"}
     wait_for(lambda: heavy_lane(server) == 0, 10)
-    after = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests", lane="heavy")
+    after = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", lane="heavy")
     assert after == before + 1
 
 

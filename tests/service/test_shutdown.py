@@ -13,6 +13,8 @@ import httpx
 from .conftest import Server, err
 
 SLOW = {"model": "tiny", "max_tokens": 15000, "stop_at_eos": False}  # a few seconds of sampling on this machine
+# queued behind SLOW: another heavy-lane request (a light one runs at once in the light lane, issue 16 item 1)
+QUEUED = ("/v1/sample", {"model": "tiny", "max_tokens": 2000, "stop_at_eos": False})
 FIGURES: list[str] = []
 
 
@@ -55,7 +57,7 @@ def test_sigterm_drains_in_flight_requests(store, tmp_path):
         out: dict = {}
         slow = _post_in_thread(s.url, "/v1/sample", SLOW, out, "slow")
         time.sleep(0.5)  # the sample is computing
-        queued = _post_in_thread(s.url, "/v1/score", {"model": "tiny", "input": "w1 w2"}, out, "queued")
+        queued = _post_in_thread(s.url, *QUEUED, out, "queued")
         _wait_queued(s.client, 1)
         t0 = time.perf_counter()
         s.p.send_signal(signal.SIGTERM)
@@ -77,7 +79,7 @@ def test_sigterm_drains_in_flight_requests(store, tmp_path):
         s.p.wait(30)
         t_exit = time.perf_counter() - t0
         FIGURES.append(f"grace 60 s: /ready 503 {t_ready * 1000:.0f} ms after SIGTERM; in-flight sample "
-                       f"{out['slow'][3]:.2f} s and the queued score answered 200; process exited "
+                       f"{out['slow'][3]:.2f} s and the queued sample answered 200; process exited "
                        f"{t_exit:.2f} s after SIGTERM")
         assert "Traceback" not in s.output(), s.output()
     finally:
@@ -90,7 +92,7 @@ def test_sigterm_grace_over_answers_503_json(store, tmp_path):
         out: dict = {}
         slow = _post_in_thread(s.url, "/v1/sample", {**SLOW, "max_tokens": 60000}, out, "slow")
         time.sleep(0.5)
-        queued = _post_in_thread(s.url, "/v1/score", {"model": "tiny", "input": "w1 w2"}, out, "queued")
+        queued = _post_in_thread(s.url, *QUEUED, out, "queued")
         _wait_queued(s.client, 1)
         t0 = time.perf_counter()
         s.p.send_signal(signal.SIGTERM)
@@ -102,7 +104,7 @@ def test_sigterm_grace_over_answers_503_json(store, tmp_path):
             assert headers["content-type"] == "application/json" and headers["retry-after"] == "1"
             assert httpx.Response(503, content=body).json()["error"]["code"] == "shutting_down"
         s.p.wait(30)
-        FIGURES.append(f"grace 1 s: running sample and queued score both answered 503 JSON; exited "
+        FIGURES.append(f"grace 1 s: running sample and queued sample both answered 503 JSON; exited "
                        f"{time.perf_counter() - t0:.2f} s after SIGTERM")
     finally:
         s.stop()
