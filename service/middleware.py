@@ -194,26 +194,68 @@ return tostring(wait)
 
 
 class RedisRateLimiter:
-    """The token bucket of `LocalRateLimiter`, shared in Redis by every API process (atomic: one Lua script). A
-    Redis that fails or times out lets the request through (logged, counted in `latentlm_rate_limit_errors`)."""
+    """The token bucket of `LocalRateLimiter`, shared in Redis by every API process (atomic: one Lua script).
 
-    def __init__(self, url: str, rate: float, burst: int, timeout_s: float, metrics: Metrics | None = None):
+    A slow or hung Redis must not slow every request down, nor lift the limit: each check has a short timeout and
+    no retries, and the cache's circuit breaker (`cache.CircuitBreaker`, the same settings:
+    LATENTLM_CACHE_BREAKER_FAILURES, LATENTLM_CACHE_BREAKER_COOLDOWN_S) skips Redis for the cool-down after that
+    many failures in a row, then lets one probe through. A check that fails, and every check while the breaker is
+    open, is made by an in-process bucket instead (the same rate and burst, per API process), so the limit holds
+    through an outage. Counted: `latentlm_rate_limit_errors`, `latentlm_rate_limit_skipped`,
+    `latentlm_rate_limit_breaker_trips`."""
+
+    def __init__(self, url: str, rate: float, burst: int, timeout_s: float, metrics: Metrics | None = None,
+                 breaker_failures: int = 3, breaker_cooldown_s: float = 30.0):
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        from latentlm.service.cache import CircuitBreaker
 
         self.rate, self.burst, self.metrics = rate, burst, metrics
+        # no retries (redis-py retries by default): a hung Redis costs one timeout per check, not several
         pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=32, timeout=timeout_s,
-                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+                                                        socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                                        retry=Retry(NoBackoff(), 0))
         self.redis = aioredis.Redis(connection_pool=pool)  # waits for a free connection under concurrency
         self.script = self.redis.register_script(TOKEN_BUCKET)
+        self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
+        self.fallback = LocalRateLimiter(rate, burst)
+        self.skipped = self.trips = None
+        if metrics is not None:
+            counters = getattr(metrics, "_rate_limit_breaker", None)
+            if counters is None:
+                from prometheus_client import Counter
+
+                counters = metrics._rate_limit_breaker = (  # type: ignore[attr-defined]
+                    Counter("latentlm_rate_limit_skipped", "rate-limit checks made in-process without Redis while "
+                            "the rate limiter's circuit breaker is open", registry=metrics.registry),
+                    Counter("latentlm_rate_limit_breaker_trips", "times the rate limiter's circuit breaker opened",
+                            registry=metrics.registry))
+            self.skipped, self.trips = counters
 
     async def take(self, ident: str) -> float | None:
+        if not self.breaker.allow():
+            if self.skipped is not None:
+                self.skipped.inc()
+            return await self.fallback.take(ident)
         try:
             wait = float(await self.script(keys=[f"latentlm:ratelimit:{ident}"], args=[self.rate, self.burst]))
-        except Exception as e:  # Redis down: no limit rather than no service
-            log.warning("rate limit check skipped: Redis unavailable (%s)", type(e).__name__)
+        except Exception as e:  # Redis down or hung: the in-process bucket decides
             if self.metrics is not None:
                 self.metrics.rate_limit_errors.inc()
-            return None
+            if self.breaker.failure():
+                if self.trips is not None:
+                    self.trips.inc()
+                log.warning("rate limit check failed (%s); circuit breaker open: limits kept in this process for "
+                            "%.0f s", type(e).__name__, self.breaker.cooldown_s)
+            else:
+                log.warning("rate limit check failed: Redis unavailable (%s); checked in this process",
+                            type(e).__name__)
+            return await self.fallback.take(ident)
+        if self.breaker.open_until:
+            log.warning("rate limiter's Redis answers again: circuit breaker closed")
+        self.breaker.fails, self.breaker.open_until = 0, 0.0
         return wait if wait > 0 else None
 
 
@@ -222,7 +264,8 @@ def make_limiter(settings: Settings, metrics: Metrics | None = None) -> LocalRat
     rate = settings.rate_limit_per_key
     burst = settings.rate_limit_burst or max(1, math.ceil(2 * rate))
     if settings.cache_redis_url:
-        return RedisRateLimiter(settings.cache_redis_url, rate, burst, max(settings.cache_timeout_s, 0.5), metrics)
+        return RedisRateLimiter(settings.cache_redis_url, rate, burst, max(settings.cache_timeout_s, 0.5), metrics,
+                                settings.cache_breaker_failures, settings.cache_breaker_cooldown_s)
     return LocalRateLimiter(rate, burst)
 
 
