@@ -324,6 +324,21 @@ def test_posterior_cap_413_unless_streamed(server):
     err(c.post("/v1/posterior", json={"model": "tiny", "input": "w1", "stream": 1}), 422, "stream")
 
 
+def test_stream_disconnect_stops_the_work(server):
+    """A heavy streamed posterior whose client reads one line and leaves: the heavy lane drops it."""
+    before = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", lane="heavy")
+    body = {"model": "wide", "input": [[1] * 2000] * 60, "stream": True}  # 120,000 tokens x 128 states
+    with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/v1/posterior", json=body) as r:
+        assert r.status_code == 200 and int(r.headers["x-cost"]) > Settings().heavy_request_cost
+        first = json.loads(next(r.iter_lines()))
+        assert first["object"] == "posterior.chunk" and first["index"] == 0 and first["offset"] == 0
+    t = time.perf_counter()
+    wait_for(lambda: heavy_lane(server) == 0, 10)
+    print(f"\nFIGURES streamed posterior: heavy lane empty {time.perf_counter() - t:.2f} s after the client left")
+    after = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", lane="heavy")
+    assert after == before + 1
+
+
 def test_openapi_documents_streams_and_budget(server):
     doc = server.client.get("/openapi.json").json()
     post = doc["paths"]["/v1/posterior"]["post"]
