@@ -1,13 +1,18 @@
 """Throughput of latentlm's HMM inference on CPU against peer libraries and the FLOP limit.
 
-    python bench/hmm_inference.py [--sizes 64,256,1024] [--threads 2] [--out bench/results/hmm_inference.md]
+    python bench/hmm_inference.py [--sizes 64,256,1024] [--threads 2] [--out FILE]
 
 Workloads (random Dirichlet(1) HMM, V = 10,000): "batch" = 64 sequences x 50 tokens, "long" = one sequence
 of 10,000 tokens. Operations: score (forward), posterior (forward-backward), Viterbi, sampling. Peers
 (hmmlearn, pomegranate, dynamax core functions) run in the same process when importable (install them with
 `pip install -r bench/requirements-peers.txt` in a separate environment); slow peers are timed on a prefix
-of the long sequence and reported in tokens/s. The FLOP limit is 2 Z^2 flop per token at the float32 GEMM
-peak measured at the start of the run. Results (markdown) go to --out with machine and date.
+of the long sequence and reported in tokens/s; dynamax twice, with its parameters closed over as constants
+(XLA folds them in) and passed as jit arguments (how a served model would call it). The FLOP limit is
+2 Z^2 flop per token at the best float32 GEMM peak measured at the start of the run (torch's MKL and
+numpy's OpenBLAS, both on --threads threads). latentlm runs as the service does by default: each model
+calibrated first (`models.calibrate`: the fastest batch engine and BLAS on this machine). Results (markdown)
+go to --out (default: bench/results/hmm_inference_<cpu>.md, so tables of other machines stay) with the CPU
+model, its vector extensions, the BLAS libraries and date.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,9 +51,27 @@ def timed(fn: Callable[[], object], min_time: float = 1.0, max_reps: int = 15) -
     return float(np.median(times))
 
 
-def matmul_peak() -> float:
+def matmul_peaks() -> dict[str, float]:
+    """float32 GEMM peak (flop/s, 2048^3) of each BLAS this process calls: torch's (MKL on x86 wheels) and
+    numpy's (its bundled OpenBLAS)."""
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / timed(lambda: a @ b, 1.0, 10)
+    an, bn = a.numpy(), b.numpy()
+    out = np.empty_like(an)
+    return {"torch (MKL)": 2 * 2048**3 / timed(lambda: a @ b, 1.0, 10),
+            "numpy (OpenBLAS)": 2 * 2048**3 / timed(lambda: np.matmul(an, bn, out=out), 1.0, 10)}
+
+
+def machine() -> dict[str, str]:
+    """CPU model, the vector extensions that matter here, and the BLAS libraries."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"model name\s*:\s*(.*)", info)
+    flags = set(re.search(r"flags\s*:\s*(.*)", info).group(1).split()) if "flags" in info else set()
+    vec = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags]
+    from latentlm.models.kernels import blas
+
+    return {"cpu": model.group(1).strip() if model else platform.processor() or platform.machine(),
+            "vector": ", ".join(vec) or "none of avx2/avx512", "cores": str(os.cpu_count()),
+            "blas": ", ".join(blas.PROVIDERS) or "none callable from the kernels"}
 
 
 def data(Z: int, seed: int = 0):
@@ -73,6 +97,7 @@ def posterior_on(m: DenseHMM, batch: Batch, **engine) -> torch.Tensor:
 def ours(Z: int) -> dict[str, float]:
     t, c = random_hmm(Z, V, 0)
     m = DenseHMM.from_tensors(t, c)
+    m.calibrate()  # what `latentlm serve` does at load (LATENTLM_CALIBRATE, on by default)
     batch_ids, long_ids = data(Z)
     b = Batch(batch_ids, torch.full((64,), 50))
     lg = Batch(long_ids, torch.tensor([10_000]))
@@ -227,6 +252,21 @@ def peers(Z: int, budget_tokens: int) -> dict[str, dict[str, float]]:
              "viterbi/batch": nb * 50 / timed(lambda: block(f_mode(xb)), 0, 2),
              "viterbi/long": nl / timed(lambda: block(f_mode(xl)), 0, 2)}
         out["dynamax"] = r
+        # the same with the parameters as jit arguments (not folded into the compiled program as constants)
+        g_filter = jax.jit(jax.vmap(lambda x, s, a, e: hmm_filter(s, a, jnp.log(e[x])).marginal_loglik,
+                                    in_axes=(0, None, None, None)))
+        g_smooth = jax.jit(jax.vmap(lambda x, s, a, e: hmm_smoother(s, a, jnp.log(e[x])).smoothed_probs,
+                                    in_axes=(0, None, None, None)))
+        g_mode = jax.jit(jax.vmap(lambda x, s, a, e: hmm_posterior_mode(s, a, jnp.log(e[x])),
+                                  in_axes=(0, None, None, None)))
+        nl_args = min(nl, 2000)
+        xl2 = jnp.asarray(long[:nl_args])[None]
+        out["dynamax (args)"] = {
+            "score/batch": nb * 50 / timed(lambda: block(g_filter(xb, s0, A, E)), 0, 2),
+            "score/long": nl_args / timed(lambda: block(g_filter(xl2, s0, A, E)), 0, 2),
+            "posterior/batch": nb * 50 / timed(lambda: block(g_smooth(xb, s0, A, E)), 0, 2),
+            "viterbi/batch": nb * 50 / timed(lambda: block(g_mode(xb, s0, A, E)), 0, 2),
+            "viterbi/long": nl_args / timed(lambda: block(g_mode(xl2, s0, A, E)), 0, 2)}
     except ImportError:
         pass
     return out
@@ -242,17 +282,25 @@ def main() -> None:
     ap.add_argument("--sizes", default="64,256,1024")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-budget", type=int, default=3200, help="max tokens per peer measurement")
-    ap.add_argument("--out", type=Path, default=Path("bench/results/hmm_inference.md"))
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: bench/results/hmm_inference_<cpu model>.md (one file per machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    peak = matmul_peak()
+    host = machine()
+    if args.out is None:
+        slug = re.sub(r"[^a-z0-9]+", "_", host["cpu"].lower()).strip("_")
+        args.out = Path(f"bench/results/hmm_inference_{slug}.md")
+    peaks = matmul_peaks()
+    peak = max(peaks.values())
+    print(json.dumps({"machine": host, "peaks": peaks}), flush=True)
     rows = []
     sizes = [int(z) for z in args.sizes.split(",")]
     # latentlm first, in this process; each peer run in a fresh spawned process: once jax/pomegranate
     # have run, their thread pools slow later torch work in the same process by up to 10x.
     for Z in sizes:
-        rows.append({"Z": Z, "limit": peak / (2 * Z * Z), "ours": ours(Z), "exact": viterbi_exactness(Z),
+        rows.append({"Z": Z, "limit": peak / (2 * Z * Z), "ours": ours(Z), "choice": _choice(Z),
+                     "exact": viterbi_exactness(Z),
                      "chunked": chunked_accuracy(Z),
                      "rss_mib": posterior_peak_rss(Z)})
         print(json.dumps(rows[-1], default=float), flush=True)
@@ -262,45 +310,68 @@ def main() -> None:
         with ctx.Pool(1) as pool:
             row["peers"] = pool.apply(_peers_child, (Z, args.peer_budget if Z < 1024 else 400, args.threads))
         print(json.dumps({"Z": Z, "peers": row["peers"]}, default=float), flush=True)
-    write_report(args.out, peak, rows, args.threads)
+    write_report(args.out, peak, rows, args.threads, host, peaks)
+
+
+def _choice(Z: int) -> str:
+    from latentlm.models import backend, calibrate
+
+    c = backend.CHOICES.get((Z, torch.float32))
+    return "not calibrated" if c is None else calibrate.label(c.engine, c.provider)
 
 
 def report_from_log(log: Path, out: Path, threads: int = 2) -> None:
     """Rebuild the markdown from the JSON lines a run printed (peak re-derived from the limits)."""
     rows: dict[int, dict] = {}
+    host: dict[str, str] = {}
+    peaks: dict[str, float] = {}
     for line in log.read_text().splitlines():
         if line.startswith("{"):
             d = json.loads(line)
+            if "machine" in d:
+                host, peaks = d["machine"], d["peaks"]
+                continue
             rows.setdefault(d["Z"], {}).update(d)
     rows_l = [rows[z] for z in sorted(rows)]
     peak = rows_l[0]["limit"] * 2 * rows_l[0]["Z"] ** 2
-    write_report(out, peak, rows_l, threads)
+    write_report(out, peak, rows_l, threads, host or machine(), peaks)
 
 
-def write_report(out: Path, peak: float, rows: list[dict], threads: int) -> None:
+PEERS = ("hmmlearn", "pomegranate", "dynamax", "dynamax (args)")
+
+
+def write_report(out: Path, peak: float, rows: list[dict], threads: int, host: dict[str, str],
+                 peaks: dict[str, float]) -> None:
+    peak_text = ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()) or f"{peak / 1e9:.0f}"
     lines = [
         "# HMM inference on CPU: latentlm vs peers and the FLOP limit", "",
-        f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads} threads, "
-        f"torch {torch.__version__}; date {dt.date.today().isoformat()}; float32 GEMM peak in this run "
-        f"{peak / 1e9:.0f} GFLOP/s. Generated by `python bench/hmm_inference.py`.", "",
-        "Tokens/s (higher is better). `% limit` = share of the forward FLOP limit 2 Z^2 flop/token at that peak.",
+        f"Machine: {host['cpu']} ({host['vector']}), {host['cores']} cores, {threads} threads; BLAS callable from "
+        f"the kernels: {host['blas']}; torch {torch.__version__}, numpy {np.__version__}; date "
+        f"{dt.date.today().isoformat()}. float32 GEMM peaks in this run (GFLOP/s, 2048^3): {peak_text}; the "
+        f"limit uses the best, {peak / 1e9:.0f} GFLOP/s. Generated by `python bench/hmm_inference.py`.", "",
+        "Tokens/s (higher is better). `% limit` = share of the FLOP limit of the forward, 2 Z^2 flop/token, at",
+        "that peak, for every operation (as earlier tables); `% own` counts each operation's own flops: a",
+        "posterior runs a forward and a backward (4 Z^2), Viterbi one (max, +) product (2 Z^2).",
         "Peers that take minutes were timed on a prefix (tokens/s is length-independent for them).",
-        "Sampling rows compare with hmmlearn's `sample` (the fastest peer generator; one sequence at a time).", "",
-        "| Z | op/workload | latentlm | % limit | hmmlearn | pomegranate | dynamax | latentlm / best peer |",
-        "|---|---|---|---|---|---|---|---|",
+        "Sampling rows compare with hmmlearn's `sample` (the fastest peer generator; one sequence at a time).",
+        "dynamax: parameters closed over as constants; dynamax (args): passed as jit arguments.", "",
+        "| Z | batch engine chosen | op/workload | latentlm | % limit | % own | " + " | ".join(PEERS)
+        + " | latentlm / best peer |",
+        "|---|---|---|---|---|---|" + "---|" * len(PEERS) + "---|",
     ]
     for r in rows:
         for key, val in r["ours"].items():
             if "@" in key:
                 continue
             peer_key = "sample/64x50" if key.startswith("sample") else key  # peers' generation speed
-            peer_vals = [r["peers"].get(p, {}).get(peer_key, float("nan"))
-                         for p in ("hmmlearn", "pomegranate", "dynamax")]
+            peer_vals = [r["peers"].get(p, {}).get(peer_key, float("nan")) for p in PEERS]
             finite = [v for v in peer_vals if v == v]
             ratio = f"{val / max(finite):.1f}x" if finite else "–"
             pct = f"{100 * val / r['limit']:.0f}%" if not key.startswith("sample") else "–"
+            own = (f"{50 * val / r['limit']:.0f}%" if key.startswith("posterior") else pct)
             cells = " | ".join(f"{v:,.0f}" if v == v else "–" for v in peer_vals)
-            lines.append(f"| {r['Z']} | {key} | {val:,.0f} | {pct} | {cells} | {ratio} |")
+            lines.append(f"| {r['Z']} | {r.get('choice', '–')} | {key} | {val:,.0f} | {pct} | {own} | {cells} "
+                         f"| {ratio} |")
     lines += ["", "Compiled kernels (`models/kernels/`) vs the engine's plain PyTorch recursion (one BLAS GEMM and",
               "elementwise ops per step; `backend=\"torch\"`), same process, tokens/s:", "",
               "| Z | op/workload | compiled | plain PyTorch | ratio |", "|---|---|---|---|---|"]

@@ -30,11 +30,12 @@ storage precision (`STORAGE_DTYPES`: float32, or bfloat16 opt-in) applies to tha
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from latentlm.models.kernels.blas import HAVE_GEMM, HAVE_PACK
+from latentlm.models.kernels.blas import DEFAULT_PROVIDER, HAVE_GEMM, HAVE_PACK
 from latentlm.models.kernels.jit import HAVE_NUMBA
 
 
@@ -155,8 +156,9 @@ def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, m
 
     auto: "torch" where no compiled engine can run (GPU, autograd, per-step matrices, mixed dtypes);
     "single" for one sequence wanting only log_cond; "lockstep" where BLAS is callable and there are at
-    least LOCKSTEP_MIN_ROWS rows or more than GROUPS_MAX_K states; else "groups" up to GROUPS_MAX_K states or
-    for one sequence (no GEMM to hand to BLAS anyway); else "torch" (one BLAS GEMM per step)."""
+    least LOCKSTEP_MIN_ROWS rows or more than GROUPS_MAX_K states (unless `models.calibrate` measured another
+    engine faster for this matrix size: `CHOICES`); else "groups" up to GROUPS_MAX_K states or for one
+    sequence (no GEMM to hand to BLAS anyway); else "torch" (one BLAS GEMM per step)."""
     b = Backend(backend)
     if b is Backend.TORCH:
         return b
@@ -170,6 +172,8 @@ def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, m
         if one and not last:
             return Backend.SINGLE
         K = trans.shape[-1]
+        if (rows >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K) and (chosen := _chosen(K, trans.dtype)) is not None:
+            return chosen  # measured on this machine for this matrix (`models.calibrate`)
         if HAVE_GEMM and (rows >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K):
             return Backend.LOCKSTEP
         return Backend.GROUPS if K <= GROUPS_MAX_K or one else Backend.TORCH
@@ -235,8 +239,32 @@ def max_product_threads(rows: int, T: int, K: int) -> int:
 
 def packs(engine: Backend, dtype: torch.dtype, K: int) -> bool:
     """Whether a lockstep call runs on the matrix packed once by MKL (float32, K >= PACK_MIN_K, packed API
-    exported)."""
-    return engine is Backend.LOCKSTEP and HAVE_PACK and dtype == torch.float32 and K >= PACK_MIN_K
+    exported, MKL the BLAS of the call)."""
+    return (engine is Backend.LOCKSTEP and HAVE_PACK and dtype == torch.float32 and K >= PACK_MIN_K
+            and provider(K, dtype) == "mkl")
+
+
+# -- the measured choice (`models.calibrate`) -----------------------------------------------------------------
+class Choice(NamedTuple):
+    """The batch sum-product engine and BLAS measured fastest for one matrix size and dtype on this machine,
+    with what each candidate took (milliseconds, for /v1/models and the logs)."""
+    engine: Backend
+    provider: str  # the BLAS of lockstep GEMMs ("mkl", "openblas"; "" where the engine calls none)
+    timings_ms: dict[str, float]
+
+
+CHOICES: dict[tuple[int, torch.dtype], Choice] = {}  # (K, dtype) -> Choice; written by `models.calibrate`
+
+
+def provider(K: int, dtype: torch.dtype) -> str:
+    """The BLAS of a lockstep call on a K x K matrix: the measured choice for (K, dtype), else the default."""
+    choice = CHOICES.get((K, dtype))
+    return choice.provider if choice is not None and choice.provider else DEFAULT_PROVIDER
+
+
+def _chosen(K: int, dtype: torch.dtype) -> Backend | None:
+    choice = CHOICES.get((K, dtype))
+    return choice.engine if choice is not None else None
 
 
 def chunk_long(backend: Backend | str, emit, trans, *more: Tensor, wants_states: bool) -> bool:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from latentlm.models import backend as dispatch
+from latentlm.models import calibrate as calibration
 from latentlm.models import chain
 from latentlm.models.backend import Backend
 from latentlm.models.chain import Emit, Trans
@@ -211,7 +212,21 @@ class ChainFamily(ChainOps, Family):
                       torch.ones(rows, dtype=torch.long, device=self.device))
         init, emit, trans = self.chain(batch)
         engine = dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=rows)
-        return {"score": engine.value, "storage_dtype": str(self.dtype).removeprefix("torch.")}
+        out: dict[str, Any] = {"score": engine.value, "storage_dtype": str(self.dtype).removeprefix("torch.")}
+        if isinstance(trans, Tensor) and trans.device.type == "cpu":
+            out.update(calibration.describe(trans.shape[-1], trans.dtype))
+        return out
+
+    def calibrate(self) -> dict[str, Any] | None:
+        """Measure which batch engine and BLAS is fastest for this model's matrix on this machine
+        (`models.calibrate`); the choice then holds for every model of that size and dtype in the process.
+        Returns what `backends` reports, or None where nothing compiled can run (GPU, per-step matrices)."""
+        batch = Batch(torch.zeros(1, 1, dtype=torch.long, device=self.device),
+                      torch.ones(1, dtype=torch.long, device=self.device))
+        _, _, trans = self.chain(batch)
+        if not isinstance(trans, Tensor) or calibration.calibrate(trans.detach()) is None:
+            return None
+        return calibration.describe(trans.shape[-1], trans.dtype)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "backend": self.backends()}

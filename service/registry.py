@@ -40,10 +40,13 @@ class ModelRegistry:
     """name -> LoadedModel; `reload()` loads new/changed artifacts and drops removed ones."""
 
     def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32",
-                 backend: str = "torch", storage_dtype: str | None = None):
+                 backend: str = "torch", storage_dtype: str | None = None, calibrate: bool | None = None):
         """`storage_dtype`: precision of the fused CUDA scoring path of rank_hmm / blocked_hmm ("float32", "tfloat32",
-        "bfloat16"); None reads the setting (LATENTLM_STORAGE_DTYPE, default float32)."""
+        "bfloat16"); None reads the setting (LATENTLM_STORAGE_DTYPE, default float32). `calibrate`: time the
+        CPU batch engines and BLAS libraries on each chain model's matrix at load and keep the fastest
+        (`models.calibrate`); None reads LATENTLM_CALIBRATE (default on)."""
         self.store, self.device, self.dtype, self.backend = Path(store), device, dtype, backend
+        self.calibrate = Settings.from_env().calibrate if calibrate is None else calibrate
         self.precision = Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype
         self.allow_tf32 = str(self.precision).lower() == "tfloat32"
         # an unknown precision is refused here (ValueError naming the choices), not at the first model
@@ -59,7 +62,8 @@ class ModelRegistry:
         """The registry the API, `latentlm worker` and rq jobs each build: the store, dtype, backend and fused
         precision of `settings`; `device` defaults to the settings' (auto: CUDA when there is one)."""
         return cls(settings.store, device=ops.resolve_device(settings.device) if device is None else device,
-                   dtype=settings.dtype, backend=settings.backend, storage_dtype=settings.storage_dtype)
+                   dtype=settings.dtype, backend=settings.backend, storage_dtype=settings.storage_dtype,
+                   calibrate=settings.calibrate)
 
     def get(self, name: str) -> ops.LoadedModel:
         m = self.models.get(name)
@@ -120,6 +124,8 @@ class ModelRegistry:
                         model.impl.set_storage_dtype("tfloat32" if self.allow_tf32 else self.storage_dtype)
                     new[name], verified[name] = model, sig
                     kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
+                    if self.calibrate and hasattr(model.impl, "calibrate"):  # the fastest engine/BLAS here
+                        model.impl.calibrate()
                     (updated if old is not None else added).append(name)
                 except Exception as e:  # a bad artifact must not keep the others from serving
                     msg = e.message if isinstance(e, LatentLMError) else f"{type(e).__name__}: {e}"

@@ -47,6 +47,8 @@ class Settings:
                                          # thread, in slices, round robin), so it never delays light requests
     heavy_slice_cost: int = 1_000_000_000  # the heavy lane's slice (whole sequences): its preemption and
                                          # cancellation granularity (~0.05-0.15 s on one CPU core)
+    max_heavy_requests: int = 16         # heavy-lane requests queued or running at once before 429 (they share the
+                                         # heavy lane's thread slice by slice)
     posterior_stream_positions: int = 1024  # streamed posteriors (NDJSON): token positions per line at most
     api_keys: str = ""                   # comma-separated bearer keys; empty = no auth
     protect_docs: bool = False           # with api_keys: /metrics, /docs, /redoc and /openapi.json need a key too
@@ -74,6 +76,8 @@ class Settings:
     cache_breaker_failures: int = 3      # consecutive cache failures that open the circuit breaker; 0 = never
     cache_breaker_cooldown_s: float = 30.0  # how long an open breaker skips the cache before one probe
     backend: str = "torch"               # torch, or onnx: scoring through onnxruntime (`latentlm serve --backend`)
+    calibrate: bool = True               # at load, time the batch engines and BLAS libraries (MKL, OpenBLAS,
+                                         # compiled) on each chain model's matrix and keep the fastest
     otel: bool = False                   # FastAPI's native OpenTelemetry (tracing, metrics, logs to the global
                                          # providers / OTLP exporters); Prometheus /metrics is always on
     gil_switch_interval_ms: float = 0.1  # `serve`: how soon a busy event loop hands the GIL to the inference

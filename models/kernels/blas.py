@@ -1,11 +1,16 @@
-"""The BLAS inside torch's CPU library, called from compiled kernels, and the matrices derived for it.
+"""The BLAS libraries this process can call from compiled kernels, and the matrices derived for them.
 
-torch's x86 wheels link MKL into libtorch_cpu.so and export its symbols. `BLAS` binds them with ctypes:
-sgemm_/dgemm_ (Fortran interface), MKL_Set_Num_Threads_Local, and MKL's packed-matrix float32 API
-(cblas_sgemm_pack_get_size / _pack / _compute) where exported; `BLAS` is None where the library does not
-export the GEMMs (then `HAVE_GEMM` is False and the engine never picks the lockstep kernels). Compiled code
-calls them through `gemm_rows`, by address: the address is an argument, not a constant, so the calling
-kernels stay in numba's on-disk cache.
+Two providers, whichever load (`PROVIDERS`, by name):
+- "mkl": torch's x86 wheels link MKL into libtorch_cpu.so and export its symbols. `BLAS` binds them with
+  ctypes: sgemm_/dgemm_ (Fortran interface, 32-bit integers), MKL_Set_Num_Threads_Local, and MKL's
+  packed-matrix float32 API (cblas_sgemm_pack_get_size / _pack / _compute) where exported;
+- "openblas": the OpenBLAS numpy's wheels bundle (numpy.libs/libscipy_openblas64_*.so; 64-bit integers:
+  scipy_sgemm_64_ / scipy_dgemm_64_, openblas_set_num_threads_local). On AMD CPUs it often beats MKL
+  (which takes slower code paths there), on Intel the reverse; `models.calibrate` measures which is faster
+  for a model's shapes on this machine.
+`HAVE_GEMM` is False where neither loads (then the engine never picks the lockstep kernels). Compiled code
+calls a GEMM through `gemm_rows`, by address: the address is an argument, not a constant, so the calling
+kernels stay in numba's on-disk cache; the integer width travels as the dtype of the `dims` array.
 
 `packed_matrix` / `transposed` cache what a lockstep call derives from a model's matrix (MKL's packed copy,
 a transposed copy) while the tensor lives and is not modified in place.
@@ -14,6 +19,7 @@ a transposed copy) while the tensor lives and is not modified in place.
 from __future__ import annotations
 
 import ctypes
+import glob
 import os
 import weakref
 from collections.abc import Callable
@@ -59,9 +65,49 @@ def _torch_blas() -> TorchBlas | None:
     return TorchBlas(gemms[0], gemms[1], local, size, pack, compute)
 
 
+class Provider(NamedTuple):
+    """A BLAS the compiled kernels can call: its GEMM symbols, integer width and per-thread thread setter."""
+    name: str
+    sgemm: Any
+    dgemm: Any
+    int_dtype: type  # np.int32 (LP64) or np.int64 (ILP64): the dtype of the `dims` array handed to the GEMM
+    local_threads: Callable[[int], int]  # (n; 0: the global setting) -> the previous setting
+    packed: bool  # MKL's packed-matrix API is available (only "mkl")
+
+
+def _numpy_openblas() -> Provider | None:
+    """numpy's bundled OpenBLAS (ILP64, symbols prefixed scipy_ and suffixed 64_), or None."""
+    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*.so"))
+    if not libs:
+        return None
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    try:
+        lib = ctypes.CDLL(libs[0])
+        gemms = [getattr(lib, name) for name in ("scipy_sgemm_64_", "scipy_dgemm_64_")]
+        pylib = ctypes.PyDLL(lib._name)
+        local, total = pylib.openblas_set_num_threads_local, pylib.scipy_openblas_get_num_threads64_
+    except (OSError, AttributeError):
+        return None
+    for f in gemms:
+        f.restype, f.argtypes = None, [vp] * 13
+    local.restype, local.argtypes = ci, [ci]
+    total.restype, total.argtypes = ci, []
+
+    def set_local(n: int) -> int:
+        return local(n if n > 0 else total())
+
+    return Provider("openblas", gemms[0], gemms[1], np.int64, set_local, False)
+
+
 BLAS = _torch_blas() if HAVE_NUMBA else None
-HAVE_GEMM = BLAS is not None  # the lockstep kernels can run
-HAVE_PACK = BLAS is not None and BLAS.pack is not None  # ... and on a float32 matrix packed once
+PROVIDERS: dict[str, Provider] = {}
+if BLAS is not None:
+    PROVIDERS["mkl"] = Provider("mkl", BLAS.sgemm, BLAS.dgemm, np.int32, BLAS.local_threads, BLAS.pack is not None)
+if HAVE_NUMBA and (_openblas := _numpy_openblas()) is not None:
+    PROVIDERS["openblas"] = _openblas
+DEFAULT_PROVIDER = next(iter(PROVIDERS), "")  # MKL where torch exports it (the measured choice may differ)
+HAVE_GEMM = bool(PROVIDERS)  # the lockstep kernels can run
+HAVE_PACK = BLAS is not None and BLAS.pack is not None  # ... and on a float32 matrix packed once (MKL)
 
 
 def address(fn) -> int:
@@ -108,17 +154,24 @@ def transposed(trans: Tensor) -> np.ndarray:
     return _derived(trans, "T", lambda: np.ascontiguousarray(trans.detach().numpy().T))
 
 
-def gemm_addresses(dtype: np.dtype) -> tuple[int, int]:
-    """(address of sgemm_ or dgemm_ for `dtype`, address of MKL's packed compute or 0)."""
-    assert BLAS is not None
-    compute = address(BLAS.compute) if BLAS.compute is not None else 0
-    return address(BLAS.sgemm if dtype == np.float32 else BLAS.dgemm), compute
+def gemm_addresses(dtype: np.dtype, provider: str = "") -> tuple[int, int]:
+    """(address of `provider`'s sgemm or dgemm for `dtype`, address of MKL's packed compute or 0).
+    provider "": DEFAULT_PROVIDER."""
+    p = PROVIDERS[provider or DEFAULT_PROVIDER]
+    compute = address(BLAS.compute) if p.packed and BLAS is not None and BLAS.compute is not None else 0
+    return address(p.sgemm if dtype == np.float32 else p.dgemm), compute
 
 
-def set_local_threads(n: int) -> int:
-    """Hold BLAS calls made by this thread to n threads (0: the global setting); returns the previous value."""
-    assert BLAS is not None
-    return BLAS.local_threads(n)
+def dims_template(provider: str = "") -> np.ndarray:
+    """A (6,) array in the integer width of `provider`'s GEMM (the lockstep kernels copy it for their
+    dimensions)."""
+    return np.zeros(6, dtype=PROVIDERS[provider or DEFAULT_PROVIDER].int_dtype)
+
+
+def set_local_threads(n: int, provider: str = "") -> int:
+    """Hold `provider`'s BLAS calls made by this thread to n threads (0: the global setting); returns the
+    previous value."""
+    return PROVIDERS[provider or DEFAULT_PROVIDER].local_threads(n)
 
 
 if HAVE_GEMM:

@@ -2,11 +2,11 @@
 
 For a batch, each thread advances all of its sequences together (every `threads`-th in length order, so the
 threads' work is balanced and the sequences still running at step t are a prefix of the thread's list).
-A step is one GEMM over those rows, by the BLAS that torch links (`blas.gemm_rows`), run single-threaded on
-this thread (so the threads never wait on each other or on a BLAS thread pool), then the emission product,
-normaliser and log of the scale in one compiled sweep per row. BLAS packs and blocks the GEMM better than
-any loop here (single-threaded MKL runs these (rows x K) x (K x K) steps at 75-100% of a core's peak).
-Defined only where torch's BLAS is callable (`blas.HAVE_GEMM`).
+A step is one GEMM over those rows, by the BLAS chosen for the call (`blas.gemm_rows`: MKL or OpenBLAS), run
+single-threaded on this thread (so the threads never wait on each other or on a BLAS thread pool), then the
+emission product, normaliser and log of the scale in one compiled sweep per row. BLAS packs and blocks the
+GEMM better than any loop here (single-threaded MKL runs these (rows x K) x (K x K) steps at 75-100% of a core's peak).
+Defined only where a BLAS is callable (`blas.HAVE_GEMM`).
 """
 
 from __future__ import annotations
@@ -21,23 +21,26 @@ if HAVE_GEMM:
     from latentlm.models.kernels.rows import backward_row, forward_row
 
     @njit(nogil=True, inline="always", cache=True)
-    def _lockstep_rows(order, first, stride, K, dtype, transpose):  # pragma: no cover - compiled
+    def _lockstep_rows(order, first, stride, K, dtype, transpose, ints):  # pragma: no cover - compiled
         """This thread's sequences order[first::stride] and the GEMM arguments for its (rows x K) x (K x K)
-        steps: dims (M, N, K, lda, ldb, ldc), coef (alpha, beta), op (transposes, 'T' / 'N')."""
+        steps: dims (M, N, K, lda, ldb, ldc) in the integer width of `ints` (the BLAS's: 32 or 64 bits),
+        coef (alpha, beta), op (transposes, 'T' / 'N')."""
         mine = order[first::stride]
-        dims = np.array([K, mine.shape[0], K, K, K, K], dtype=np.int32)
+        dims = ints.copy()
+        dims[:] = K
+        dims[1] = mine.shape[0]
         coef = np.array([1.0, 0.0], dtype=dtype)
         return mine, dims, coef, np.array([84 if transpose else 78, 78], dtype=np.uint8)
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, order, log_cond, alphas, keep, last,
-                         first, stride):  # pragma: no cover - compiled
+    def forward_lockstep(gemm, compute, packed, ints, init, table, rows, trans, lengths, order, log_cond, alphas, keep,
+                         last, first, stride):  # pragma: no cover - compiled
         """`forward_groups` for the sequences order[first::stride], advanced together: per step one GEMM over
         the rows still running, then per row the emission product, normaliser and log. Same arguments and
-        outputs as `forward_groups`, plus `gemm` (sgemm_/dgemm_ matching the dtype) and, when `packed` is not
-        empty, MKL's `compute` on `trans` packed there. O(B T K^2)."""
+        outputs as `forward_groups`, plus `gemm` (sgemm/dgemm matching the dtype, `ints` its integer width)
+        and, when `packed` is not empty, MKL's `compute` on `trans` packed there. O(B T K^2)."""
         K = table.shape[1]
-        mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, False)
+        mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, False, ints)
         active = m = mine.shape[0]
         if m == 0:
             return
@@ -54,7 +57,7 @@ if HAVE_GEMM:
                             alphas, keep, last)
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def backward_lockstep(gemm, compute, packed, table, rows, mat, lengths, order, log_cond, out, to_gamma,
+    def backward_lockstep(gemm, compute, packed, ints, table, rows, mat, lengths, order, log_cond, out, to_gamma,
                           mat_is_trans, first, stride):  # pragma: no cover - compiled
         """`backward_groups` for the sequences order[first::stride], stepped back together: per step the
         per-row sweep (posterior or beta out, next vector v = emit_t * beta_t / c_t), then one GEMM
@@ -62,7 +65,7 @@ if HAVE_GEMM:
         `mat` is trans itself when `mat_is_trans` (no transposed copy; the GEMM transposes), else trans^T;
         plus `gemm`, `compute` and `packed` as in `forward_lockstep` (packed: trans^T). O(B T K^2)."""
         T, K = rows.shape[1], table.shape[1]
-        mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, mat_is_trans)
+        mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, mat_is_trans, ints)
         m = mine.shape[0]
         x = np.ones((m, K), dtype=table.dtype)
         v = np.zeros((m, K), dtype=table.dtype)
@@ -79,14 +82,14 @@ if HAVE_GEMM:
                 gemm_rows(gemm, compute, packed, v, mat, x, active, dims, coef, op)
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def posterior_lockstep(gemm, compute, packed, packed_b, init, table, rows, trans, mat_b, lengths, order,
+    def posterior_lockstep(gemm, compute, packed, ints, packed_b, init, table, rows, trans, mat_b, lengths, order,
                            log_cond, out, mat_is_trans, first, stride):  # pragma: no cover - compiled
         """`forward_lockstep` keeping the filtered marginals, then `backward_lockstep` turning them into
         posteriors, for the same sequences on the same thread: no meeting between the passes, and the
         thread's marginals are still in its cache for the backward. packed / packed_b: trans / trans^T
         packed (or empty); mat_b: trans (mat_is_trans) or trans^T. O(B T K^2)."""
         no_last = np.empty((0, table.shape[1]), dtype=table.dtype)
-        forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, order, log_cond, out, True,
+        forward_lockstep(gemm, compute, packed, ints, init, table, rows, trans, lengths, order, log_cond, out, True,
                          no_last, first, stride)
-        backward_lockstep(gemm, compute, packed_b, table, rows, mat_b, lengths, order, log_cond, out, True,
+        backward_lockstep(gemm, compute, packed_b, ints, table, rows, mat_b, lengths, order, log_cond, out, True,
                           mat_is_trans, first, stride)

@@ -6,14 +6,15 @@ cannot use BLAS, so it is written here like a GEMM micro-kernel, for each row of
   maxima are formed branch-free (one add and one max per entry: `fmax` is a single select that LLVM turns
   into `maxps` on AVX2 / AVX-512), into a buffer other than the one read, because a read-modify-write of
   the same array compiles to masked stores that run several times slower;
-- the argmax is not tracked per entry: only the index of the winning chunk is kept (one select per chunk),
-  and the argmax is found afterwards by rescanning that chunk's CHUNK sources for the winning value (exact:
-  the same float additions);
-- exact pruning: once delta_i + max_i' log_trans[i', j] (the column maxima `col_max`) cannot beat any
+- the argmax rides along: every node of the chunk's tree of maxima also selects the winning side's slot
+  (a select, no branch), and the merge into the running maxima keeps the position of the winner;
+- exact pruning: sources come in decreasing delta by a counting sort into buckets (O(K), `source_order`),
+  and once the bucket bound plus max_i' log_trans[i', j] (the column maxima `col_max`) cannot beat any
   column of the block, no remaining source can, and the block is done.
-`viterbi_rows` runs the whole recursion of a set of sequences in compiled code (one thread's share of a
-batch; threads split the rows with no synchronisation). `maxplus_cpu` / `viterbi_one_cpu` / `viterbi_cpu`
-are the tensor-level entry points. Ties: the source with the larger delta wins (first in the sorted order).
+`viterbi_lockstep` runs the whole recursion of a set of sequences in compiled code (one thread's share of
+a batch; threads split the rows with no synchronisation), `viterbi_split` one sequence on two threads that
+split the columns. `maxplus_cpu` / `viterbi_one_cpu` / `viterbi_cpu` are the tensor-level entry points.
+Ties go to the source first in that order (a larger delta, up to the bucket width).
 """
 
 from __future__ import annotations
@@ -66,34 +67,43 @@ if HAVE_NUMBA:
         return rows, (srt[n0], srt[n1], srt[n2], srt[n3], srt[n4], srt[n5], srt[n6], srt[n7])
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _max8(flat, r, d, u):  # pragma: no cover - compiled
-        """max over the 8 sources (row offsets r, deltas d) of d + A at column offset u (a balanced tree)."""
-        m0 = fmax(d[0] + flat[r[0] + u], d[1] + flat[r[1] + u])
-        m1 = fmax(d[2] + flat[r[2] + u], d[3] + flat[r[3] + u])
-        m2 = fmax(d[4] + flat[r[4] + u], d[5] + flat[r[5] + u])
-        m3 = fmax(d[6] + flat[r[6] + u], d[7] + flat[r[7] + u])
-        return fmax(fmax(m0, m1), fmax(m2, m3))
+    def _max8_arg(flat, r, d, u, zero, one, two, four):  # pragma: no cover - compiled
+        """(max over the 8 sources (row offsets r, deltas d) of d + A at column offset u, the slot 0..7 of
+        the first source holding it, as a float): a balanced tree of maxima whose every node also selects
+        the winning side's slot, all branch-free (vectorises: no argmax rescan, no mispredicted branches)."""
+        a0, a1 = d[0] + flat[r[0] + u], d[1] + flat[r[1] + u]
+        a2, a3 = d[2] + flat[r[2] + u], d[3] + flat[r[3] + u]
+        a4, a5 = d[4] + flat[r[4] + u], d[5] + flat[r[5] + u]
+        a6, a7 = d[6] + flat[r[6] + u], d[7] + flat[r[7] + u]
+        m0, s0 = fmax(a1, a0), pick(a1, a0, one, zero)
+        m1, s1 = fmax(a3, a2), pick(a3, a2, one, zero) + two
+        m2, s2 = fmax(a5, a4), pick(a5, a4, one, zero)
+        m3, s3 = fmax(a7, a6), pick(a7, a6, one, zero) + two
+        n0, t0 = fmax(m1, m0), pick(m1, m0, s1, s0)
+        n1, t1 = fmax(m3, m2), pick(m3, m2, s3, s2) + four
+        return fmax(n1, n0), pick(n1, n0, t1, t0)
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _chunk_max(flat, order, srt, n0, n1, K, j0, out, half, w):  # pragma: no cover - compiled
-        """out[j] = max over the CHUNK (= 16) sources order[n0:n1] of drow[i] + A[i, j0 + j], j < w, in
-        registers: 16 loads, 16 adds, 15 maxima and one store per entry, and in `half` 8.0 where the second
-        8 sources hold the maximum (else 0.0), so the argmax rescan reads 8 sources, not 16. Unsigned indices
-        (no negative-index wrap), so the loop vectorises."""
+    def _chunk_max(flat, order, srt, n0, n1, K, j0, out, slot, w):  # pragma: no cover - compiled
+        """out[j] = max over the CHUNK (= 16) sources order[n0:n1] of srt + A[i, j0 + j], j < w, and slot[j]
+        the position (0..15, as a float) in the chunk of the first source holding it; in registers: 16 loads,
+        16 adds, 15 maxima, 15 selects and two stores per entry. Unsigned indices (no negative-index wrap),
+        so the loop vectorises."""
         ra, da = _eight(order, srt, n0, n1 - 1, K, j0)
         rb, db = _eight(order, srt, n0 + 8, n1 - 1, K, j0)
-        eight, zero = out.dtype.type(8.0), out.dtype.type(0.0)
+        ft = out.dtype.type
+        zero, one, two, four, eight = ft(0.0), ft(1.0), ft(2.0), ft(4.0), ft(8.0)
         for j in range(w):
             u = uint64(j)
-            ma = _max8(flat, ra, da, u)
-            mb = _max8(flat, rb, db, u)
+            ma, sa = _max8_arg(flat, ra, da, u, zero, one, two, four)
+            mb, sb = _max8_arg(flat, rb, db, u, zero, one, two, four)
             out[j] = fmax(mb, ma)
-            half[j] = pick(mb, ma, eight, zero)
+            slot[j] = pick(mb, ma, sb + eight, sa)
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _merge(cm, half, best, ci, nbest, nci, n0, next_top, col_max, j0, w):  # pragma: no cover - compiled
-        """nbest = max(cm, best), nci = where the maximum's 8 sources start (n0 + half) where the chunk starting
-        at n0 won, else ci (into other buffers than those read:
+    def _merge(cm, slot, best, ci, nbest, nci, n0, next_top, col_max, j0, w):  # pragma: no cover - compiled
+        """nbest = max(cm, best), nci = the position in the source order of the maximum (n0 + slot) where the
+        chunk starting at n0 won, else ci (into other buffers than those read:
         a read-modify-write of one array compiles to slow masked stores). Returns whether the next chunk
         (whose deltas are at most next_top) could still improve any column: False ends the block (pruning)."""
         fc = best.dtype.type(n0)
@@ -101,7 +111,7 @@ if HAVE_NUMBA:
         for j in range(w):
             nb = fmax(cm[j], best[j])
             nbest[j] = nb
-            nci[j] = pick(cm[j], best[j], fc + half[j], ci[j])
+            nci[j] = pick(cm[j], best[j], fc + slot[j], ci[j])
             alive |= next_top + col_max[j0 + j] > nb
         return alive
 
@@ -137,9 +147,9 @@ if HAVE_NUMBA:
         """Columns [j0, j0 + w) of one row of the (max, +) product: val[j] = max_i drow[i] + A[i, j] and
         arg[j] its argmax, for A (K, K) given flat (K * K,), sources in `order` with `tops` from
         `source_order` (srt: the deltas in that order). scratch (6, >= w). O(K w) worst case."""
-        cm, half = scratch[0], scratch[5]  # the chunk's maxima, and which of its halves holds each
+        cm, slot = scratch[0], scratch[5]  # the chunk's maxima, and where in the chunk each is
         b0, b1 = scratch[1], scratch[2]  # running maxima, ping-pong by `flip` (no array swaps: each costs
-        c0, c1 = scratch[3], scratch[4]  # reference counting); c0, c1: where each maximum's 8 sources start
+        c0, c1 = scratch[3], scratch[4]  # reference counting); c0, c1: each maximum's position in `order`
         for j in range(w):
             b0[j] = -np.inf
             c0[j] = 0.0
@@ -147,27 +157,20 @@ if HAVE_NUMBA:
         n_chunks = (K + CHUNK - 1) // CHUNK
         for c in range(n_chunks):
             n0 = c * CHUNK
-            _chunk_max(flat, order, srt, n0, min(K, n0 + CHUNK), K, j0, cm, half, w)
+            _chunk_max(flat, order, srt, n0, min(K, n0 + CHUNK), K, j0, cm, slot, w)
             next_top = tops[n0 + CHUNK] if c + 1 < n_chunks else -np.inf
             if flip:
-                alive = _merge(cm, half, b1, c1, b0, c0, n0, next_top, col_max, j0, w)
+                alive = _merge(cm, slot, b1, c1, b0, c0, n0, next_top, col_max, j0, w)
             else:
-                alive = _merge(cm, half, b0, c0, b1, c1, n0, next_top, col_max, j0, w)
+                alive = _merge(cm, slot, b0, c0, b1, c1, n0, next_top, col_max, j0, w)
             flip = not flip
             if not alive:  # exact pruning: no remaining source can beat any column of the block
                 break
         best = b1 if flip else b0
         ci = c1 if flip else c0
-        for j in range(w):  # the argmax: rescan the winning 8 sources for the winning value
-            n0 = int(ci[j])
-            win = order[n0]
-            for n in range(n0, min(K, n0 + 8)):
-                i = order[n]
-                if srt[n] + flat[uint64(i * K + j0 + j)] == best[j]:
-                    win = i
-                    break
+        for j in range(w):
             val[j] = best[j]
-            arg[j] = win
+            arg[j] = order[min(int(ci[j]), K - 1)]
 
     @njit(nogil=True, cache=True)
     def block_width(K, itemsize):  # pragma: no cover - compiled

@@ -47,20 +47,22 @@ def run_groups(kernel, num_rows: int, args: tuple, threads: int) -> None:
     run_split(lambda k: kernel(*args, k, threads), threads)
 
 
-def run_lockstep(kernel, args: tuple, dtype: np.dtype, threads: int, packed: np.ndarray | None = None) -> None:
-    """Run `kernel(gemm, compute, packed, *args, k, threads)` for k < threads (a lockstep kernel over `dtype`
-    data: sgemm_ or dgemm_), each thread with BLAS held to one thread of its own. With `packed` (from
-    `blas.packed_matrix`), the steps run MKL's compute on it."""
-    gemm, compute = blas.gemm_addresses(dtype)
-    if packed is None:
+def run_lockstep(kernel, args: tuple, dtype: np.dtype, threads: int, packed: np.ndarray | None = None,
+                 provider: str = "") -> None:
+    """Run `kernel(gemm, compute, packed, ints, *args, k, threads)` for k < threads (a lockstep kernel over
+    `dtype` data: `provider`'s sgemm or dgemm, "" the default one), each thread with BLAS held to one thread
+    of its own. With `packed` (from `blas.packed_matrix`; MKL only), the steps run MKL's compute on it."""
+    gemm, compute = blas.gemm_addresses(dtype, provider)
+    ints = blas.dims_template(provider)
+    if packed is None or not compute:
         packed = np.empty(0, dtype=dtype)
 
     def part(k: int) -> None:
-        before = blas.set_local_threads(1 if threads > 1 else 0)  # one lockstep thread: BLAS may use every thread
+        before = blas.set_local_threads(1 if threads > 1 else 0, provider)  # one lockstep thread: BLAS may use all
         try:
-            kernel(gemm, compute, packed, *args, k, threads)
+            kernel(gemm, compute, packed, ints, *args, k, threads)
         finally:
-            blas.set_local_threads(before)
+            blas.set_local_threads(before, provider)
 
     run_split(part, threads)
 
@@ -75,14 +77,14 @@ def _backward_operands(trans: Tensor, pack: bool) -> tuple[np.ndarray | None, np
 
 
 def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, *, engine: str,
-                keep_alphas: bool, threads: int, out_last: Tensor | None = None, pack: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
+                keep_alphas: bool, threads: int, out_last: Tensor | None = None, pack: bool = False,
+                provider: str = "") -> tuple[Tensor, Tensor | None]:
     """Scaled forward on CPU in compiled code: init (B, K), emissions table[rows[b, t]] (table (N, K), rows
     (B, T); or a dense (B, T, K) table with rows None), trans (K, K), lengths (B,) -> log_cond (B, T) in
     the table's dtype (0 at padding) and, with `keep_alphas`, filtered marginals (B, T, K) (0 at padding).
     With `out_last` (B, K), also writes there each sequence's filtered marginal at its last position.
     `engine` "single" (B = 1, neither output), "groups" or "lockstep"; `pack`: lockstep on trans packed
-    once (float32, `blas.HAVE_PACK`). O(B T K^2)."""
+    once (float32, `blas.HAVE_PACK`); `provider`: the BLAS of the lockstep GEMMs ("" the default). O(B T K^2)."""
     e, r = emission_rows(table, rows)
     a, L = as_array(trans), lengths.numpy().astype(np.int64)
     B, T = r.shape
@@ -101,7 +103,7 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
         args = (as_array(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas, last)
         if engine == "lockstep":
             run_lockstep(lockstep.forward_lockstep, args, e.dtype, threads,
-                         blas.packed_matrix(trans, False) if pack else None)
+                         blas.packed_matrix(trans, False) if pack else None, provider)
         else:
             run_groups(groups.forward_groups, B, args, threads)
         if out_last is not None:
@@ -134,7 +136,7 @@ def _forward_one(init: np.ndarray, table: np.ndarray, rows: np.ndarray, trans: n
 
 
 def posterior_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, *,
-                  threads: int, pack: bool = False) -> tuple[Tensor, Tensor]:
+                  threads: int, pack: bool = False, provider: str = "") -> tuple[Tensor, Tensor]:
     """`forward_cpu` with the filtered marginals and `backward_cpu` into them, fused per thread (lockstep
     kernels only): -> posteriors (B, T, K) (0 at padding) and log_cond (B, T). O(B T K^2)."""
     e, r = emission_rows(table, rows)
@@ -147,12 +149,13 @@ def posterior_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tenso
     args = (np.empty(0, dtype=e.dtype) if packed_b is None else packed_b, as_array(init), e, r, as_array(trans),
             mat_b, L, _length_order(L), log_cond, gamma, mat_is_trans)
     run_lockstep(lockstep.posterior_lockstep, args, e.dtype, threads,
-                 blas.packed_matrix(trans, False) if pack else None)
+                 blas.packed_matrix(trans, False) if pack else None, provider)
     return torch.from_numpy(gamma), torch.from_numpy(log_cond).to(table.dtype)
 
 
 def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, log_cond: Tensor, *,
-                 engine: str, threads: int, alphas: Tensor | None = None, pack: bool = False) -> Tensor:
+                 engine: str, threads: int, alphas: Tensor | None = None, pack: bool = False,
+                 provider: str = "") -> Tensor:
     """Scaled backward on CPU in compiled code, with `forward_cpu`'s scales `log_cond` (B, T) and its
     emission arguments; `engine` "groups" or "lockstep", `pack` as in `forward_cpu`.
 
@@ -167,7 +170,7 @@ def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Ten
     if engine == "lockstep":
         packed_b, mat_b, mat_is_trans = _backward_operands(trans, pack)
         args = (e, r, mat_b, L, _length_order(L), lc, out, alphas is not None, mat_is_trans)
-        run_lockstep(lockstep.backward_lockstep, args, e.dtype, threads, packed_b)
+        run_lockstep(lockstep.backward_lockstep, args, e.dtype, threads, packed_b, provider)
     else:
         run_groups(groups.backward_groups, B,
                    (e, r, blas.transposed(trans), L, _length_order(L), lc, out, alphas is not None), threads)

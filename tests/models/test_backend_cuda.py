@@ -184,8 +184,10 @@ def test_describe_reports_the_score_backend(monkeypatch):
     blocked = BlockedHMM.from_tensors(*random_blocked_hmm(4, 8, 30, seed=4))
     dense = DenseHMM.from_tensors(*random_hmm(8, 30, seed=1))
     # on CPU: the chain engine's choice for a batch of a few sequences
-    assert rank.describe()["backend"] == {"score": Backend.LOCKSTEP.value if dispatch.available("lockstep")
-                                          else "groups", "storage_dtype": "float32"}
+    rank_backend = rank.describe()["backend"]
+    assert {k: rank_backend[k] for k in ("score", "storage_dtype")} == {
+        "score": Backend.LOCKSTEP.value if dispatch.available("lockstep") else "groups", "storage_dtype": "float32"}
+    assert rank_backend["calibrated"] is False  # nothing measured yet (`calibrate()`, done by the service at load)
     assert blocked.describe()["backend"] == {"score": "torch", "storage_dtype": "float32"}  # per-step blocks
     assert dense.describe()["backend"]["score"] in ("lockstep", "groups")
     assert rank.describe()["rank"] == 16 and blocked.describe()["num_clusters"] == 4

@@ -1,0 +1,105 @@
+"""Measure, on this machine, which batch sum-product engine and which BLAS is fastest for a model's matrix.
+
+CPUs differ: torch's MKL runs a (rows x K) x (K x K) step near a core's peak on Intel and takes slower paths
+on AMD, where numpy's bundled OpenBLAS is often faster; the compiled no-BLAS kernels win for small matrices
+on some machines and not on others. `calibrate` times each candidate the process can run (the lockstep
+kernels on every loaded BLAS, the compiled groups, the plain PyTorch recursion) on a synthetic batch of the
+model's size (a forward for scoring and a posterior), keeps the fastest in `backend.CHOICES` for that
+(K, dtype), and logs the timings. Every candidate computes the same numbers (tested); only speed differs.
+The service calibrates each chain model it loads (`latentlm serve`, LATENTLM_CALIBRATE).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from latentlm.models import backend as dispatch
+from latentlm.models import chain
+from latentlm.models.backend import Backend, Choice
+from latentlm.models.kernels import blas
+
+log = logging.getLogger("latentlm.models.calibrate")
+
+ROWS = 32  # sequences in the synthetic batch (a typical merged batch of the service)
+WORK_FLOP = 1 << 29  # the synthetic forward's size: about this many flop (2 ROWS T K^2), T from 8 to 32
+
+
+def candidates(K: int) -> list[tuple[Backend, str]]:
+    """(engine, BLAS) pairs that can run a batch sum-product on a K x K matrix here."""
+    out: list[tuple[Backend, str]] = [(Backend.LOCKSTEP, name) for name in blas.PROVIDERS]
+    if dispatch.available(Backend.GROUPS) and K <= 2 * dispatch.GROUPS_MAX_K:
+        out.append((Backend.GROUPS, ""))
+    out.append((Backend.TORCH, ""))
+    return out
+
+
+def _workload(K: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    steps = max(8, min(32, WORK_FLOP // (2 * ROWS * K * K)))
+    g = torch.Generator().manual_seed(0)
+    emit = torch.rand(ROWS, steps, K, generator=g, dtype=dtype)
+    init = torch.full((ROWS, K), 1.0 / K, dtype=dtype)
+    return init, emit, torch.full((ROWS,), steps)
+
+
+def _time(fn, reps: int) -> float:
+    """The fastest of `reps` calls after a warm-up (the minimum: other processes only ever add time)."""
+    fn()  # warm: numba's cache, BLAS buffers
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def calibrate(trans: Tensor, *, reps: int = 3) -> Choice | None:
+    """Time every candidate on a batch sum-product with `trans` (K, K) on CPU, record the fastest in
+    `backend.CHOICES[(K, dtype)]` and return it (None where no compiled engine can run: GPU, autograd,
+    no numba). Costs a few hundred milliseconds for K <= 1,024."""
+    if trans.device.type != "cpu" or trans.dtype not in (torch.float32, torch.float64) or trans.requires_grad:
+        return None
+    K, dtype = trans.shape[-1], trans.dtype
+    init, emit, lengths = _workload(K, dtype)
+    if not dispatch.compiled_ok(emit, trans, init):
+        return None
+    timings: dict[str, float] = {}
+    before = dispatch.CHOICES.get((K, dtype))
+    try:
+        for engine, provider in candidates(K):
+            dispatch.CHOICES[(K, dtype)] = Choice(engine, provider, {})  # so the call takes this BLAS
+
+            def run(engine: Backend = engine) -> None:
+                chain.forward(init, emit, trans, lengths, backend=engine)
+                chain.posterior(init, emit, trans, lengths, backend=engine)
+
+            timings[label(engine, provider)] = round(_time(run, reps) * 1e3, 3)
+    finally:
+        if before is None:
+            dispatch.CHOICES.pop((K, dtype), None)
+        else:
+            dispatch.CHOICES[(K, dtype)] = before
+    best = min(timings, key=timings.__getitem__)
+    engine_name, _, provider = best.partition("/")
+    choice = Choice(Backend(engine_name), provider, timings)
+    dispatch.CHOICES[(K, dtype)] = choice
+    log.info("calibrated the batch sum-product for K=%d %s: %s (ms per forward + posterior of %d x %d: %s)",
+             K, str(dtype).removeprefix("torch."), best, ROWS, int(lengths[0]), timings)
+    return choice
+
+
+def label(engine: Backend, provider: str) -> str:
+    """"lockstep/openblas", "groups", "torch": how a candidate is named in timings and /v1/models."""
+    return f"{engine.value}/{provider}" if provider else engine.value
+
+
+def describe(K: int, dtype: torch.dtype) -> dict[str, object]:
+    """What /v1/models shows for a matrix size: the measured choice and its timings, or that none was made."""
+    choice = dispatch.CHOICES.get((K, dtype))
+    if choice is None:
+        return {"blas": dispatch.provider(K, dtype) or "none", "calibrated": False}
+    return {"blas": choice.provider or "none", "calibrated": True,
+            "batch_engine": label(choice.engine, choice.provider), "calibration_ms": choice.timings_ms}

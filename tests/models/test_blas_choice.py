@@ -1,0 +1,89 @@
+"""Every BLAS and batch engine the process can call gives the same numbers (so the measured choice of
+`models.calibrate` only changes speed), and the choice is recorded, used and reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentlm.models import backend as dispatch
+from latentlm.models import calibrate, chain
+from latentlm.models.backend import Backend, Choice
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.kernels import blas
+from latentlm.models.kernels.jit import HAVE_NUMBA
+from latentlm.models.synthetic import random_hmm
+
+pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba unavailable: no compiled engines to choose from")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_choices():
+    saved = dict(dispatch.CHOICES)
+    dispatch.CHOICES.clear()
+    yield
+    dispatch.CHOICES.clear()
+    dispatch.CHOICES.update(saved)
+
+
+def _problem(K: int, dtype: torch.dtype, B: int = 7, T: int = 9):
+    g = torch.Generator().manual_seed(K)
+    trans = torch.softmax(torch.randn(K, K, generator=g, dtype=dtype) * 2, 1)
+    emit = torch.rand(B, T, K, generator=g, dtype=dtype)
+    init = torch.softmax(torch.randn(B, K, generator=g, dtype=dtype), 1)
+    lengths = torch.tensor([T, 1, 4, T, 0, 2, T - 1][:B])
+    return init, emit, trans, lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K", [5, 64, 200, 600])
+def test_every_blas_and_engine_gives_the_same_results(dtype, K):
+    init, emit, trans, lengths = _problem(K, dtype)
+    ref_lc, _ = chain.forward(init, emit, trans, lengths, backend="torch")
+    ref_post, _ = chain.posterior(init, emit, trans, lengths, backend="torch")
+    tol = dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    ran = []
+    for engine, provider in calibrate.candidates(K):
+        dispatch.CHOICES[(K, dtype)] = Choice(engine, provider, {})
+        assert dispatch.provider(K, dtype) == (provider or blas.DEFAULT_PROVIDER)
+        lc, _ = chain.forward(init, emit, trans, lengths, backend=engine)
+        post, _ = chain.posterior(init, emit, trans, lengths, backend=engine)
+        torch.testing.assert_close(lc, ref_lc, **tol)
+        torch.testing.assert_close(post, ref_post, **tol)
+        ran.append(calibrate.label(engine, provider))
+    assert "torch" in ran and len(ran) >= 2
+
+
+def test_both_blas_libraries_load_here():
+    """torch's wheel exports MKL and numpy's bundles OpenBLAS on x86-64 Linux: both must be callable, or
+    the choice between them silently degrades to one."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the wheels differ off x86-64")
+    assert set(blas.PROVIDERS) == {"mkl", "openblas"}
+    assert blas.PROVIDERS["openblas"].int_dtype.__name__ == "int64"  # numpy's OpenBLAS is ILP64
+
+
+def test_calibration_records_the_fastest_and_the_auto_choice_follows_it(monkeypatch):
+    t, c = random_hmm(48, 30, 0)
+    m = DenseHMM.from_tensors(t, c)
+    described = m.calibrate()
+    assert described is not None and described["calibrated"]
+    choice = dispatch.CHOICES[(48, torch.float32)]
+    assert calibrate.label(choice.engine, choice.provider) == min(choice.timings_ms, key=choice.timings_ms.get)
+    assert set(choice.timings_ms) == {calibrate.label(e, p) for e, p in calibrate.candidates(48)}
+    info = m.describe()["backend"]
+    assert info["calibrated"] and info["batch_engine"] == described["batch_engine"]
+    # the auto engine of a batch call is the recorded one, whichever it is
+    for engine in (Backend.TORCH, Backend.GROUPS):
+        dispatch.CHOICES[(48, torch.float32)] = Choice(engine, "", {})
+        init, emit, trans, _ = _problem(48, torch.float32)
+        assert dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=8) is engine
+        assert dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=1) is Backend.SINGLE  # one sequence
+
+
+def test_calibration_declines_what_no_compiled_engine_runs():
+    trans = torch.softmax(torch.randn(8, 8, requires_grad=True), 1)
+    assert calibrate.calibrate(trans) is None
+    assert not dispatch.CHOICES
