@@ -68,6 +68,10 @@ async def curve(model_id: str, state: ServiceState = Depends(get_state)) -> Resp
 async def reload(state: ServiceState = Depends(get_state)) -> dict:
     """Pick up models added to, changed in or removed from the store, verifying every file of every model as a
     fresh load does; `failed` is {name: reason} for refused models (their previous version keeps serving).
-    Requests in flight finish on the version they started with."""
+    Requests in flight finish on the version they started with. With Redis, the other API processes on it reload
+    too (within about a second of their next request)."""
     out = await asyncio.get_running_loop().run_in_executor(state.loader, state.reload_models)
+    watcher = getattr(state, "reload_watcher", None)
+    if watcher is not None:  # API processes on the same Redis reload too (middleware.ReloadWatcher)
+        await watcher.bump()
     return {"object": "list", "data": [m.describe() for m in state.registry.list()], **out}
