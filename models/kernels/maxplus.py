@@ -84,52 +84,47 @@ if HAVE_NUMBA:
         return fmax(n1, n0), pick(n1, n0, t1, t0)
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _chunk_max(flat, order, srt, n0, n1, K, j0, out, slot, w):  # pragma: no cover - compiled
-        """out[j] = max over the CHUNK (= 16) sources order[n0:n1] of srt + A[i, j0 + j], j < w, and slot[j]
-        the position (0..15, as a float) in the chunk of the first source holding it; in registers: 16 loads,
-        16 adds, 15 maxima, 15 selects and two stores per entry. Unsigned indices (no negative-index wrap),
-        so the loop vectorises."""
+    def _chunk(flat, order, srt, n0, n1, K, j0, best, at, nbest, nat, next_top, col_max, w):  # pragma: no cover
+        """The CHUNK (= 16) sources order[n0:n1] against columns [j0, j0 + w): their maxima of srt + A[i, j]
+        and the position of each, in registers (16 loads, 16 adds, 15 maxima, 15 selects per entry), merged
+        into the running maxima `best` and their positions `at` (float) as nbest, nat: buffers other than
+        those read, since a read-modify-write of one array compiles to slow masked stores. Unsigned indices
+        (no negative-index wrap), so the loop vectorises. Returns whether the next chunk (deltas at most
+        next_top) could still improve any column: False ends the block (exact pruning)."""
         ra, da = _eight(order, srt, n0, n1 - 1, K, j0)
         rb, db = _eight(order, srt, n0 + 8, n1 - 1, K, j0)
-        ft = out.dtype.type
-        zero, one, two, four, eight = ft(0.0), ft(1.0), ft(2.0), ft(4.0), ft(8.0)
+        ft = best.dtype.type
+        zero, one, two, four, eight, base = ft(0.0), ft(1.0), ft(2.0), ft(4.0), ft(8.0), ft(n0)
+        alive = False
         for j in range(w):
             u = uint64(j)
             ma, sa = _max8_arg(flat, ra, da, u, zero, one, two, four)
             mb, sb = _max8_arg(flat, rb, db, u, zero, one, two, four)
-            out[j] = fmax(mb, ma)
-            slot[j] = pick(mb, ma, sb + eight, sa)
-
-    @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _merge(cm, slot, best, ci, nbest, nci, n0, next_top, col_max, j0, w):  # pragma: no cover - compiled
-        """nbest = max(cm, best), nci = the position in the source order of the maximum (n0 + slot) where the
-        chunk starting at n0 won, else ci (into other buffers than those read:
-        a read-modify-write of one array compiles to slow masked stores). Returns whether the next chunk
-        (whose deltas are at most next_top) could still improve any column: False ends the block (pruning)."""
-        fc = best.dtype.type(n0)
-        alive = False
-        for j in range(w):
-            nb = fmax(cm[j], best[j])
+            m = fmax(mb, ma)
+            where = base + pick(mb, ma, sb + eight, sa)
+            nb = fmax(m, best[j])
             nbest[j] = nb
-            nci[j] = pick(cm[j], best[j], fc + slot[j], ci[j])
+            nat[j] = pick(m, best[j], where, at[j])
             alive |= next_top + col_max[j0 + j] > nb
         return alive
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def source_order(drow, order, tops, srt, counts):  # pragma: no cover - compiled
+    def source_order(drow, order, tops, srt, counts, keys):  # pragma: no cover - compiled
         """Sources in decreasing delta, by buckets of BUCKET_WIDTH below the row's maximum (a counting sort,
         O(K), instead of an O(K log K) sort that costs as much as the product itself at K = 256): order (K,)
         the sources, tops (K,) for each position an upper bound of every delta from there on (the upper edge
-        of its bucket), srt (K,) the deltas in that order. counts (BUCKETS + 1,) int64 scratch."""
+        of its bucket), srt (K,) the deltas in that order. counts (BUCKETS + 1,) and keys (K,) int64 scratch."""
         K = drow.shape[0]
         top = drow.max()
         counts[:] = 0
         for i in range(K):
-            counts[_bucket(top, drow[i]) + 1] += 1
+            k = _bucket(top, drow[i])
+            keys[i] = k
+            counts[k + 1] += 1
         for k in range(BUCKETS):
             counts[k + 1] += counts[k]
         for i in range(K):
-            k = _bucket(top, drow[i])
+            k = keys[i]
             n = counts[k]
             order[n] = i
             srt[n] = drow[i]
@@ -146,10 +141,9 @@ if HAVE_NUMBA:
     def maxplus_block(flat, K, col_max, order, tops, srt, j0, w, val, arg, scratch):  # pragma: no cover
         """Columns [j0, j0 + w) of one row of the (max, +) product: val[j] = max_i drow[i] + A[i, j] and
         arg[j] its argmax, for A (K, K) given flat (K * K,), sources in `order` with `tops` from
-        `source_order` (srt: the deltas in that order). scratch (6, >= w). O(K w) worst case."""
-        cm, slot = scratch[0], scratch[5]  # the chunk's maxima, and where in the chunk each is
-        b0, b1 = scratch[1], scratch[2]  # running maxima, ping-pong by `flip` (no array swaps: each costs
-        c0, c1 = scratch[3], scratch[4]  # reference counting); c0, c1: each maximum's position in `order`
+        `source_order` (srt: the deltas in that order). scratch (4, >= w). O(K w) worst case."""
+        b0, b1 = scratch[0], scratch[1]  # running maxima, ping-pong by `flip` (no array swaps: each costs
+        c0, c1 = scratch[2], scratch[3]  # reference counting); c0, c1: each maximum's position in `order`
         for j in range(w):
             b0[j] = -np.inf
             c0[j] = 0.0
@@ -157,14 +151,14 @@ if HAVE_NUMBA:
         n_chunks = (K + CHUNK - 1) // CHUNK
         for c in range(n_chunks):
             n0 = c * CHUNK
-            _chunk_max(flat, order, srt, n0, min(K, n0 + CHUNK), K, j0, cm, slot, w)
-            next_top = tops[n0 + CHUNK] if c + 1 < n_chunks else -np.inf
+            n1 = min(K, n0 + CHUNK)
+            next_top = tops[n1] if n1 < K else -np.inf
             if flip:
-                alive = _merge(cm, slot, b1, c1, b0, c0, n0, next_top, col_max, j0, w)
+                alive = _chunk(flat, order, srt, n0, n1, K, j0, b1, c1, b0, c0, next_top, col_max, w)
             else:
-                alive = _merge(cm, slot, b0, c0, b1, c1, n0, next_top, col_max, j0, w)
+                alive = _chunk(flat, order, srt, n0, n1, K, j0, b0, c0, b1, c1, next_top, col_max, w)
             flip = not flip
-            if not alive:  # exact pruning: no remaining source can beat any column of the block
+            if not alive:
                 break
         best = b1 if flip else b0
         ci = c1 if flip else c0
@@ -183,13 +177,14 @@ if HAVE_NUMBA:
     def maxplus_rows(delta, flat, col_max, val, arg):  # pragma: no cover - compiled
         """The (max, +) product of every row of delta (B, K): val (B, K), arg (B, K) int64."""
         B, K = delta.shape
-        scratch = np.empty((6, BLOCK), dtype=delta.dtype)
+        scratch = np.empty((4, BLOCK), dtype=delta.dtype)
         order = np.empty((B, K), dtype=np.int64)
         tops = np.empty((B, K), dtype=delta.dtype)
         srt = np.empty((B, K), dtype=delta.dtype)
         counts = np.empty(BUCKETS + 1, dtype=np.int64)
+        keys = np.empty(K, dtype=np.int64)
         for b in range(B):
-            source_order(delta[b], order[b], tops[b], srt[b], counts)
+            source_order(delta[b], order[b], tops[b], srt[b], counts, keys)
         w = block_width(K, delta.itemsize)
         for j0 in range(0, K, w):
             wj = min(w, K - j0)
@@ -217,7 +212,8 @@ if HAVE_NUMBA:
         tops = np.empty((m, K), dtype=dt)
         srt = np.empty((m, K), dtype=dt)
         counts = np.empty(BUCKETS + 1, dtype=np.int64)
-        scratch = np.empty((6, BLOCK), dtype=dt)
+        keys = np.empty(K, dtype=np.int64)
+        scratch = np.empty((4, BLOCK), dtype=dt)
         offset = np.zeros(m)
         w = block_width(K, log_emit.itemsize)
         active = m
@@ -231,7 +227,7 @@ if HAVE_NUMBA:
                     for j in range(K):
                         d[j] = log_init[b, j] + log_emit[b, 0, j]
                 else:
-                    source_order(d, order[r], tops[r], srt[r], counts)
+                    source_order(d, order[r], tops[r], srt[r], counts, keys)
             if t > 0:
                 for j0 in range(0, K, w):
                     wj = min(w, K - j0)
@@ -302,7 +298,8 @@ if HAVE_NUMBA:
         tops = np.empty(K, dtype=dt)
         srt = np.empty(K, dtype=dt)
         counts = np.empty(BUCKETS + 1, dtype=np.int64)
-        scratch = np.empty((6, BLOCK), dtype=dt)
+        keys = np.empty(K, dtype=np.int64)
+        scratch = np.empty((4, BLOCK), dtype=dt)
         nxt = np.empty(K, dtype=dt)
         w = block_width(K, log_emit.itemsize)
         top = 0.0
@@ -316,7 +313,7 @@ if HAVE_NUMBA:
                 shift = dt.type(top) if np.isfinite(top) else dt.type(0.0)
                 for j in range(K):
                     delta[j] = prev[j] - shift
-                source_order(delta, order, tops, srt, counts)
+                source_order(delta, order, tops, srt, counts, keys)
                 for j0 in range(j_lo, j_hi, w):
                     wj = min(w, j_hi - j0)
                     maxplus_block(flat, K, col_max, order, tops, srt, j0, wj, nxt[j0:], back[t, j0:], scratch)

@@ -112,7 +112,7 @@ def test_source_order_bounds_every_later_delta():
             order = np.empty(K, np.int64)
             tops = np.empty(K, np.float32)
             srt = np.empty(K, np.float32)
-            maxplus.source_order(d, order, tops, srt, np.empty(maxplus.BUCKETS + 1, np.int64))
+            maxplus.source_order(d, order, tops, srt, np.empty(maxplus.BUCKETS + 1, np.int64), np.empty(K, np.int64))
             assert sorted(order.tolist()) == list(range(K))
             assert np.array_equal(srt, d[order])
             suffix_max = np.maximum.accumulate(srt[::-1])[::-1]
