@@ -98,3 +98,28 @@ def test_fused_precision_setting_reaches_the_models(store, tmp_path):
     assert torch.equal(impl.score(batch)[0], ref.get("blocked").impl.score(batch)[0])
     with pytest.raises(ValueError, match="storage dtype"):
         ModelRegistry(store, device="cpu", storage_dtype="float16")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_service_calibrates_each_chain_model_and_shows_the_choice(store, tmp_path, calibrate):
+    """At load the service times the batch engines and BLAS libraries on each chain model's matrix
+    (LATENTLM_CALIBRATE, on by default) and /v1/models shows what it chose and what each candidate took."""
+    from latentlm.models import backend as dispatch
+
+    saved = dict(dispatch.CHOICES)
+    dispatch.CHOICES.clear()
+    try:
+        app = create_app(Settings(store=store, device="cpu", state_dir=tmp_path, calibrate=calibrate))
+        with TestClient(app) as c:
+            while c.get("/ready").status_code != 200:
+                pass
+            info = c.get("/v1/models/dense").json()["backend"]
+            assert info["calibrated"] is calibrate
+            if calibrate:
+                assert info["batch_engine"] == min(info["calibration_ms"], key=info["calibration_ms"].get)
+                assert "torch" in info["calibration_ms"] and info["blas"] in ("mkl", "openblas", "none")
+            assert c.post("/v1/score", json={"model": "dense", "input": [[0, 1, 2], [3, 4]]}).status_code == 200
+    finally:
+        dispatch.CHOICES.clear()
+        dispatch.CHOICES.update(saved)
