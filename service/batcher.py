@@ -24,6 +24,7 @@ is produced, at most `STREAM_AHEAD` payloads ahead of the client."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import logging
 import os
@@ -46,6 +47,7 @@ log = logging.getLogger("latentlm.service")
 LIGHT, HEAVY = "light", "heavy"
 STREAM_AHEAD = 2  # payloads a stream may have computed and not yet sent before its slices wait
 DEFAULT_SLICE_COST = 1_000_000_000  # heavy-lane slice when the caller names none (~0.05-0.15 s on one CPU core)
+DEFAULT_MAX_HEAVY = 16  # heavy requests queued or running at once before 429 (each waits its turn, round robin)
 HEAVY_NICE = 10  # the heavy lane's thread (and the torch threads it starts) runs this much nicer (Linux)
 
 
@@ -53,8 +55,16 @@ class QueueFull(Exception):
     """The queue holds `max_queue` requests; answer 429."""
 
 
-class Cancelled(Exception):
-    """The request was cancelled (its client went away) while its heavy work was running."""
+class Cancelled(BaseException):
+    """Raised inside the heavy lane's thread (asynchronously, `interrupt`) when the request whose slice it runs is
+    cancelled: a slice that is one long Python-level loop (a 100,000-step sample, the chart of a long sentence)
+    stops within one step instead of running to its end. A BaseException, so no `except Exception` in model code
+    swallows it."""
+
+
+def _async_raise(thread_id: int, exc: type[BaseException] | None) -> None:
+    """Raise `exc` in the thread at its next bytecode boundary (None: clear a pending one). CPython only."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
 class CancelScope:
@@ -142,7 +152,8 @@ class Batcher:
         self.depth = 0
         self.arriving = 0  # requests announced by the HTTP layer and not yet queued (or given up)
         self._counter = itertools.count()
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # a C-level lock: `with self._lock` is safe where `Cancelled` may fire
+        self._cv = threading.Condition(self._lock)
         self._idle = True  # the inference thread waits for work without a deadline
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -150,10 +161,13 @@ class Batcher:
         self._wait_children: dict[str, Any] = {}
         self._refusing = False  # after fail_pending: new work raises ShuttingDown
         self._running: list[_Item] = []  # the batch the inference thread computes now (guarded by _cv)
-        self._heavy_cv = threading.Condition(self._cv._lock)  # type: ignore[attr-defined]  # same lock
+        self._heavy_cv = threading.Condition(self._lock)
         self._heavy_idle = True
         self._active: deque[_Item] = deque()  # heavy requests started and not finished (guarded by the lock)
         self._heavy_running: _Item | None = None
+        self._heavy_count = 0  # heavy requests queued or started and not finished (guarded by the lock)
+        self._interruptible: _Item | None = None  # the item whose slice runs now (guarded by the lock)
+        self.max_heavy = DEFAULT_MAX_HEAVY  # more heavy requests than this at once -> QueueFull (429)
         self._heavy_thread: threading.Thread | None = None
         metrics.queue_depth.set_function(lambda: self.depth)  # read at scrape time, not set per request
         r = metrics.registry
@@ -161,8 +175,7 @@ class Batcher:
                                  "because the client went away", ["lane", "where"], registry=r)
         self.heavy_active = Gauge("latentlm_heavy_lane_requests", "requests in the heavy lane (queued or "
                                   "running)", registry=r)
-        self.heavy_active.set_function(
-            lambda: len(self._active) + self._heavy_queued() + (self._heavy_running is not None))
+        self.heavy_active.set_function(lambda: self._heavy_count)
         self.heavy_slices = Counter("latentlm_heavy_slices", "slices run by the heavy lane", ["operation"],
                                     registry=r)
 
@@ -198,7 +211,7 @@ class Batcher:
                 left.append(self._heavy_running)
             self.queues.clear()
             self._active.clear()
-            self.depth = 0
+            self.depth = self._heavy_count = 0
         n = 0
         for it in left:
             if it.sink is not None and not it.cancelled:
@@ -208,8 +221,7 @@ class Batcher:
                 n += 1
         return n
 
-    def _heavy_queued(self) -> int:
-        return sum(len(q.items) for q in list(self.queues.values()) if q.lane == HEAVY)
+
 
     # -- submitting (event loop) ----------------------------------------------------------------------
     def _enqueue(self, key: tuple, make_queue: Callable[[], _Queue], item: _Item) -> None:
@@ -220,7 +232,13 @@ class Batcher:
                 raise QueueFull(f"{self.depth} requests are queued (limit {self.max_queue}); retry later")
             q = self.queues.get(key)
             if q is None:
-                q = self.queues[key] = make_queue()
+                q = make_queue()
+                if q.lane == HEAVY:
+                    if self._heavy_count >= self.max_heavy:
+                        raise QueueFull(f"{self._heavy_count} heavy requests are running or queued (limit "
+                                        f"{self.max_heavy}, max_heavy_requests); retry later")
+                    self._heavy_count += 1
+                self.queues[key] = q
             q.items.append(item)
             q.tokens += item.tokens
             self.depth += 1
@@ -238,13 +256,21 @@ class Batcher:
             scope.futures.append(fut)
         return fut
 
-    @staticmethod
-    def _watch(item: _Item) -> None:
-        """Mark the item cancelled when its future is (the lane threads read the flag)."""
+    def _watch(self, item: _Item) -> None:
+        """Mark the item cancelled when its future is (the lane threads read the flag); a slice of it that is
+        running is interrupted."""
         def done(f: asyncio.Future) -> None:
             if f.cancelled():
                 item.cancelled = True
+                self.interrupt(item)
         item.future.add_done_callback(done)
+
+    def interrupt(self, item: _Item) -> None:
+        """Stop the slice of `item` the heavy lane runs now, if it does (`Cancelled` raised in its thread)."""
+        with self._lock:
+            t = self._heavy_thread
+            if self._interruptible is item and t is not None and t.ident is not None:
+                _async_raise(t.ident, Cancelled)
 
     async def submit(self, model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]],
                      ticket: list[bool] | None = None, *, heavy: bool = False, slice_cost: int | None = None,
@@ -398,6 +424,7 @@ class Batcher:
                     for it in q.items:
                         self.depth -= 1
                         if it.future.done() and it.sink is None:
+                            self._heavy_count = max(0, self._heavy_count - 1)
                             if it.future.cancelled():
                                 self.cancelled.labels(HEAVY, "queued").inc()
                             continue
@@ -418,6 +445,7 @@ class Batcher:
 
     def _drop(self, it: _Item) -> None:
         """A cancelled heavy request: close its generator (holds the lock; no model work runs here)."""
+        self._heavy_count = max(0, self._heavy_count - 1)
         self.cancelled.labels(HEAVY, "running" if it.gen is not None else "queued").inc()
         if it.gen is not None:
             it.gen.close()
@@ -440,11 +468,24 @@ class Batcher:
                     self.metrics.queue_wait.labels(op).observe(wait)
                     it.gen = it.job()  # type: ignore[misc]
                 start = time.perf_counter()
-                payload = next(it.gen)
+                with self._lock:
+                    self._interruptible = it
+                try:
+                    payload = next(it.gen)
+                finally:
+                    with self._lock:
+                        self._interruptible = None
+                    _async_raise(threading.get_ident(), None)  # one set too late is dropped here
                 self.heavy_slices.labels(op).inc()
                 self.metrics.batch_seconds.labels(op).observe(time.perf_counter() - start)
             except StopIteration as stop:
                 outcome = (True, stop.value)
+            except Cancelled:  # interrupted mid-slice: its client went away
+                with self._cv:
+                    self._heavy_count = max(0, self._heavy_count - 1)
+                self.cancelled.labels(HEAVY, "interrupted").inc()
+                it.gen = None
+                continue
             except Exception as e:  # a model or input error: this request fails, the lane goes on
                 if not isinstance(e, ops.LimitExceeded | ops.InputError):
                     log.info("heavy %s request failed: %s: %s", op, type(e).__name__, e)
@@ -459,6 +500,8 @@ class Batcher:
                         self._loop.call_soon_threadsafe(it.sink, payload)
                     continue
                 it.gen = None
+                with self._cv:
+                    self._heavy_count = max(0, self._heavy_count - 1)
                 if it.sink is not None:
                     self._loop.call_soon_threadsafe(it.sink, outcome[1] if not outcome[0] else StreamReader.END)
                     self._loop.call_soon_threadsafe(_deliver, [it], [(True, None)])

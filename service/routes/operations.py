@@ -178,6 +178,8 @@ async def run_batched(op: str, req: Any, state: ServiceState) -> Response:
         if hit is not None:
             return JSONBytes(hit, "hit", prep.cost)
     heavy = prep.cost > s.heavy_request_cost
+    if heavy:
+        state.batcher.max_heavy = s.max_heavy_requests
     try:
         results = await state.batcher.submit(prep.model, op, prep.opts, prep.seqs, TICKET.get(), heavy=heavy,
                                              slice_cost=s.heavy_slice_cost, scope=CANCEL.get())
@@ -218,6 +220,7 @@ async def stream_posterior(prep: execute.Prepared, state: ServiceState) -> Respo
             if lines:
                 yield b"".join(lines)
 
+    state.batcher.max_heavy = s.max_heavy_requests
     try:
         reader = state.batcher.stream(model, "posterior", job, CANCEL.get())
     except QueueFull as e:
@@ -293,6 +296,7 @@ async def sample(req: SampleRequest, state: ServiceState = Depends(get_state)) -
     s = state.settings
     cost = execute.check_sample(req, s.max_sample_tokens, model=model, max_request_tokens=s.max_request_tokens,
                                 max_cost=s.max_request_cost)
+    state.batcher.max_heavy = s.max_heavy_requests
     try:
         data = await state.batcher.call(model, "sample", lambda: execute.run_sample(model, req),
                                         heavy=cost > s.heavy_request_cost, scope=CANCEL.get())

@@ -242,6 +242,23 @@ def test_light_request_answers_while_a_long_sample_runs(server):
     assert int(r.headers["x-cost"]) > Settings().heavy_request_cost
 
 
+def test_disconnect_interrupts_a_running_sample(server):
+    """A maximal sample is one slice (one Python loop of 100,000 steps); its client leaving interrupts it within a
+    step or so (`Cancelled` raised in the heavy lane's thread), and the lane serves the next request."""
+    before = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", where="interrupted")
+    body = {"model": "wide", "n": 1, "max_tokens": Settings().max_sample_tokens, "stop_at_eos": False}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(60, read=3)) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/sample", json=body)
+    took = wait_for(lambda: heavy_lane(server) == 0, 10)
+    print(f"\nFIGURES 100,000-token sample: heavy lane empty {took:.2f} s after the client left")
+    after = metric(server.client.get("/metrics").text, "latentlm_cancelled_requests_total", where="interrupted")
+    assert after == before + 1
+    r = server.client.post("/v1/sample", json={**body, "max_tokens": 3000, "seed": 3})
+    assert r.status_code == 200 and len(r.json()["data"][0]["ids"]) == 3000
+    assert r.json() == server.client.post("/v1/sample", json={**body, "max_tokens": 3000, "seed": 3}).json()
+
+
 def test_two_heavy_requests_share_the_lane_and_a_gone_one_is_dropped(server):
     """Two heavy requests take turns slice by slice; the one whose client leaves is dropped, the other completes."""
     body = heavy_viterbi_body(fraction=0.02)
