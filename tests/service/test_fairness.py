@@ -363,3 +363,55 @@ def test_openapi_documents_streams_and_budget(server):
     assert "413" in post["responses"]
     schema = doc["components"]["schemas"]["PosteriorRequest"]["properties"]["stream"]
     assert schema["type"] == "boolean" and "NDJSON" in schema["description"]
+
+
+# -- the batcher's lanes, in process ---------------------------------------------------------------------
+def test_batcher_heavy_lane_round_robin_limit_and_cancel():
+    import asyncio
+
+    from latentlm.service.batcher import Batcher, CancelScope, QueueFull
+    from latentlm.service.metrics import Metrics
+
+    async def main():
+        b = Batcher(Metrics())
+        b.max_heavy = 4
+        await b.start()
+        gate = threading.Event()
+        order: list[str] = []
+        model = type("M", (), {"name": "m", "content_hash": "h"})()
+
+        def steps(name, n):
+            def gen():
+                for i in range(n):
+                    if name == "blocker":
+                        gate.wait(5)
+                    order.append(f"{name}{i}")
+                    yield f"{name}{i}"
+            return gen
+
+        try:
+            blocker = b.stream(model, "x", steps("blocker", 1))
+            await asyncio.sleep(0.05)  # the heavy thread waits in the blocker's slice
+            # the light lane answers meanwhile
+            assert await asyncio.wait_for(b.call(model, "x", lambda: "light"), 5) == "light"
+            ra, rb = b.stream(model, "x", steps("a", 3)), b.stream(model, "x", steps("b", 3))
+            scope = CancelScope()
+            gone = asyncio.ensure_future(b.call(model, "x", lambda: order.append("never"), heavy=True, scope=scope))
+            await asyncio.sleep(0)
+            with pytest.raises(QueueFull):  # blocker, a, b and the call: 4 heavy at once
+                b.stream(model, "x", steps("c", 1))
+            scope.cancel()  # its client leaves before its turn
+            gate.set()
+            assert [p async for p in ra] == ["a0", "a1", "a2"] and [p async for p in rb] == ["b0", "b1", "b2"]
+            assert [p async for p in blocker] == ["blocker0"]
+            assert order == ["blocker0", "a0", "b0", "a1", "b1", "a2", "b2"]  # slices in turn
+            with pytest.raises(asyncio.CancelledError):
+                await gone
+            await asyncio.sleep(0.1)
+            assert b._heavy_count == 0
+            assert [p async for p in b.stream(model, "x", steps("c", 1))] == ["c0"]
+        finally:
+            gate.set()
+            await b.stop()
+
+    asyncio.run(main())
