@@ -368,7 +368,7 @@ def write_report(out: Path, peak: float, rows: list[dict], threads: int, host: d
             finite = [v for v in peer_vals if v == v]
             ratio = f"{val / max(finite):.1f}x" if finite else "–"
             pct = f"{100 * val / r['limit']:.0f}%" if not key.startswith("sample") else "–"
-            own = (f"{50 * val / r['limit']:.0f}%" if key.startswith("posterior") else pct)
+            own = (f"{200 * val / r['limit']:.0f}%" if key.startswith("posterior") else pct)
             cells = " | ".join(f"{v:,.0f}" if v == v else "–" for v in peer_vals)
             lines.append(f"| {r['Z']} | {r.get('choice', '–')} | {key} | {val:,.0f} | {pct} | {own} | {cells} "
                          f"| {ratio} |")
