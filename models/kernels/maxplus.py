@@ -109,13 +109,16 @@ if HAVE_NUMBA:
         return alive
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def source_order(drow, order, tops, srt, counts, keys):  # pragma: no cover - compiled
+    def source_order(drow, centre, order, tops, srt, counts, keys):  # pragma: no cover - compiled
         """Sources in decreasing delta, by buckets of BUCKET_WIDTH below the row's maximum (a counting sort,
         O(K), instead of an O(K log K) sort that costs as much as the product itself at K = 256): order (K,)
-        the sources, tops (K,) for each position an upper bound of every delta from there on (the upper edge
-        of its bucket), srt (K,) the deltas in that order. counts (BUCKETS + 1,) and keys (K,) int64 scratch."""
+        the sources, srt (K,) the deltas in that order, tops (K,) for each position an upper bound of every
+        delta from there on (the upper edge of its bucket). With `centre`, srt and tops are re-centred on the
+        row maximum (Viterbi's re-centring, in the same pass). counts (BUCKETS + 1,) and keys (K,) int64
+        scratch. Returns the row maximum."""
         K = drow.shape[0]
         top = drow.max()
+        shift = top if centre and np.isfinite(top) else drow.dtype.type(0.0)
         counts[:] = 0
         for i in range(K):
             k = _bucket(top, drow[i])
@@ -127,9 +130,10 @@ if HAVE_NUMBA:
             k = keys[i]
             n = counts[k]
             order[n] = i
-            srt[n] = drow[i]
-            tops[n] = top - (k * BUCKET_WIDTH - BUCKET_SLACK) if k > 0 else top
+            srt[n] = drow[i] - shift
+            tops[n] = (top - shift) - (k * BUCKET_WIDTH - BUCKET_SLACK) if k > 0 else top - shift
             counts[k] = n + 1
+        return top
 
     @njit(nogil=True, inline="always", cache=True)
     def _bucket(top, d):  # pragma: no cover - compiled
@@ -184,7 +188,7 @@ if HAVE_NUMBA:
         counts = np.empty(BUCKETS + 1, dtype=np.int64)
         keys = np.empty(K, dtype=np.int64)
         for b in range(B):
-            source_order(delta[b], order[b], tops[b], srt[b], counts, keys)
+            source_order(delta[b], False, order[b], tops[b], srt[b], counts, keys)
         w = block_width(K, delta.itemsize)
         for j0 in range(0, K, w):
             wj = min(w, K - j0)
@@ -198,8 +202,9 @@ if HAVE_NUMBA:
         """Viterbi of the sequences rows[first::stride] (one thread's share of a batch; `rows` in decreasing
         length), advanced together so that each panel of the matrix is swept by all of them while it is in
         cache. log_init (B, K), log_emit (B, T, K), lengths (B,); back (B, T, K) int32 scratch; paths
-        (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred every step (the
-        float64 offset carries the scale), so float32 keeps the differences that decide the path."""
+        (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred every step as the
+        sources are ordered (the float64 offset carries the scale), so float32 keeps the differences that
+        decide the path."""
         B, T, K = log_emit.shape
         mine = rows[first::stride]
         m = mine.shape[0]
@@ -227,7 +232,9 @@ if HAVE_NUMBA:
                     for j in range(K):
                         d[j] = log_init[b, j] + log_emit[b, 0, j]
                 else:
-                    source_order(d, order[r], tops[r], srt[r], counts, keys)
+                    top = source_order(d, True, order[r], tops[r], srt[r], counts, keys)
+                    if np.isfinite(top):
+                        offset[r] += top
             if t > 0:
                 for j0 in range(0, K, w):
                     wj = min(w, K - j0)
@@ -239,13 +246,6 @@ if HAVE_NUMBA:
                     d, v = delta[r], nxt[r]
                     for j in range(K):
                         d[j] = v[j] + log_emit[b, t, j]
-            for r in range(active):
-                d = delta[r]
-                top = d.max()
-                if np.isfinite(top):
-                    for j in range(K):
-                        d[j] -= top
-                    offset[r] += top
         for r in range(m):
             b = mine[r]
             L = lengths[b]
@@ -279,21 +279,19 @@ if HAVE_NUMBA:
         return score
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_split(log_init, log_emit, flat, col_max, shared, partial, flags, tid, j_lo, j_hi, back,
+    def viterbi_split(log_init, log_emit, flat, col_max, shared, flags, tid, j_lo, j_hi, back,
                       tops_out):  # pragma: no cover - compiled
         """One of two threads of the Viterbi recursion of one sequence; thread `tid` owns columns
-        [j_lo, j_hi). Each step a thread orders the sources of the whole previous delta (both threads, the
-        same order), forms its columns of the (max, +) product and the backpointers, publishes its columns
-        of the new (not yet re-centred) delta and their maximum, and waits for the other thread's
-        (release/acquire step counters, `threads.spin_until`): one meeting per step. shared (2, K) is
-        double-buffered by step parity (a thread writes buffer t % 2 only after both have finished reading
-        it at step t - 1); partial (2, 16) float64 holds the two maxima 64 bytes apart; flags (32,) int64
-        the two counters on separate cache lines. tops_out (T,) float64: thread 0 writes each step's
-        maximum (the re-centring offsets). O(T K^2 / 2) per thread."""
+        [j_lo, j_hi). Each step a thread orders (and re-centres) the sources of the whole previous delta
+        (both threads, the same order), forms its columns of the (max, +) product and the backpointers,
+        publishes its columns of the new delta, and waits for the other thread's (release/acquire step
+        counters, `threads.spin_until`): one meeting per step. shared (2, K) is double-buffered by step
+        parity (a thread writes buffer t % 2 only after both have finished reading it at step t - 1);
+        flags (32,) int64 holds the two counters on separate cache lines. tops_out (T,) float64: thread 0
+        writes the maximum of each step's delta (the re-centring offsets). O(T K^2 / 2) per thread."""
         T, K = log_emit.shape
         other = 1 - tid
         dt = log_emit.dtype
-        delta = np.empty(K, dtype=dt)
         order = np.empty(K, dtype=np.int64)
         tops = np.empty(K, dtype=dt)
         srt = np.empty(K, dtype=dt)
@@ -302,32 +300,22 @@ if HAVE_NUMBA:
         scratch = np.empty((4, BLOCK), dtype=dt)
         nxt = np.empty(K, dtype=dt)
         w = block_width(K, log_emit.itemsize)
-        top = 0.0
         for t in range(T):
             buf = shared[t % 2]
             if t == 0:
                 for j in range(j_lo, j_hi):
                     buf[j] = log_init[j] + log_emit[0, j]
             else:
-                prev = shared[(t - 1) % 2]
-                shift = dt.type(top) if np.isfinite(top) else dt.type(0.0)
-                for j in range(K):
-                    delta[j] = prev[j] - shift
-                source_order(delta, order, tops, srt, counts, keys)
+                top = source_order(shared[(t - 1) % 2], True, order, tops, srt, counts, keys)
+                if tid == 0:
+                    tops_out[t - 1] = top
                 for j0 in range(j_lo, j_hi, w):
                     wj = min(w, j_hi - j0)
                     maxplus_block(flat, K, col_max, order, tops, srt, j0, wj, nxt[j0:], back[t, j0:], scratch)
                 for j in range(j_lo, j_hi):
                     buf[j] = nxt[j] + log_emit[t, j]
-            mine = -np.inf
-            for j in range(j_lo, j_hi):
-                mine = max(mine, buf[j])
-            partial[t % 2, tid * 8] = mine
             store_release(flags, tid * 16, t + 1)
             spin_until(flags, other * 16, t + 1)
-            top = max(partial[t % 2, 0], partial[t % 2, 8])
-            if tid == 0:
-                tops_out[t] = top
 
 
 def _arr(x: Tensor) -> np.ndarray:
@@ -390,13 +378,12 @@ def _viterbi_two_threads(init: np.ndarray, emit: np.ndarray, a: np.ndarray, T: i
     w = int(block_width(K, emit.itemsize))
     half = min(K, ((K // 2 + w - 1) // w) * w)  # the split on a block boundary
     shared = np.empty((2, K), dtype=emit.dtype)
-    partial = np.zeros((2, 16))
     flags = np.zeros(32, dtype=np.int64)
     back = np.empty((L, K), dtype=np.int32)
     step_tops = np.empty(L)
     flat, cm = a.reshape(-1), a.max(axis=0)
     bounds = ((0, half), (half, K))
-    run_split(lambda k: viterbi_split(init, emit, flat, cm, shared, partial, flags, k, bounds[k][0], bounds[k][1],
-                                      back, step_tops), 2)
+    run_split(lambda k: viterbi_split(init, emit, flat, cm, shared, flags, k, bounds[k][0], bounds[k][1], back,
+                                      step_tops), 2)
     score = backtrack(shared[(L - 1) % 2], step_tops, back, paths[0])
     return torch.from_numpy(paths), torch.tensor([score], dtype=torch.float64)

@@ -109,14 +109,17 @@ def test_source_order_bounds_every_later_delta():
             d = (rng.standard_normal(K) * spread).astype(np.float32)
             if K > 3:
                 d[3] = -np.inf
-            order = np.empty(K, np.int64)
-            tops = np.empty(K, np.float32)
-            srt = np.empty(K, np.float32)
-            maxplus.source_order(d, order, tops, srt, np.empty(maxplus.BUCKETS + 1, np.int64), np.empty(K, np.int64))
-            assert sorted(order.tolist()) == list(range(K))
-            assert np.array_equal(srt, d[order])
-            suffix_max = np.maximum.accumulate(srt[::-1])[::-1]
-            assert (tops >= suffix_max).all()
+            for centre in (False, True):
+                order = np.empty(K, np.int64)
+                tops = np.empty(K, np.float32)
+                srt = np.empty(K, np.float32)
+                top = maxplus.source_order(d, centre, order, tops, srt, np.empty(maxplus.BUCKETS + 1, np.int64),
+                                           np.empty(K, np.int64))
+                assert top == d.max()
+                assert sorted(order.tolist()) == list(range(K))
+                assert np.array_equal(srt, d[order] - (d.max() if centre else np.float32(0)))  # re-centred
+                suffix_max = np.maximum.accumulate(srt[::-1])[::-1]
+                assert (tops >= suffix_max).all()
 
 
 def test_maxplus_product_with_ties_and_minus_inf():
