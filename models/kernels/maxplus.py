@@ -95,7 +95,7 @@ if HAVE_NUMBA:
         rb, db = _eight(order, srt, n0 + 8, n1 - 1, K, j0)
         ft = best.dtype.type
         zero, one, two, four, eight, base = ft(0.0), ft(1.0), ft(2.0), ft(4.0), ft(8.0), ft(n0)
-        alive = False
+        alive = zero  # how many columns the next chunk could improve (a float sum: it vectorises)
         for j in range(w):
             u = uint64(j)
             ma, sa = _max8_arg(flat, ra, da, u, zero, one, two, four)
@@ -105,8 +105,8 @@ if HAVE_NUMBA:
             nb = fmax(m, best[j])
             nbest[j] = nb
             nat[j] = pick(m, best[j], where, at[j])
-            alive |= next_top + col_max[j0 + j] > nb
-        return alive
+            alive += pick(next_top + col_max[j0 + j], nb, one, zero)
+        return alive > zero
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def source_order(drow, centre, order, tops, srt, counts, keys):  # pragma: no cover - compiled
@@ -156,7 +156,7 @@ if HAVE_NUMBA:
         for c in range(n_chunks):
             n0 = c * CHUNK
             n1 = min(K, n0 + CHUNK)
-            next_top = tops[n1] if n1 < K else -np.inf
+            next_top = tops[n1] if n1 < K else tops.dtype.type(-np.inf)
             if flip:
                 alive = _chunk(flat, order, srt, n0, n1, K, j0, b1, c1, b0, c0, next_top, col_max, w)
             else:
