@@ -25,6 +25,8 @@ from latentlm.models.kernels import blas
 log = logging.getLogger("latentlm.models.calibrate")
 
 ROWS = 32  # sequences in the synthetic batch (a typical merged batch of the service)
+MARGIN = 0.9  # another candidate replaces the default engine only when it takes at most this share of its time
+#               (timings on a busy machine jitter by 10-30%; a coin-flip switch would help no one)
 WORK_FLOP = 1 << 29  # the synthetic forward's size: about this many flop (2 ROWS T K^2), T from 8 to 32
 
 
@@ -58,7 +60,8 @@ def _time(fn, reps: int) -> float:
 
 def calibrate(trans: Tensor, *, reps: int = 3) -> Choice | None:
     """Time every candidate on a batch sum-product with `trans` (K, K) on CPU, record the fastest in
-    `backend.CHOICES[(K, dtype)]` and return it (None where no compiled engine can run: GPU, autograd,
+    `backend.CHOICES[(K, dtype)]` (the default, lockstep on the default BLAS, unless another takes at most
+    MARGIN of its time) and return it (None where no compiled engine can run: GPU, autograd,
     no numba). Costs a few hundred milliseconds for K <= 1,024."""
     if trans.device.type != "cpu" or trans.dtype not in (torch.float32, torch.float64) or trans.requires_grad:
         return None
@@ -83,6 +86,9 @@ def calibrate(trans: Tensor, *, reps: int = 3) -> Choice | None:
         else:
             dispatch.CHOICES[(K, dtype)] = before
     best = min(timings, key=timings.__getitem__)
+    default = label(*candidates(K)[0]) if blas.PROVIDERS or K <= 2 * dispatch.GROUPS_MAX_K else "torch"
+    if default in timings and timings[best] > MARGIN * timings[default]:
+        best = default
     engine_name, _, provider = best.partition("/")
     choice = Choice(Backend(engine_name), provider, timings)
     dispatch.CHOICES[(K, dtype)] = choice

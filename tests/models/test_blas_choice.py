@@ -71,7 +71,10 @@ def test_calibration_records_the_fastest_and_the_auto_choice_follows_it(monkeypa
     described = m.calibrate()
     assert described is not None and described["calibrated"]
     choice = dispatch.CHOICES[(48, torch.float32)]
-    assert calibrate.label(choice.engine, choice.provider) == min(choice.timings_ms, key=choice.timings_ms.get)
+    chosen, fastest = calibrate.label(choice.engine, choice.provider), min(choice.timings_ms, key=choice.timings_ms.get)
+    default = calibrate.label(*calibrate.candidates(48)[0])
+    assert chosen == fastest or (chosen == default
+                                 and choice.timings_ms[fastest] > calibrate.MARGIN * choice.timings_ms[default])
     assert set(choice.timings_ms) == {calibrate.label(e, p) for e, p in calibrate.candidates(48)}
     info = m.describe()["backend"]
     assert info["calibrated"] and info["batch_engine"] == described["batch_engine"]
