@@ -2,13 +2,14 @@
 
 By concern:
 - `jit`: numba's presence (`HAVE_NUMBA`), `njit`, fast-math flags;
-- `maxplus`: the (max, +) product with exact pruning and the single-sequence Viterbi recursion;
+- `maxplus`: the (max, +) micro-kernel with exact pruning and the whole Viterbi recursions (a batch; one
+  sequence, optionally split over two threads);
 - `alias`: Walker/Vose alias tables for O(1) categorical draws;
 - `rows`: compiled building blocks of the sum-product (row-block products, per-row sweeps);
 - `groups`: sum-product recursions whole in compiled code (ROWS-sequence groups; one sequence, optionally
   on two threads);
 - `lockstep`: sum-product with one BLAS GEMM per step, all of a thread's sequences together;
-- `blas`: the ctypes binding to the BLAS inside libtorch (`HAVE_GEMM`, `HAVE_PACK`) and the cache of
+- `blas`: the ctypes bindings to the BLAS libraries (torch's MKL, numpy's OpenBLAS: `PROVIDERS`) and the cache of
   matrices derived from a model's (packed, transposed);
 - `threads`: the helper thread pool and the spin-wait primitives of two-thread kernels;
 - `sum_product`: tensor-level drivers of `groups` / `lockstep`.
@@ -41,15 +42,16 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
     init = torch.full((B, K), 1.0 / K, dtype=dtype)
     lengths = torch.tensor([T, T - 2] * (B // 2))
     ids = torch.randint(0, T, (B, T), generator=g)
-    engines = ("groups", "lockstep") if blas.HAVE_GEMM else ("groups",)
+    engines = [("groups", "")] + [("lockstep", name) for name in blas.PROVIDERS]
     for table, rows in ((emit, None), (emit[0], ids)):
-        for engine in engines:
+        for engine, provider in engines:
             cond, alphas = sum_product.forward_cpu(init, table, rows, trans, lengths, engine=engine,
-                                                   keep_alphas=True, threads=1)
-            sum_product.backward_cpu(table, rows, trans, lengths, cond, engine=engine, threads=1)
-            sum_product.backward_cpu(table, rows, trans, lengths, cond, engine=engine, threads=1, alphas=alphas)
+                                                   keep_alphas=True, threads=1, provider=provider)
+            sum_product.backward_cpu(table, rows, trans, lengths, cond, engine=engine, threads=1, provider=provider)
+            sum_product.backward_cpu(table, rows, trans, lengths, cond, engine=engine, threads=1, alphas=alphas,
+                                     provider=provider)
             if engine == "lockstep":
-                sum_product.posterior_cpu(init, table, rows, trans, lengths, threads=1)
+                sum_product.posterior_cpu(init, table, rows, trans, lengths, threads=1, provider=provider)
         e, r = sum_product.emission_rows(table, rows)
         a, first = blas.as_array(trans), blas.as_array(init[0])
         out = np.zeros(T)
@@ -60,5 +62,7 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
         row_ops.rows_matmul(e[:3], a, np.empty_like(e[:3]))
     log_trans = trans.log()
     maxplus.maxplus_cpu(emit[:, 0].log(), log_trans)
-    maxplus.viterbi_one_cpu(init[0].log(), emit[0].log(), log_trans, log_trans.amax(0))
+    for threads in (1, 2):  # a batch, and one sequence split over two threads
+        maxplus.viterbi_cpu(init.log(), emit.log(), log_trans, lengths, threads)
+        maxplus.viterbi_cpu(init[:1].log(), emit[:1].log(), log_trans, lengths[:1], threads)
     _WARM.add(dtype)
