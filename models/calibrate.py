@@ -12,7 +12,7 @@ The service calibrates each chain model it loads (`latentlm serve`, LATENTLM_CAL
 from __future__ import annotations
 
 import logging
-import time
+import timeit
 
 import torch
 from torch import Tensor
@@ -50,12 +50,7 @@ def _workload(K: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
 def _time(fn, reps: int) -> float:
     """The fastest of `reps` calls after a warm-up (the minimum: other processes only ever add time)."""
     fn()  # warm: numba's cache, BLAS buffers
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(timeit.repeat(fn, number=1, repeat=reps))
 
 
 def calibrate(trans: Tensor, *, reps: int = 3) -> Choice | None:
