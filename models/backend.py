@@ -48,7 +48,7 @@ class Backend(StrEnum):
     CUDA_FUSED = "cuda_fused"
 
 
-# -- thresholds (measured on 2-16 core x86 machines; bench/results/hmm_inference.md) -------------------------
+# -- thresholds (measured on 2-16 core x86 machines; bench/results/hmm_inference_*.md) -------------------------
 GROUPS_MAX_K = 512  # largest matrix for the ROWS groups in a batch: beyond it any BLAS GEMM wins
 LOCKSTEP_MIN_ROWS = 4  # rows per thread for a GEMM per step to pay (fewer rows in all: ROWS groups)
 PACK_MIN_K = 512  # float32 matrices this large are packed once (MKL's gemm_pack, cached) for lockstep GEMMs
@@ -283,7 +283,7 @@ def chunk_long(backend: Backend | str, emit, trans, *more: Tensor, wants_states:
 
 def default_chunks(engine: Backend, K: int) -> int:
     """Chunks per long sequence when the chunk batches run on `engine` (measured,
-    bench/results/hmm_inference.md): on the compiled engines CHUNK_ROWS_PER_THREAD rows per thread, twice that
+    bench/results/hmm_inference_*.md): on the compiled engines CHUNK_ROWS_PER_THREAD rows per thread, twice that
     once the matrix outgrows a core's cache (K > GROUPS_MAX_K: each GEMM step streams it, so more rows per
     pass pay); MAX_CHUNKS rows for one BLAS GEMM per step on torch ops."""
     if engine is Backend.TORCH:

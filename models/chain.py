@@ -224,7 +224,7 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
 #      increases d (Birkhoff). So log p(x) is off by at most the distances left at the chunk boundaries:
 #      about (C - 1) tol when `trans` contracts (any strictly positive matrix over chunks hundreds of
 #      positions long), C^2 tol / 2 at worst; tol is a few hundred ulps, and the sequential float32 recursion
-#      itself drifts by more over thousands of steps (bench/results/hmm_inference.md compares both with a
+#      itself drifts by more over thousands of steps (bench/results/hmm_inference_*.md compares both with a
 #      float64 reference).
 #   4. from the first chunk whose restart has not met its guess (a model that mixes slowly, sparse
 #      transitions), the rest of the sequence runs sequentially from that chunk's exact prior.
