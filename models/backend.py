@@ -174,7 +174,7 @@ def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, m
         if one and not last:
             return Backend.SINGLE
         K = trans.shape[-1]
-        if (rows >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K) and (chosen := _chosen(K, trans.dtype)) is not None:
+        if (rows >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K) and (chosen := _chosen(K, trans.dtype, marginals)):
             return chosen  # measured on this machine for this matrix (`models.calibrate`)
         if HAVE_GEMM and (rows >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K):
             return Backend.LOCKSTEP
@@ -239,11 +239,11 @@ def max_product_threads(rows: int, T: int, K: int) -> int:
     return max(1, min(n, rows))
 
 
-def packs(engine: Backend, dtype: torch.dtype, K: int) -> bool:
+def packs(engine: Backend, dtype: torch.dtype, K: int, marginals: bool = False) -> bool:
     """Whether a lockstep call runs on the matrix packed once by MKL (float32, K >= PACK_MIN_K, packed API
     exported, MKL the BLAS of the call)."""
     return (engine is Backend.LOCKSTEP and HAVE_PACK and dtype == torch.float32 and K >= PACK_MIN_K
-            and provider(K, dtype) == "mkl")
+            and provider(K, dtype, marginals) == "mkl")
 
 
 # -- the measured choice (`models.calibrate`) -----------------------------------------------------------------
@@ -255,17 +255,20 @@ class Choice(NamedTuple):
     timings_ms: dict[str, float]
 
 
-CHOICES: dict[tuple[int, torch.dtype], Choice] = {}  # (K, dtype) -> Choice; written by `models.calibrate`
+# (K, dtype, marginals) -> Choice, written by `models.calibrate`: one for calls that only score (forward,
+# log_cond), one for those that keep marginals (posteriors, backward), since the fastest engine can differ
+CHOICES: dict[tuple[int, torch.dtype, bool], Choice] = {}
 
 
-def provider(K: int, dtype: torch.dtype) -> str:
-    """The BLAS of a lockstep call on a K x K matrix: the measured choice for (K, dtype), else the default."""
-    choice = CHOICES.get((K, dtype))
+def provider(K: int, dtype: torch.dtype, marginals: bool = False) -> str:
+    """The BLAS of a lockstep call on a K x K matrix: the measured choice for (K, dtype, marginals), else the
+    default."""
+    choice = CHOICES.get((K, dtype, marginals))
     return choice.provider if choice is not None and choice.provider else DEFAULT_PROVIDER
 
 
-def _chosen(K: int, dtype: torch.dtype) -> Backend | None:
-    choice = CHOICES.get((K, dtype))
+def _chosen(K: int, dtype: torch.dtype, marginals: bool) -> Backend | None:
+    choice = CHOICES.get((K, dtype, marginals))
     return choice.engine if choice is not None else None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import timeit
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -53,43 +54,49 @@ def _time(fn, reps: int) -> float:
     return min(timeit.repeat(fn, number=1, repeat=reps))
 
 
-def calibrate(trans: Tensor, *, reps: int = 3) -> Choice | None:
-    """Time every candidate on a batch sum-product with `trans` (K, K) on CPU, record the fastest in
-    `backend.CHOICES[(K, dtype)]` (the default, lockstep on the default BLAS, unless another takes at most
-    MARGIN of its time) and return it (None where no compiled engine can run: GPU, autograd,
-    no numba). Costs a few hundred milliseconds for K <= 1,024."""
+OPERATIONS = {"score": False, "posterior": True}  # what is timed -> whether its calls keep marginals
+
+
+def calibrate(trans: Tensor, *, reps: int = 3) -> dict[str, Choice] | None:
+    """Time every candidate on this machine with `trans` (K, K) on CPU, separately for scoring (a forward)
+    and for posteriors (forward and backward keeping marginals), and record the fastest of each in
+    `backend.CHOICES[(K, dtype, marginals)]`: the default (lockstep on the default BLAS) unless another takes
+    at most MARGIN of its time. Returns {"score": Choice, "posterior": Choice}, or None where no compiled
+    engine can run (GPU, autograd, no numba). Costs a few hundred milliseconds for K <= 1,024."""
     if trans.device.type != "cpu" or trans.dtype not in (torch.float32, torch.float64) or trans.requires_grad:
         return None
     K, dtype = trans.shape[-1], trans.dtype
     init, emit, lengths = _workload(K, dtype)
     if not dispatch.compiled_ok(emit, trans, init):
         return None
-    timings: dict[str, float] = {}
-    before = dispatch.CHOICES.get((K, dtype))
+    runs = {"score": lambda engine: chain.forward(init, emit, trans, lengths, backend=engine),
+            "posterior": lambda engine: chain.posterior(init, emit, trans, lengths, backend=engine)}
+    keys = [(K, dtype, marginals) for marginals in OPERATIONS.values()]
+    before = {key: dispatch.CHOICES.get(key) for key in keys}
+    timings: dict[str, dict[str, float]] = {op: {} for op in OPERATIONS}
     try:
         for engine, provider in candidates(K):
-            dispatch.CHOICES[(K, dtype)] = Choice(engine, provider, {})  # so the call takes this BLAS
-
-            def run(engine: Backend = engine) -> None:
-                chain.forward(init, emit, trans, lengths, backend=engine)
-                chain.posterior(init, emit, trans, lengths, backend=engine)
-
-            timings[label(engine, provider)] = round(_time(run, reps) * 1e3, 3)
+            for key in keys:  # so the calls take this BLAS
+                dispatch.CHOICES[key] = Choice(engine, provider, {})
+            for op, run in runs.items():
+                timings[op][label(engine, provider)] = round(_time(partial(run, engine), reps) * 1e3, 3)
     finally:
-        if before is None:
-            dispatch.CHOICES.pop((K, dtype), None)
-        else:
-            dispatch.CHOICES[(K, dtype)] = before
-    best = min(timings, key=timings.__getitem__)
-    default = label(*candidates(K)[0]) if blas.PROVIDERS or K <= 2 * dispatch.GROUPS_MAX_K else "torch"
-    if default in timings and timings[best] > MARGIN * timings[default]:
-        best = default
-    engine_name, _, provider = best.partition("/")
-    choice = Choice(Backend(engine_name), provider, timings)
-    dispatch.CHOICES[(K, dtype)] = choice
-    log.info("calibrated the batch sum-product for K=%d %s: %s (ms per forward + posterior of %d x %d: %s)",
-             K, str(dtype).removeprefix("torch."), best, ROWS, int(lengths[0]), timings)
-    return choice
+        for key, choice in before.items():
+            if choice is None:
+                dispatch.CHOICES.pop(key, None)
+            else:
+                dispatch.CHOICES[key] = choice
+    default = label(*candidates(K)[0])
+    chosen: dict[str, Choice] = {}
+    for op, marginals in OPERATIONS.items():
+        best = min(timings[op], key=timings[op].__getitem__)
+        if timings[op][best] > MARGIN * timings[op][default]:
+            best = default
+        engine_name, _, provider = best.partition("/")
+        chosen[op] = dispatch.CHOICES[(K, dtype, marginals)] = Choice(Backend(engine_name), provider, timings[op])
+        log.info("calibrated %s for K=%d %s: %s (ms for %d x %d tokens: %s)", op, K, str(dtype).removeprefix("torch."),
+                 best, ROWS, int(lengths[0]), timings[op])
+    return chosen
 
 
 def label(engine: Backend, provider: str) -> str:
@@ -98,9 +105,10 @@ def label(engine: Backend, provider: str) -> str:
 
 
 def describe(K: int, dtype: torch.dtype) -> dict[str, object]:
-    """What /v1/models shows for a matrix size: the measured choice and its timings, or that none was made."""
-    choice = dispatch.CHOICES.get((K, dtype))
-    if choice is None:
+    """What /v1/models shows for a matrix size: the measured choices and their timings, or that none was made."""
+    chosen = {op: dispatch.CHOICES.get((K, dtype, marginals)) for op, marginals in OPERATIONS.items()}
+    if any(c is None for c in chosen.values()):
         return {"blas": dispatch.provider(K, dtype) or "none", "calibrated": False}
-    return {"blas": choice.provider or "none", "calibrated": True,
-            "batch_engine": label(choice.engine, choice.provider), "calibration_ms": choice.timings_ms}
+    return {"calibrated": True,
+            "engines": {op: label(c.engine, c.provider) for op, c in chosen.items() if c is not None},
+            "calibration_ms": {op: c.timings_ms for op, c in chosen.items() if c is not None}}

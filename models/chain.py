@@ -179,8 +179,8 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
     if engine is not Backend.TORCH:
         return sum_product.forward_cpu(init, *_table_rows(emit), trans, lengths, engine=engine,
                                        keep_alphas=keep_alphas, threads=dispatch.threads(engine, B, T, K),
-                                       out_last=out_last, pack=dispatch.packs(engine, emit.dtype, K),
-                                       provider=dispatch.provider(K, emit.dtype))
+                                       out_last=out_last, pack=dispatch.packs(engine, emit.dtype, K, keep_alphas),
+                                       provider=dispatch.provider(K, emit.dtype, keep_alphas))
     emit = dense(emit)
     emit_t = _pad_emit(emit, lengths)  # (T, B, K)
     scales = emit.new_empty(T, B, 1)
@@ -369,8 +369,8 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
     if engine is not Backend.TORCH:
         return sum_product.backward_cpu(*_table_rows(emit), trans, lengths, log_cond, engine=engine,
                                         threads=dispatch.threads(engine, B, T, K), alphas=alphas,
-                                        pack=dispatch.packs(engine, emit.dtype, K),
-                                        provider=dispatch.provider(K, emit.dtype))
+                                        pack=dispatch.packs(engine, emit.dtype, K, True),
+                                        provider=dispatch.provider(K, emit.dtype, True))
     emit = dense(emit)
     # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
     emit_scaled = _pad_emit(emit, lengths) / log_cond.T.exp().unsqueeze(-1)
@@ -409,8 +409,8 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, backen
         if engine is Backend.LOCKSTEP:  # both passes in one kernel call per thread
             return sum_product.posterior_cpu(init, *_table_rows(emit), trans, lengths,  # type: ignore[arg-type]
                                              threads=dispatch.threads(engine, B, T, K),
-                                             pack=dispatch.packs(engine, emit.dtype, K),
-                                             provider=dispatch.provider(K, emit.dtype))
+                                             pack=dispatch.packs(engine, emit.dtype, K, True),
+                                             provider=dispatch.provider(K, emit.dtype, True))
         log_cond, alphas = _forward_steps(init, emit, trans, lengths, True, None, engine)
         return backward(emit, trans, lengths, log_cond, alphas=alphas, backend=engine), log_cond  # type: ignore[arg-type]
     gamma = torch.zeros(B, T, K, dtype=emit.dtype, device=emit.device)

@@ -117,8 +117,9 @@ def test_service_calibrates_each_chain_model_and_shows_the_choice(store, tmp_pat
             info = c.get("/v1/models/dense").json()["backend"]
             assert info["calibrated"] is calibrate
             if calibrate:
-                assert info["batch_engine"] in info["calibration_ms"]
-                assert "torch" in info["calibration_ms"] and info["blas"] in ("mkl", "openblas", "none")
+                for op in ("score", "posterior"):
+                    assert info["engines"][op] in info["calibration_ms"][op]
+                    assert "torch" in info["calibration_ms"][op]
             assert c.post("/v1/score", json={"model": "dense", "input": [[0, 1, 2], [3, 4]]}).status_code == 200
     finally:
         dispatch.CHOICES.clear()

@@ -44,8 +44,9 @@ def test_every_blas_and_engine_gives_the_same_results(dtype, K):
     tol = dict(rtol=2e-4, atol=2e-5) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
     ran = []
     for engine, provider in calibrate.candidates(K):
-        dispatch.CHOICES[(K, dtype)] = Choice(engine, provider, {})
-        assert dispatch.provider(K, dtype) == (provider or blas.DEFAULT_PROVIDER)
+        for marginals in (False, True):
+            dispatch.CHOICES[(K, dtype, marginals)] = Choice(engine, provider, {})
+            assert dispatch.provider(K, dtype, marginals) == (provider or blas.DEFAULT_PROVIDER)
         lc, _ = chain.forward(init, emit, trans, lengths, backend=engine)
         post, _ = chain.posterior(init, emit, trans, lengths, backend=engine)
         torch.testing.assert_close(lc, ref_lc, **tol)
@@ -70,20 +71,22 @@ def test_calibration_records_the_fastest_and_the_auto_choice_follows_it(monkeypa
     m = DenseHMM.from_tensors(t, c)
     described = m.calibrate()
     assert described is not None and described["calibrated"]
-    choice = dispatch.CHOICES[(48, torch.float32)]
-    chosen, fastest = calibrate.label(choice.engine, choice.provider), min(choice.timings_ms, key=choice.timings_ms.get)
     default = calibrate.label(*calibrate.candidates(48)[0])
-    assert chosen == fastest or (chosen == default
-                                 and choice.timings_ms[fastest] > calibrate.MARGIN * choice.timings_ms[default])
-    assert set(choice.timings_ms) == {calibrate.label(e, p) for e, p in calibrate.candidates(48)}
-    info = m.describe()["backend"]
-    assert info["calibrated"] and info["batch_engine"] == described["batch_engine"]
-    # the auto engine of a batch call is the recorded one, whichever it is
-    for engine in (Backend.TORCH, Backend.GROUPS):
-        dispatch.CHOICES[(48, torch.float32)] = Choice(engine, "", {})
-        init, emit, trans, _ = _problem(48, torch.float32)
-        assert dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=8) is engine
-        assert dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=1) is Backend.SINGLE  # one sequence
+    for op, marginals in calibrate.OPERATIONS.items():  # scoring and posteriors, each measured
+        choice = dispatch.CHOICES[(48, torch.float32, marginals)]
+        ms = choice.timings_ms
+        chosen, fastest = calibrate.label(choice.engine, choice.provider), min(ms, key=ms.get)
+        assert chosen == fastest or (chosen == default and ms[fastest] > calibrate.MARGIN * ms[default])
+        assert set(ms) == {calibrate.label(e, p) for e, p in calibrate.candidates(48)}
+        assert described["engines"][op] == chosen
+    assert m.describe()["backend"]["engines"] == described["engines"]
+    # the auto engine of a batch call is the recorded one, whichever it is, per kind of call
+    init, emit, trans, _ = _problem(48, torch.float32)
+    dispatch.CHOICES[(48, torch.float32, False)] = Choice(Backend.TORCH, "", {})
+    dispatch.CHOICES[(48, torch.float32, True)] = Choice(Backend.GROUPS, "", {})
+    assert dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=8) is Backend.TORCH
+    assert dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=8, marginals=True) is Backend.GROUPS
+    assert dispatch.sum_product(Backend.AUTO, emit, trans, init, rows=1) is Backend.SINGLE  # one sequence
 
 
 def test_calibration_declines_what_no_compiled_engine_runs():
