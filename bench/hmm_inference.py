@@ -314,10 +314,11 @@ def main() -> None:
 
 
 def _choice(Z: int) -> str:
-    from latentlm.models import backend, calibrate
+    """The engines calibration chose for scoring and for posteriors at Z (float32)."""
+    from latentlm.models import calibrate
 
-    c = backend.CHOICES.get((Z, torch.float32))
-    return "not calibrated" if c is None else calibrate.label(c.engine, c.provider)
+    info = calibrate.describe(Z, torch.float32)
+    return " / ".join(info["engines"].values()) if info["calibrated"] else "not calibrated"
 
 
 def report_from_log(log: Path, out: Path, threads: int = 2) -> None:
@@ -355,7 +356,7 @@ def write_report(out: Path, peak: float, rows: list[dict], threads: int, host: d
         "Peers that take minutes were timed on a prefix (tokens/s is length-independent for them).",
         "Sampling rows compare with hmmlearn's `sample` (the fastest peer generator; one sequence at a time).",
         "dynamax: parameters closed over as constants; dynamax (args): passed as jit arguments.", "",
-        "| Z | batch engine chosen | op/workload | latentlm | % limit | % own | " + " | ".join(PEERS)
+        "| Z | engines chosen (score / posterior) | op/workload | latentlm | % limit | % own | " + " | ".join(PEERS)
         + " | latentlm / best peer |",
         "|---|---|---|---|---|---|" + "---|" * len(PEERS) + "---|",
     ]
