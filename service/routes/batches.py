@@ -17,6 +17,24 @@ from latentlm.service.state import ServiceState, get_state
 router = APIRouter(prefix="/v1", tags=["batches"])
 
 
+def _links(param: str, ops: dict[str, str]) -> dict:
+    """OpenAPI links from a created object's `id` to the operations that take it (clients and schemathesis's
+    stateful tests follow them)."""
+    return {"responses": {"200": {"links": {
+        name: {"operationId": op, "parameters": {param: "$response.body#/id"}} for name, op in ops.items()}}}}
+
+
+FILE_LINKS = _links("file_id", {"GetFile": "get_file_v1_files__file_id__get",
+                                "GetFileContent": "file_content_v1_files__file_id__content_get",
+                                "DeleteFile": "delete_file_v1_files__file_id__delete"})
+FILE_LINKS["responses"]["200"]["links"]["CreateBatch"] = {
+    "operationId": "create_batch_v1_batches_post",
+    "requestBody": {"input_file_id": "$response.body#/id", "endpoint": "/v1/score"}}
+BATCH_LINKS = _links("batch_id", {"GetBatch": "get_batch_v1_batches__batch_id__get",
+                                  "CancelBatch": "cancel_batch_v1_batches__batch_id__cancel_post",
+                                  "DeleteBatch": "delete_batch_v1_batches__batch_id__delete"})
+
+
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_file_id: str
@@ -30,7 +48,7 @@ def owner(request: Request, state: ServiceState = Depends(get_state)) -> str | N
     return jobs.owner_of(request.headers.get("authorization"), state.settings.keys)
 
 
-@router.post("/files")
+@router.post("/files", openapi_extra=FILE_LINKS)
 def upload_file(file: UploadFile = File(...), purpose: Literal["batch"] = Form("batch"),
                 state: ServiceState = Depends(get_state), who: str | None = Depends(owner)) -> dict:
     """Upload a JSONL file of requests: one `{"custom_id", "method", "url", "body"}` per line."""
@@ -48,7 +66,9 @@ def get_file(file_id: str, state: ServiceState = Depends(get_state), who: str | 
     return jobs.file_object(jobs.get_file(state.jobs, file_id, who))
 
 
-@router.get("/files/{file_id}/content")
+@router.get("/files/{file_id}/content", response_class=Response,
+            responses={200: {"content": {"application/jsonl": {"schema": {"type": "string"}}},
+                             "description": "the file's bytes (JSON Lines), streamed"}})
 def file_content(file_id: str, state: ServiceState = Depends(get_state),
                  who: str | None = Depends(owner)) -> Response:
     meta = jobs.get_file(state.jobs, file_id, who)
@@ -64,7 +84,7 @@ def delete_file(file_id: str, state: ServiceState = Depends(get_state), who: str
     return jobs.delete_file(state.jobs, file_id, who)
 
 
-@router.post("/batches")
+@router.post("/batches", openapi_extra=BATCH_LINKS)
 def create_batch(req: CreateBatch, state: ServiceState = Depends(get_state),
                  who: str | None = Depends(owner)) -> dict:
     """Validate the input file and queue the batch (status in_progress; failed with `errors` if invalid)."""

@@ -18,7 +18,11 @@ from latentlm.service.state import ServiceState, get_state
 router = APIRouter(prefix="/v1", tags=["models"])
 
 
-@router.get("/models")
+@router.get("/models", openapi_extra={"responses": {"200": {"links": {
+    "GetModel": {"operationId": "get_model_v1_models__model_id__get",
+                 "parameters": {"model_id": "$response.body#/data/0/id"}},
+    "GetCurve": {"operationId": "curve_v1_models__model_id__curve_png_get",
+                 "parameters": {"model_id": "$response.body#/data/0/id"}}}}}})
 async def list_models(state: ServiceState = Depends(get_state)) -> dict:
     """Every loaded model: family, sizes, operations, decode methods (and the default), provenance."""
     return {"object": "list", "data": [m.describe() for m in state.registry.list()]}
