@@ -55,7 +55,10 @@ def _schemathesis() -> str:
 
 
 @pytest.mark.slow
-def test_schemathesis_all_checks_zero_failures(tmp_path):
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "api-key"])
+def test_schemathesis_all_checks_zero_failures(tmp_path, keyed):
+    """Without keys: 30 examples per operation (>= 1,000 requests). With an API key (the bearer scheme in the
+    document, sent by schemathesis; `ignored_auth` checks that a request without it is refused): 12 per operation."""
     store = tmp_path / "store"
     add_model(store, "tiny", "hmm", seed=0)
     env = {
@@ -65,14 +68,18 @@ def test_schemathesis_all_checks_zero_failures(tmp_path):
         "LATENTLM_MAX_FILE_BYTES": "1000000",
         "LATENTLM_JOB_MAX_LINE_BYTES": "100000",
     }
+    if keyed:
+        env["LATENTLM_API_KEYS"] = "st-key-1"
     srv = Server(store, tmp_path, env=env)
     (tmp_path / "schemathesis.toml").write_text(CONFIG)
-    examples = os.environ.get("LATENTLM_ST_MAX_EXAMPLES", "30")
+    examples = os.environ.get("LATENTLM_ST_MAX_EXAMPLES", "12" if keyed else "30")
     seed = os.environ.get("LATENTLM_ST_SEED", "16")
     args = [_schemathesis(), "--config-file", str(tmp_path / "schemathesis.toml"), "run",
             f"{srv.url}/openapi.json", "--checks", "all", "--max-examples", examples, "--seed", seed,
             "--workers", "2", "--no-color", "--generation-database", "none", "--request-timeout", "60",
             "--report", "junit", "--report-dir", str(tmp_path / "report")]
+    if keyed:
+        args += ["--header", "Authorization: Bearer st-key-1"]
     try:
         p = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=900,
                            env={**os.environ, "NO_COLOR": "1"})
@@ -83,8 +90,9 @@ def test_schemathesis_all_checks_zero_failures(tmp_path):
     print(summary)
     m = re.search(r"(\d+) generated", out)
     generated = int(m.group(1)) if m else 0
-    print(f"FIGURES schemathesis: {generated} generated test cases, exit code {p.returncode}")
+    print(f"FIGURES schemathesis ({'api key' if keyed else 'no keys'}): {generated} generated test cases, "
+          f"exit code {p.returncode}")
     assert p.returncode == 0, out[-30000:]
-    assert generated >= 1000, summary
+    assert generated >= (400 if keyed else 1000), summary
     server_log = srv.output()
     assert "Traceback" not in server_log, server_log[-5000:]
