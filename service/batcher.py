@@ -202,13 +202,17 @@ class Batcher:
                 await loop.run_in_executor(None, t.join, 1.0)
 
     def fail_pending(self) -> int:
-        """Event loop: answer every queued request and the batch being computed with ShuttingDown (503); the
-        computation itself runs to its end and its results are dropped. Returns how many were answered."""
+        """Event loop: answer every queued request and the batch being computed with ShuttingDown (503); a light
+        batch runs to its end and its results are dropped, a heavy slice is interrupted. Returns how many were
+        answered."""
         with self._cv:
             self._refusing = True
             left = [it for q in self.queues.values() for it in q.items] + self._running + list(self._active)
             if self._heavy_running is not None:
                 left.append(self._heavy_running)
+            t = self._heavy_thread
+            if self._interruptible is not None and t is not None and t.ident is not None:
+                _async_raise(t.ident, Cancelled)  # the heavy slice running now stops: its answer would be dropped
             self.queues.clear()
             self._active.clear()
             self.depth = self._heavy_count = 0
