@@ -164,6 +164,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)
     ap.add_argument("--lds", required=True, help="SSID+EM artifact; <name>-ssid must exist too")
+    ap.add_argument("--ssid-only", action="store_true",
+                    help="--lds names an SSID artifact and there is no EM model (a run cut short)")
     ap.add_argument("--densehmm", default=None)
     ap.add_argument("--hmm", default=None)
     ap.add_argument("--tagger", default=None)
@@ -185,7 +187,10 @@ def main() -> None:
     oov = {k: float(np.mean([w == vocab.unk_id for s in v for w in s[:-1]])) for k, v in ids.items()}
     feats: dict[str, dict[str, np.ndarray]] = {}
     desc: dict[str, str] = {}
-    for name, model_name in (("LDS SSID only", a.lds + "-ssid"), ("LDS SSID+EM", a.lds)):
+    stages = ((("LDS SSID only", a.lds),) if a.ssid_only else
+              (("LDS SSID only", a.lds + "-ssid"), ("LDS SSID+EM", a.lds)))
+    lds_em = None
+    for name, model_name in stages:
         m = load_model(a.store, model_name, dtype="float64")
         feats[name] = {k: batched(lambda b, m=m: m.impl.embed(b), v) for k, v in ids.items()}
         desc[name] = f"h={m.impl.num_states}, smoothed, M^-1/2 whitened, unit sphere"
@@ -204,6 +209,7 @@ def main() -> None:
         m = load_model(a.store, a.hmm, dtype="float64")
         feats["HMM posteriors"] = {k: batched(lambda b, m=m: m.impl.posterior(b)[1], v) for k, v in ids.items()}
         desc["HMM posteriors"] = f"Z={m.impl.num_states} state marginals p(z_t | x) (Baum-Welch)"
+    lds_em = lds_em or m
     dim = lds_em.impl.num_states
     W, _ = type_svd_vectors(dim)
     feats["type-level SVD"] = {k: np.concatenate([W[s[:-1]] for s in v]) for k, v in ids.items()}
@@ -221,7 +227,8 @@ def main() -> None:
         res = probe(f["train"], ys["train"], {k: (f[k], ys[k]) for k in ("brown-test", "wsj")})
         rows.append((name, desc[name], res))
         print(name, res, flush=True)
-    top, bottom = movers(feats["LDS SSID+EM"]["brown-test"], ids["brown-test"], vocab)
+    top, bottom = movers(feats["LDS SSID+EM" if "LDS SSID+EM" in feats else "LDS SSID only"]["brown-test"],
+                         ids["brown-test"], vocab)
     tag_rows = []
     if a.tagger:
         from latentlm.training.tagging import evaluate, most_frequent_tag  # noqa: F401
