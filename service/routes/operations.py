@@ -159,6 +159,10 @@ async def _gone(send) -> None:
 
 
 router = APIRouter(prefix="/v1", tags=["operations"], route_class=OperationRoute)
+X_COST = {"x-cost": {"description": "the request's estimated cost (`ops.operation_cost` units); over "
+                                    "LATENTLM_MAX_REQUEST_COST it is refused 413 `budget_exceeded`, over "
+                                    "LATENTLM_HEAVY_REQUEST_COST it runs in the heavy lane",
+                     "schema": {"type": "integer"}}}
 
 
 async def run_batched(op: str, req: Any, state: ServiceState) -> Response:
@@ -255,7 +259,7 @@ async def stream_posterior(prep: execute.Prepared, state: ServiceState) -> Respo
                                                                   "x-cost": str(prep.cost)})
 
 
-@router.post("/score")
+@router.post("/score", responses={200: {"headers": X_COST}})
 async def score(req: ScoreRequest, state: ServiceState = Depends(get_state)) -> Response:
     """log p(x), perplexity per input [, tokens and token_logprobs]."""
     return await run_batched("score", req, state)
@@ -265,21 +269,21 @@ async def score(req: ScoreRequest, state: ServiceState = Depends(get_state)) -> 
     "application/json": {}, NDJSON: {"schema": {"type": "string"}}},
     "description": "the marginals; with `stream: true` or `Accept: application/x-ndjson` NDJSON: "
                    "`posterior.chunk` lines (`index`, `offset`, `marginals`; PCFGs `spans`) then a "
-                   "`posterior.usage` line"}})
+                   "`posterior.usage` line", "headers": X_COST}})
 async def posterior(req: PosteriorRequest, state: ServiceState = Depends(get_state)) -> Response:
     """Per-token state marginals, most probable first (top_k per token, or every state). Above
     max_posterior_entries 413 unless streamed (`stream: true`: NDJSON)."""
     return await run_batched("posterior", req, state)
 
 
-@router.post("/decode")
+@router.post("/decode", responses={200: {"headers": X_COST}})
 async def decode(req: DecodeRequest, state: ServiceState = Depends(get_state)) -> Response:
     """Viterbi path (states, logprob) or MBR (states, state_probs); without `method`, the family's default
     (viterbi for HMMs, mbr for PCFGs; see `default_method` in /v1/models)."""
     return await run_batched("decode", req, state)
 
 
-@router.post("/embed")
+@router.post("/embed", responses={200: {"headers": X_COST}})
 async def embed(req: EmbedRequest, state: ServiceState = Depends(get_state)) -> Response:
     """Per-token embeddings (families that support it)."""
     return await run_batched("embed", req, state)
@@ -287,7 +291,8 @@ async def embed(req: EmbedRequest, state: ServiceState = Depends(get_state)) -> 
 
 @router.post("/sample", responses={200: {"content": {
     "application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
-    "description": "the samples; with `stream: true` server-sent events, one per sample, then `data: [DONE]`"}})
+    "description": "the samples; with `stream: true` server-sent events, one per sample, then `data: [DONE]`",
+    "headers": X_COST}})
 async def sample(req: SampleRequest, state: ServiceState = Depends(get_state)) -> Response:
     """n samples (continuations of `prefix`); `stream: true` sends one SSE event per sample."""
     state.ensure_ready()

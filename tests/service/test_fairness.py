@@ -361,6 +361,8 @@ def test_openapi_documents_streams_and_budget(server):
     post = doc["paths"]["/v1/posterior"]["post"]
     assert set(post["responses"]["200"]["content"]) == {"application/json", "application/x-ndjson"}
     assert "413" in post["responses"]
+    for path in ("/v1/score", "/v1/posterior", "/v1/decode", "/v1/embed", "/v1/sample"):
+        assert "x-cost" in doc["paths"][path]["post"]["responses"]["200"]["headers"], path
     schema = doc["components"]["schemas"]["PosteriorRequest"]["properties"]["stream"]
     assert schema["type"] == "boolean" and "NDJSON" in schema["description"]
 
