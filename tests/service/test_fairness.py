@@ -417,3 +417,23 @@ def test_batcher_heavy_lane_round_robin_limit_and_cancel():
             await b.stop()
 
     asyncio.run(main())
+
+
+def test_batch_line_stream_field_is_ignored_and_capped(fair_store):
+    """Batch jobs run `execute.prepare` without streaming: `stream` is not passed to the model and the posterior
+    cap applies; the API path takes the cost budget."""
+    from latentlm.service.schemas import PosteriorRequest
+
+    tiny = ops.load_model(fair_store, "tiny")
+    req = execute.parse("posterior", {"model": "tiny", "input": [[1] * 10], "stream": True})
+    assert isinstance(req, PosteriorRequest) and req.stream is True
+    prep = execute.prepare(tiny, "posterior", req, 1000, 1000)
+    assert "stream" not in prep.opts and prep.cost == ops.operation_cost(tiny, "posterior", [[1] * 10])
+    assert len(execute.run_direct(prep, 0)["data"][0]["marginals"]) == 10
+    with pytest.raises(Exception) as e:
+        execute.prepare(tiny, "posterior", req, 1000, 100)
+    assert e.value.param == "top_k"
+    with pytest.raises(Exception) as e:
+        execute.prepare(tiny, "posterior", req, 1000, 1000, max_cost=prep.cost - 1)
+    assert e.value.status == 413 and e.value.code == "budget_exceeded"
+    assert execute.prepare(tiny, "posterior", req, 1000, 100, streaming=True).cost == prep.cost
