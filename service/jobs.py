@@ -1056,10 +1056,11 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
             model = models.get(req.model)
             if op == "sample":
                 check_sample(req, settings.max_sample_tokens, model=model,
-                             max_request_tokens=settings.max_request_tokens)
+                             max_request_tokens=settings.max_request_tokens, max_cost=settings.max_request_cost)
                 out[i] = (200, run_sample(model, req))
                 continue
-            prep = prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries)
+            prep = prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries,
+                           max_cost=settings.max_request_cost)
             groups[(id(model), op, tuple(sorted(prep.opts.items())))].append((i, prep))
         except Exception as e:
             out[i] = line_failure(i, e)

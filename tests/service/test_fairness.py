@@ -143,6 +143,22 @@ def test_slices_and_estimates(fair_store):
     assert "LATENTLM_MAX_REQUEST_COST" in e.value.message and f"{cost:,}" in e.value.message
 
 
+def test_batch_lines_are_held_to_the_same_budget(fair_store, tmp_path):
+    """A batch job's line over the cost budget fails alone with 413 budget_exceeded; its neighbours run."""
+    from latentlm.service.jobs import execute_lines
+    from latentlm.service.registry import ModelRegistry
+
+    models = ModelRegistry(fair_store, calibrate=False)
+    models.reload()
+    settings = Settings(store=fair_store, state_dir=tmp_path, max_request_cost=10_000_000)
+    bodies = [{"model": "wide", "input": [[1, 2, 3]]}, {"model": "wide", "input": [[1] * 2000]}]
+    (ok, _), (status, body) = execute_lines(models, "score", bodies, settings)
+    assert ok == 200 and status == 413
+    assert body["error"]["code"] == "budget_exceeded" and "LATENTLM_MAX_REQUEST_COST" in body["error"]["message"]
+    (status, body), = execute_lines(models, "sample", [{"model": "wide", "n": 64, "max_tokens": 200}], settings)
+    assert status == 413 and body["error"]["code"] == "budget_exceeded"
+
+
 def test_default_budget_passes_maximal_requests_on_the_default_model_shape():
     """The default model (1,024-state rank HMM, rank 256): the largest score, posterior (top_k 1), MBR decode and
     sample the other limits allow are within the default budget; a 200k-token Viterbi over its states is not."""
