@@ -8,12 +8,12 @@ WORKDIR /app
 
 # CPU wheels of torch keep the image small; the pin matches pyproject.toml
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-COPY pyproject.toml README.md* ./
+COPY pyproject.toml constraints.txt README.md* ./
 COPY latentlm ./latentlm
 COPY models ./models
 COPY training ./training
 COPY service ./service
-RUN pip install ".[train]" && useradd --create-home --uid 1000 latentlm && mkdir -p /data && chown latentlm /data
+RUN pip install -c constraints.txt ".[train]" && useradd --create-home --uid 1000 latentlm && mkdir -p /data && chown latentlm /data
 USER latentlm
 VOLUME /data
 EXPOSE 8000
