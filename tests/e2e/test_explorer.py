@@ -468,7 +468,8 @@ def test_sampling_streams_the_api_samples(page, api):
     assert one(page, "#prefix").get_attribute("disabled") is not None
     one(page, "#sample").click()
     done(page, "sampling")
-    trees = [e.text for e in css(page, "#samples .tree-string")]
+    # textContent, not .text: Selenium's .text is "" for an element scrolled out of the visible box
+    trees = [e.get_attribute("textContent").strip() for e in css(page, "#samples .tree-string")]
     assert len(trees) == n and all(t.startswith("(S") and re.search(r"\((Det|N|V|P|Adj) [a-z]+\)", t) for t in trees)
 
 
