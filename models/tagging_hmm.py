@@ -1,4 +1,5 @@
-"""`tagging_hmm` — an HMM whose states emit a word and a tag independently (VL-HMM draft §5.2):
+"""`tagging_hmm` — an HMM whose states emit a word and a tag independently (the factorisation of the VL-HMM
+draft §5.2, here with dense scalar tables; the draft's blocked neural model is `training.tagging_vlhmm`):
 p(w, y, z) = prod_t p(z_t | z_{t-1}) p(w_t | z_t) p(y_t | z_t).
 
 Artifact tensors: `start` (Z,), `trans` (Z, Z), `emit` (Z, V) as in `hmm`, plus `tag_emit` (Z, Y) rows summing

