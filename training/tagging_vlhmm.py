@@ -22,7 +22,7 @@ MBR takes argmax_y sum_z p(z_t | w) p(y | z); Viterbi the jointly best (states, 
 p(w | z) max_y p(y | z), as `models.tagging_hmm`). Words as in `training.tagging`: digits -> 0 (the draft
 "maps all numbers to 0"), lower case, training words seen once -> `<unk>`.
 
-    python -m training.tagging_vlhmm --clusters 64 --states 1024 --hidden 128 --epochs 4
+    python -m latentlm.training.tagging_vlhmm --clusters 128 --states 2048 --hidden 128 --epochs 10 --time-limit 33
 """
 
 from __future__ import annotations
