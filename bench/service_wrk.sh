@@ -15,15 +15,8 @@ WORK="$(mktemp -d)"
 trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
 # the model, written by this checkout's code (the store format is shared by both layouts)
-"$PY" - "$WORK/store" <<'PYEOF'
-import sys
-from latentlm.models.registry import save_artifact
-from latentlm.models.synthetic import random_hmm
-from latentlm.models.vocab import Preprocessing, Vocabulary
-tensors, config = random_hmm(256, 10000, seed=0)
-V = Vocabulary([f"w{i}" for i in range(10000)], Preprocessing(lowercase=False, unk=None, eos=None, add_eos=False))
-save_artifact(sys.argv[1], "hmm256", "hmm", tensors, V, config=config)
-PYEOF
+. "$HERE/bench/serve_lib.sh"
+hmm256_store "$PY" "$WORK/store"
 cat > "$WORK/post.lua" <<'LUAEOF'
 math.randomseed(1)
 local ids = {}
@@ -36,13 +29,7 @@ function response(status, headers, body)
 end
 LUAEOF
 cd "$REPO"
-env -u REDIS_URL "$PY" -m latentlm.cli serve --store "$WORK/store" --port "$PORT" --device cpu >"$WORK/server.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && break
-  sleep 0.2
-done
-curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null || { cat "$WORK/server.log"; exit 1; }
+serve_store "$PY" "$WORK/store" "$PORT" "$WORK/server.log"
 echo "== $(lscpu | grep 'Model name' | sed 's/ \+/ /g'), $(nproc) cores; repo $(git -C "$REPO" rev-parse --short HEAD)"
 wrk -t1 -c64 -d5s -s "$WORK/post.lua" "http://127.0.0.1:$PORT/v1/score" >/dev/null  # warm-up
 wrk -t1 -c64 -d20s --latency -s "$WORK/post.lua" "http://127.0.0.1:$PORT/v1/score"

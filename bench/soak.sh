@@ -16,15 +16,8 @@ PY="$HERE/.venv/bin/python"
 WORK="$(mktemp -d)"
 trap 'kill $SERVER 2>/dev/null || true; rm -rf "$WORK"' EXIT
 
-"$PY" - "$WORK/store" <<'PYEOF'
-import sys
-from latentlm.models.registry import save_artifact
-from latentlm.models.synthetic import random_hmm
-from latentlm.models.vocab import Preprocessing, Vocabulary
-tensors, config = random_hmm(256, 10000, seed=0)
-V = Vocabulary([f"w{i}" for i in range(10000)], Preprocessing(lowercase=False, unk=None, eos=None, add_eos=False))
-save_artifact(sys.argv[1], "hmm256", "hmm", tensors, V, config=config)
-PYEOF
+. "$HERE/bench/serve_lib.sh"
+hmm256_store "$PY" "$WORK/store"
 cat > "$WORK/mix.lua" <<'LUAEOF'
 math.randomseed(7)
 local function ids()
@@ -48,14 +41,8 @@ response = function(status, headers, body)
   if status ~= 200 then io.stderr:write("status " .. status .. "\n") end
 end
 LUAEOF
-env -u REDIS_URL "$PY" -m latentlm.cli serve --store "$WORK/store" --port "$PORT" --device cpu >"$WORK/server.log" 2>&1 &
-SERVER=$!
-for _ in $(seq 900); do
-  curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null 2>&1 && break
-  sleep 0.2
-done
-curl -sf "http://127.0.0.1:$PORT/ready" >/dev/null || { cat "$WORK/server.log"; exit 1; }
-PID=$(pgrep -f "latentlm.cli serve --store $WORK/store" | head -1)
+serve_store "$PY" "$WORK/store" "$PORT" "$WORK/server.log"
+PID=$SERVER
 sample() {  # elapsed_s rss_mib fds threads
   local rss fds thr
   rss=$(awk '/^VmRSS:/{printf "%.0f", $2/1024}' "/proc/$PID/status")

@@ -544,11 +544,10 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     ident = torch.arange(K, device=device, dtype=torch.int32).expand(B, K)
     offset = torch.zeros(B, dtype=torch.float64, device=device)
     delta = log_init + log_emit[:, 0]
-    col_max = log_trans.amax(0) if isinstance(log_trans, Tensor) else None
-    for t in range(T):
+    for t in range(T):  # here the engine is "torch" (the compiled ones returned above)
         if t > 0:
             if isinstance(log_trans, Tensor):
-                v, a = _maxplus(delta, log_trans, 1 << 22, col_max, engine)
+                v, a = _maxplus(delta, log_trans, 1 << 22, None, Backend.TORCH)
             else:
                 v, a = (delta.unsqueeze(2) + log_trans(t)).max(1)
             live = mask[:, t : t + 1]

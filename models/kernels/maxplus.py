@@ -13,7 +13,7 @@ cannot use BLAS, so it is written here like a GEMM micro-kernel, for each row of
   column of the block, no remaining source can, and the block is done.
 `viterbi_lockstep` runs the whole recursion of a set of sequences in compiled code (one thread's share of
 a batch; threads split the rows with no synchronisation), `viterbi_split` one sequence on two threads that
-split the columns. `maxplus_cpu` / `viterbi_one_cpu` / `viterbi_cpu` are the tensor-level entry points.
+split the columns. `maxplus_cpu` / `viterbi_cpu` are the tensor-level entry points.
 Ties go to the source first in that order (a larger delta, up to the bucket width).
 """
 
@@ -335,15 +335,6 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     arg = np.empty(d.shape, dtype=np.int64)
     maxplus_rows(d, a.reshape(-1), cm, val, arg)
     return torch.from_numpy(val), torch.from_numpy(arg)
-
-
-def viterbi_one_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, col_max: Tensor | None = None
-                    ) -> tuple[Tensor, float]:
-    """Viterbi of one sequence: log_init (K,), log_emit (T, K), log_trans (K, K) -> (path (T,), log-prob).
-    Same recursion, pruning and re-centring as `models.chain.viterbi`, without per-step Python. O(T K^2)."""
-    T = log_emit.shape[0]
-    paths, scores = viterbi_cpu(log_init[None], log_emit[None], log_trans, torch.tensor([T]), 1)
-    return paths[0], float(scores[0])
 
 
 def viterbi_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, lengths: Tensor, threads: int

@@ -167,6 +167,21 @@ def redis_url(tmp_path_factory):
     p.kill()
 
 
+def ready(c) -> None:
+    """Wait (at most 60 s) until an in-process app (a TestClient) has loaded its models."""
+    deadline = time.monotonic() + 60
+    while c.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, "models not loaded after 60 s"
+        time.sleep(0.02)
+
+
+def reload_models(c) -> dict:
+    """POST /v1/models/reload on a TestClient; asserts 200 and returns the body."""
+    r = c.post("/v1/models/reload")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def err(resp: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict:
     """Assert an error response: status, the error shape, the field named, the message."""
     assert resp.status_code == status, resp.text

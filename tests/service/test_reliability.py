@@ -20,16 +20,9 @@ from latentlm.models.store import sha256_file
 from latentlm.service.app import create_app
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
-from tests.service.conftest import add_model, err, free_port, metric
+from tests.service.conftest import add_model, err, free_port, metric, ready, reload_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def ready(c: TestClient) -> None:
-    deadline = time.monotonic() + 60
-    while c.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "models not loaded after 60 s"
-        time.sleep(0.02)
 
 
 def upload(c: TestClient, lines: list[dict]) -> str:
@@ -203,24 +196,19 @@ def test_reload_verifies_files_and_refuses_escapes(tmp_path):
     app = create_app(Settings(store=store, device="cpu", state_dir=tmp_path / "state"))
     body = {"model": "a", "input": [[1, 2, 3]]}
 
-    def reload(c):
-        r = c.post("/v1/models/reload")
-        assert r.status_code == 200, r.text
-        return r.json()
-
     with TestClient(app) as c:
         ready(c)
         first = c.post("/v1/score", json=body).json()
-        assert not reload(c)["failed"]
+        assert not reload_models(c)["failed"]
 
         for bad in (good[:-1] + bytes([good[-1] ^ 1]), good[: len(good) // 2]):  # flipped bits, truncated
             weights.write_bytes(bad)
-            r = reload(c)
+            r = reload_models(c)
             assert "SHA-256 mismatch" in r["failed"]["a"] and r["updated"] == [] and r["removed"] == []
             assert c.post("/v1/score", json=body).json() == first  # the verified version keeps serving
             assert c.get("/ready").json()["failed"] == r["failed"]
         weights.write_bytes(good)
-        r = reload(c)
+        r = reload_models(c)
         assert r["failed"] == {} and r["updated"] == [] and r["added"] == []
 
         os.symlink(outside / "ext", store / "linked")  # a model directory from outside the store
@@ -234,7 +222,7 @@ def test_reload_verifies_files_and_refuses_escapes(tmp_path):
         shutil.copy(store / "lnk" / "vocab.txt", outside / "vocab.txt")
         (store / "lnk" / "vocab.txt").unlink()
         os.symlink(outside / "vocab.txt", store / "lnk" / "vocab.txt")
-        r = reload(c)
+        r = reload_models(c)
         assert set(r["failed"]) == {"linked", "evil", "lnk"} and r["added"] == []
         assert "symbolic link" in r["failed"]["linked"] and "symbolic link" in r["failed"]["lnk"]
         assert "not a plain name" in r["failed"]["evil"]

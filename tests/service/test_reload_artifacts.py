@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shutil
-import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -15,16 +14,9 @@ from fastapi.testclient import TestClient
 from latentlm.service.app import create_app
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
-from tests.service.conftest import add_model, err
+from tests.service.conftest import add_model, err, ready, reload_models
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def _ready(c: TestClient) -> None:
-    deadline = time.monotonic() + 60
-    while c.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "models not loaded after 60 s"
-        time.sleep(0.02)
 
 
 def test_reload_refuses_missing_or_broken_manifest(tmp_path, caplog):
@@ -38,19 +30,14 @@ def test_reload_refuses_missing_or_broken_manifest(tmp_path, caplog):
     app = create_app(Settings(store=store, device="cpu", state_dir=tmp_path / "state"))
     body = {"model": "a", "input": [[1, 2, 3]]}
 
-    def reload(c):
-        r = c.post("/v1/models/reload")
-        assert r.status_code == 200, r.text
-        return r.json()
-
     caplog.set_level(logging.ERROR, logger="latentlm.service")
     with TestClient(app) as c:
-        _ready(c)
+        ready(c)
         first = c.post("/v1/score", json=body).json()
 
         def refused(why: str) -> dict:
             caplog.clear()
-            r = reload(c)
+            r = reload_models(c)
             assert set(r["failed"]) == {"a"} and why in r["failed"]["a"], r["failed"]
             assert r["removed"] == [] and r["updated"] == [] and r["added"] == []
             assert c.post("/v1/score", json=body).json() == first  # the previous version keeps serving
@@ -98,21 +85,21 @@ def test_reload_refuses_missing_or_broken_manifest(tmp_path, caplog):
         refused("no such model directory")
         moved.rename(store / "a")
 
-        r = reload(c)
+        r = reload_models(c)
         assert r["failed"] == {} and r["removed"] == [] and c.get("/ready").json()["failed"] == {}
         assert c.post("/v1/score", json=body).json() == first
 
         # a directory with model files but no manifest is reported, never served
         shutil.copytree(store / "b", store / "c")
         (store / "c" / "manifest.json").unlink()
-        r = reload(c)
+        r = reload_models(c)
         assert set(r["failed"]) == {"c"} and "missing manifest" in r["failed"]["c"] and r["added"] == []
         err(c.get("/v1/models/c"), 404, "model")
         shutil.rmtree(store / "c")
 
         # the whole directory deleted: the model is removed, as before
         shutil.rmtree(store / "a")
-        r = reload(c)
+        r = reload_models(c)
         assert r["removed"] == ["a"] and r["failed"] == {}
         err(c.post("/v1/score", json=body), 404, "model")
 
