@@ -6,15 +6,18 @@ cannot use BLAS, so it is written here like a GEMM micro-kernel, for each row of
   maxima are formed branch-free (one add and one max per entry: `fmax` is a single select that LLVM turns
   into `maxps` on AVX2 / AVX-512), into a buffer other than the one read, because a read-modify-write of
   the same array compiles to masked stores that run several times slower;
-- the argmax rides along: every node of the chunk's tree of maxima also selects the winning side's slot
-  (a select, no branch), and the merge into the running maxima keeps the position of the winner;
+- no argmax in the product: Viterbi keeps each step's (re-centred) scores instead of backpointers, and the
+  backtrace recovers the one backpointer it needs per step as argmax_i delta_{t-1}[i] + log_trans[i, j]
+  with the very float operations the product used (O(K) a step instead of a compare and a blend per
+  entry of the product: half the instructions of the inner loop);
 - exact pruning: sources come in decreasing delta by a counting sort into buckets (O(K), `source_order`),
   and once the bucket bound plus max_i' log_trans[i', j] (the column maxima `col_max`) cannot beat any
   column of the block, no remaining source can, and the block is done.
 `viterbi_lockstep` runs the whole recursion of a set of sequences in compiled code (one thread's share of
 a batch; threads split the rows with no synchronisation), `viterbi_split` one sequence on two threads that
 split the columns. `maxplus_cpu` / `viterbi_cpu` are the tensor-level entry points.
-Ties go to the source first in that order (a larger delta, up to the bucket width).
+Ties: the standalone product's argmax is the source first in that order (a larger delta, up to the bucket
+width); Viterbi's backtrace takes the lowest state among tied sources.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ CHUNK = 16  # sources per chunk (a pruning check per chunk; the argmax rescan is
 BUCKETS = 64  # source ordering: buckets of BUCKET_WIDTH nats below the row maximum, the last one open
 BUCKET_WIDTH = 0.25
 BUCKET_SLACK = 1e-3  # the bucket bounds are loosened by this much, so float rounding never makes one too tight
+LANES = 4  # the counting sort keeps LANES interleaved histograms (source i counts in lane i % LANES), so that
+# consecutive sources never wait on each other's increment of one counter (a store-to-load chain)
+COUNT_SLOTS = BUCKETS * LANES  # the counting sort's scratch size
 
 
 if HAVE_NUMBA:
@@ -56,83 +62,94 @@ if HAVE_NUMBA:
         return x(a, b, x, y), codegen
 
     @njit(nogil=True, inline="always", cache=True)
-    def _eight(order, srt, n, last, K, j0):  # pragma: no cover - compiled
+    def _eight(order, scores, n, last, K, j0):  # pragma: no cover - compiled
         """Sources order[n : n + 8] (repeating order[last] past the end: a maximum is idempotent) as
-        (their row offsets i * K + j0 as unsigned ints, their deltas)."""
+        (their row offsets i * K + j0 as unsigned ints, their deltas scores[i])."""
         n0, n1, n2, n3 = min(n, last), min(n + 1, last), min(n + 2, last), min(n + 3, last)
         n4, n5, n6, n7 = min(n + 4, last), min(n + 5, last), min(n + 6, last), min(n + 7, last)
         rows = (uint64(order[n0] * K + j0), uint64(order[n1] * K + j0), uint64(order[n2] * K + j0),
                 uint64(order[n3] * K + j0), uint64(order[n4] * K + j0), uint64(order[n5] * K + j0),
                 uint64(order[n6] * K + j0), uint64(order[n7] * K + j0))
-        return rows, (srt[n0], srt[n1], srt[n2], srt[n3], srt[n4], srt[n5], srt[n6], srt[n7])
+        return rows, (scores[order[n0]], scores[order[n1]], scores[order[n2]], scores[order[n3]],
+                      scores[order[n4]], scores[order[n5]], scores[order[n6]], scores[order[n7]])
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _max8_arg(flat, r, d, u, zero, one, two, four):  # pragma: no cover - compiled
-        """(max over the 8 sources (row offsets r, deltas d) of d + A at column offset u, the slot 0..7 of
-        the first source holding it, as a float): a balanced tree of maxima whose every node also selects
-        the winning side's slot, all branch-free (vectorises: no argmax rescan, no mispredicted branches)."""
+    def _max8(flat, r, d, u):  # pragma: no cover - compiled
+        """max over the 8 sources (row offsets r, deltas d) of d + A at column offset u: a balanced tree of
+        maxima, branch-free (one add and one max per source: vectorises to addps / maxps)."""
         a0, a1 = d[0] + flat[r[0] + u], d[1] + flat[r[1] + u]
         a2, a3 = d[2] + flat[r[2] + u], d[3] + flat[r[3] + u]
         a4, a5 = d[4] + flat[r[4] + u], d[5] + flat[r[5] + u]
         a6, a7 = d[6] + flat[r[6] + u], d[7] + flat[r[7] + u]
-        m0, s0 = fmax(a1, a0), pick(a1, a0, one, zero)
-        m1, s1 = fmax(a3, a2), pick(a3, a2, one, zero) + two
-        m2, s2 = fmax(a5, a4), pick(a5, a4, one, zero)
-        m3, s3 = fmax(a7, a6), pick(a7, a6, one, zero) + two
-        n0, t0 = fmax(m1, m0), pick(m1, m0, s1, s0)
-        n1, t1 = fmax(m3, m2), pick(m3, m2, s3, s2) + four
-        return fmax(n1, n0), pick(n1, n0, t1, t0)
+        return fmax(fmax(fmax(a1, a0), fmax(a3, a2)), fmax(fmax(a5, a4), fmax(a7, a6)))
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _chunk(flat, order, srt, n0, n1, K, j0, best, at, nbest, nat, next_top, col_max, w):  # pragma: no cover
-        """The CHUNK (= 16) sources order[n0:n1] against columns [j0, j0 + w): their maxima of srt + A[i, j]
-        and the position of each, in registers (16 loads, 16 adds, 15 maxima, 15 selects per entry), merged
-        into the running maxima `best` and their positions `at` (float) as nbest, nat: buffers other than
-        those read, since a read-modify-write of one array compiles to slow masked stores. Unsigned indices
-        (no negative-index wrap), so the loop vectorises. Returns whether the next chunk (deltas at most
-        next_top) could still improve any column: False ends the block (exact pruning)."""
-        ra, da = _eight(order, srt, n0, n1 - 1, K, j0)
-        rb, db = _eight(order, srt, n0 + 8, n1 - 1, K, j0)
+    def _chunk(flat, order, scores, n0, n1, K, j0, best, nbest, next_top, col_max, w):  # pragma: no cover
+        """The CHUNK (= 16) sources order[n0:n1] against columns [j0, j0 + w): their maxima of scores[i] + A[i, j]
+        in registers (16 adds with their loads, 15 maxima per entry), merged into the running maxima `best`
+        as nbest: a buffer other than the one read, since a read-modify-write of one array compiles to slow
+        masked stores. Unsigned indices (no negative-index wrap), so the loop vectorises. Returns whether the
+        next chunk (deltas at most next_top) could still improve any column: False ends the block (exact
+        pruning)."""
+        ra, da = _eight(order, scores, n0, n1 - 1, K, j0)
+        rb, db = _eight(order, scores, n0 + 8, n1 - 1, K, j0)
         ft = best.dtype.type
-        zero, one, two, four, eight, base = ft(0.0), ft(1.0), ft(2.0), ft(4.0), ft(8.0), ft(n0)
+        zero, one = ft(0.0), ft(1.0)
         alive = zero  # how many columns the next chunk could improve (a float sum: it vectorises)
         for j in range(w):
             u = uint64(j)
-            ma, sa = _max8_arg(flat, ra, da, u, zero, one, two, four)
-            mb, sb = _max8_arg(flat, rb, db, u, zero, one, two, four)
-            m = fmax(mb, ma)
-            where = base + pick(mb, ma, sb + eight, sa)
-            nb = fmax(m, best[j])
+            nb = fmax(fmax(_max8(flat, rb, db, u), _max8(flat, ra, da, u)), best[j])
             nbest[j] = nb
-            nat[j] = pick(m, best[j], where, at[j])
             alive += pick(next_top + col_max[j0 + j], nb, one, zero)
         return alive > zero
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def source_order(drow, centre, order, tops, srt, counts, keys):  # pragma: no cover - compiled
+    def source_order(drow, centre, order, bounds, scores, counts, keys):  # pragma: no cover - compiled
         """Sources in decreasing delta, by buckets of BUCKET_WIDTH below the row's maximum (a counting sort,
         O(K), instead of an O(K log K) sort that costs as much as the product itself at K = 256): order (K,)
-        the sources, srt (K,) the deltas in that order, tops (K,) for each position an upper bound of every
-        delta from there on (the upper edge of its bucket). With `centre`, srt and tops are re-centred on the
-        row maximum (Viterbi's re-centring, in the same pass). counts (BUCKETS + 1,) and keys (K,) int64
-        scratch. Returns the row maximum."""
+        the sources; scores (K,) the deltas by state, re-centred on the row maximum with `centre`
+        (Viterbi's re-centring, in the same pass; what its backtrace replays); keys (K,) each state's slot
+        (bucket * LANES + lane) and bounds (BUCKETS,) each bucket's upper edge (re-centred likewise), so
+        that bounds[keys[order[n]] // LANES] (`bound_at`) bounds every delta from position n on. Only the
+        order is scattered: the deltas and bounds are read through it. counts (COUNT_SLOTS,) int64 scratch.
+        Returns the row maximum."""
         K = drow.shape[0]
-        top = drow.max()
+        top = row_max(drow)
         shift = top if centre and np.isfinite(top) else drow.dtype.type(0.0)
-        counts[:] = 0
         for i in range(K):
-            k = _bucket(top, drow[i])
-            keys[i] = k
-            counts[k + 1] += 1
+            scores[i] = drow[i] - shift
         for k in range(BUCKETS):
-            counts[k + 1] += counts[k]
+            bounds[k] = (top - shift) - (k * BUCKET_WIDTH - BUCKET_SLACK) if k > 0 else top - shift
+        counts[:] = 0
+        for i in range(K):  # slot = bucket * LANES + lane: a bucket's lanes are adjacent in the prefix sum
+            k = _bucket(top, drow[i]) * LANES + (i & (LANES - 1))
+            keys[i] = k
+            counts[k] += 1
+        start = 0  # exclusive prefix sum, the running total in a register (not a store-to-load chain)
+        for k in range(BUCKETS * LANES):
+            c = counts[k]
+            counts[k] = start
+            start += c
         for i in range(K):
             k = keys[i]
             n = counts[k]
-            order[n] = i
-            srt[n] = drow[i] - shift
-            tops[n] = (top - shift) - (k * BUCKET_WIDTH - BUCKET_SLACK) if k > 0 else top - shift
             counts[k] = n + 1
+            order[n] = i
+        return top
+
+    @njit(nogil=True, inline="always", cache=True)
+    def bound_at(order, keys, bounds, n):  # pragma: no cover - compiled
+        """An upper bound of every (re-centred) delta from position n of `order` on (-inf past the end)."""
+        if n >= order.shape[0]:
+            return bounds.dtype.type(-np.inf)
+        return bounds[keys[order[n]] // LANES]
+
+    @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
+    def row_max(row):  # pragma: no cover - compiled
+        """The maximum of a row (-inf if empty), branch-free: it vectorises, where np.max checks for NaN."""
+        top = row.dtype.type(-np.inf)
+        for i in range(row.shape[0]):
+            top = fmax(row[i], top)
         return top
 
     @njit(nogil=True, inline="always", cache=True)
@@ -142,33 +159,56 @@ if HAVE_NUMBA:
         return int(gap) if gap < BUCKETS - 1 else BUCKETS - 1
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def maxplus_block(flat, K, col_max, order, tops, srt, j0, w, val, arg, scratch):  # pragma: no cover
-        """Columns [j0, j0 + w) of one row of the (max, +) product: val[j] = max_i drow[i] + A[i, j] and
-        arg[j] its argmax, for A (K, K) given flat (K * K,), sources in `order` with `tops` from
-        `source_order` (srt: the deltas in that order). scratch (4, >= w). O(K w) worst case."""
+    def maxplus_block(flat, K, col_max, order, keys, bounds, scores, j0, w, val, scratch):  # pragma: no cover
+        """Columns [j0, j0 + w) of one row of the (max, +) product: val[j] = max_i scores[i] + A[i, j], for A
+        (K, K) given flat (K * K,), sources in `order` with `keys`, `bounds` from `source_order`.
+        scratch (2, >= w). O(K w) worst case."""
         b0, b1 = scratch[0], scratch[1]  # running maxima, ping-pong by `flip` (no array swaps: each costs
-        c0, c1 = scratch[2], scratch[3]  # reference counting); c0, c1: each maximum's position in `order`
-        for j in range(w):
+        for j in range(w):  # reference counting)
             b0[j] = -np.inf
-            c0[j] = 0.0
         flip = False
         n_chunks = (K + CHUNK - 1) // CHUNK
         for c in range(n_chunks):
             n0 = c * CHUNK
             n1 = min(K, n0 + CHUNK)
-            next_top = tops[n1] if n1 < K else tops.dtype.type(-np.inf)
+            next_top = bound_at(order, keys, bounds, n1)
             if flip:
-                alive = _chunk(flat, order, srt, n0, n1, K, j0, b1, c1, b0, c0, next_top, col_max, w)
+                alive = _chunk(flat, order, scores, n0, n1, K, j0, b1, b0, next_top, col_max, w)
             else:
-                alive = _chunk(flat, order, srt, n0, n1, K, j0, b0, c0, b1, c1, next_top, col_max, w)
+                alive = _chunk(flat, order, scores, n0, n1, K, j0, b0, b1, next_top, col_max, w)
             flip = not flip
             if not alive:
                 break
         best = b1 if flip else b0
-        ci = c1 if flip else c0
         for j in range(w):
             val[j] = best[j]
-            arg[j] = order[min(int(ci[j]), K - 1)]
+
+    @njit(nogil=True, cache=True)
+    def block_argmax(flat, K, order, scores, j0, w, val, arg):  # pragma: no cover - compiled
+        """arg[j] for columns [j0, j0 + w) of a product `maxplus_block` formed (values val): the first source
+        in `order` whose scores[i] + A[i, j] equals val[j] (the same float operations, so the equality is
+        exact; sources come in decreasing delta, so the scan usually stops within the first few)."""
+        for j in range(w):
+            arg[j] = order[0]
+            for n in range(K):
+                i = order[n]
+                if scores[i] + flat[i * K + j0 + j] == val[j]:
+                    arg[j] = i
+                    break
+
+    @njit(nogil=True, cache=True)
+    def backpointer(scores, trans_t, j):  # pragma: no cover - compiled
+        """argmax_i scores[i] + A[i, j] (the lowest i among ties; 0 if every term is -inf), with A[:, j] read
+        as the contiguous row trans_t[j] of A transposed. O(K)."""
+        col = trans_t[j]
+        best = -np.inf
+        arg = 0
+        for i in range(scores.shape[0]):
+            v = scores[i] + col[i]
+            if v > best:
+                best = v
+                arg = i
+        return arg
 
     @njit(nogil=True, cache=True)
     def block_width(K, itemsize):  # pragma: no cover - compiled
@@ -181,30 +221,32 @@ if HAVE_NUMBA:
     def maxplus_rows(delta, flat, col_max, val, arg):  # pragma: no cover - compiled
         """The (max, +) product of every row of delta (B, K): val (B, K), arg (B, K) int64."""
         B, K = delta.shape
-        scratch = np.empty((4, BLOCK), dtype=delta.dtype)
+        scratch = np.empty((2, BLOCK), dtype=delta.dtype)
         order = np.empty((B, K), dtype=np.int64)
-        tops = np.empty((B, K), dtype=delta.dtype)
-        srt = np.empty((B, K), dtype=delta.dtype)
-        counts = np.empty(BUCKETS + 1, dtype=np.int64)
-        keys = np.empty(K, dtype=np.int64)
+        keys = np.empty((B, K), dtype=np.int64)
+        bounds = np.empty((B, BUCKETS), dtype=delta.dtype)
+        scores = np.empty((B, K), dtype=delta.dtype)
+        counts = np.empty(COUNT_SLOTS, dtype=np.int64)
         for b in range(B):
-            source_order(delta[b], False, order[b], tops[b], srt[b], counts, keys)
+            source_order(delta[b], False, order[b], bounds[b], scores[b], counts, keys[b])
         w = block_width(K, delta.itemsize)
         for j0 in range(0, K, w):
             wj = min(w, K - j0)
             for b in range(B):
-                maxplus_block(flat, K, col_max, order[b], tops[b], srt[b], j0, wj, val[b, j0:], arg[b, j0:],
+                maxplus_block(flat, K, col_max, order[b], keys[b], bounds[b], scores[b], j0, wj, val[b, j0:],
                               scratch)
+                block_argmax(flat, K, order[b], scores[b], j0, wj, val[b, j0:], arg[b, j0:])
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_lockstep(log_init, log_emit, flat, col_max, lengths, rows, first, stride, back, paths,
-                         scores):  # pragma: no cover - compiled
+    def viterbi_lockstep(log_init, log_emit, flat, col_max, trans_t, lengths, rows, first, stride, history,
+                         paths, scores):  # pragma: no cover - compiled
         """Viterbi of the sequences rows[first::stride] (one thread's share of a batch; `rows` in decreasing
         length), advanced together so that each panel of the matrix is swept by all of them while it is in
-        cache. log_init (B, K), log_emit (B, T, K), lengths (B,); back (B, T, K) int32 scratch; paths
-        (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred every step as the
-        sources are ordered (the float64 offset carries the scale), so float32 keeps the differences that
-        decide the path."""
+        cache. log_init (B, K), log_emit (B, T, K), lengths (B,), trans_t (K, K) the matrix transposed;
+        history (B, T, K) scratch for each step's re-centred scores (what the backtrace replays, in place of
+        backpointers); paths (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred
+        every step as the sources are ordered (the float64 offset carries the scale), so float32 keeps the
+        differences that decide the path."""
         B, T, K = log_emit.shape
         mine = rows[first::stride]
         m = mine.shape[0]
@@ -214,11 +256,10 @@ if HAVE_NUMBA:
         delta = np.empty((m, K), dtype=dt)
         nxt = np.empty((m, K), dtype=dt)
         order = np.empty((m, K), dtype=np.int64)
-        tops = np.empty((m, K), dtype=dt)
-        srt = np.empty((m, K), dtype=dt)
-        counts = np.empty(BUCKETS + 1, dtype=np.int64)
-        keys = np.empty(K, dtype=np.int64)
-        scratch = np.empty((4, BLOCK), dtype=dt)
+        keys = np.empty((m, K), dtype=np.int64)
+        bounds = np.empty((m, BUCKETS), dtype=dt)
+        counts = np.empty(COUNT_SLOTS, dtype=np.int64)
+        scratch = np.empty((2, BLOCK), dtype=dt)
         offset = np.zeros(m)
         w = block_width(K, log_emit.itemsize)
         active = m
@@ -232,15 +273,15 @@ if HAVE_NUMBA:
                     for j in range(K):
                         d[j] = log_init[b, j] + log_emit[b, 0, j]
                 else:
-                    top = source_order(d, True, order[r], tops[r], srt[r], counts, keys)
+                    top = source_order(d, True, order[r], bounds[r], history[b, t - 1], counts, keys[r])
                     if np.isfinite(top):
                         offset[r] += top
             if t > 0:
                 for j0 in range(0, K, w):
                     wj = min(w, K - j0)
                     for r in range(active):
-                        maxplus_block(flat, K, col_max, order[r], tops[r], srt[r], j0, wj, nxt[r, j0:],
-                                      back[mine[r], t, j0:], scratch)
+                        maxplus_block(flat, K, col_max, order[r], keys[r], bounds[r], history[mine[r], t - 1], j0,
+                                      wj, nxt[r, j0:], scratch)
                 for r in range(active):
                     b = mine[r]
                     d, v = delta[r], nxt[r]
@@ -258,14 +299,15 @@ if HAVE_NUMBA:
             scores[b] = offset[r] + d[state]
             paths[b, L - 1] = state
             for t in range(L - 1, 0, -1):
-                state = int(back[b, t, state])
+                state = backpointer(history[b, t - 1], trans_t, state)
                 paths[b, t - 1] = state
 
     @njit(nogil=True, cache=True)
-    def backtrack(last, step_tops, back, path):  # pragma: no cover - compiled
+    def backtrack(last, step_tops, history, trans_t, path):  # pragma: no cover - compiled
         """The path of `viterbi_split` from its last (not re-centred) delta, the per-step maxima and the
-        backpointers (L, K): path[:L] out. Returns the path's float64 log-probability."""
-        L = back.shape[0]
+        re-centred scores of every earlier step (L, K): path[:L] out. Returns the path's float64
+        log-probability."""
+        L = history.shape[0]
         state = int(np.argmax(last))
         offset = 0.0
         for t in range(L - 1):
@@ -274,30 +316,31 @@ if HAVE_NUMBA:
         score = offset + last[state]
         path[L - 1] = state
         for t in range(L - 1, 0, -1):
-            state = int(back[t, state])
+            state = backpointer(history[t - 1], trans_t, state)
             path[t - 1] = state
         return score
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_split(log_init, log_emit, flat, col_max, shared, flags, tid, j_lo, j_hi, back,
+    def viterbi_split(log_init, log_emit, flat, col_max, shared, flags, tid, j_lo, j_hi, history,
                       tops_out):  # pragma: no cover - compiled
         """One of two threads of the Viterbi recursion of one sequence; thread `tid` owns columns
         [j_lo, j_hi). Each step a thread orders (and re-centres) the sources of the whole previous delta
-        (both threads, the same order), forms its columns of the (max, +) product and the backpointers,
-        publishes its columns of the new delta, and waits for the other thread's (release/acquire step
-        counters, `threads.spin_until`): one meeting per step. shared (2, K) is double-buffered by step
-        parity (a thread writes buffer t % 2 only after both have finished reading it at step t - 1);
-        flags (32,) int64 holds the two counters on separate cache lines. tops_out (T,) float64: thread 0
-        writes the maximum of each step's delta (the re-centring offsets). O(T K^2 / 2) per thread."""
+        (both threads, the same order; thread 0 keeps the re-centred scores in history (L, K) for the
+        backtrace), forms its columns of the (max, +) product, publishes its columns of the new delta, and
+        waits for the other thread's (release/acquire step counters, `threads.spin_until`): one meeting per
+        step. shared (2, K) is double-buffered by step parity (a thread writes buffer t % 2 only after both
+        have finished reading it at step t - 1); flags (32,) int64 holds the two counters on separate cache
+        lines. tops_out (T,) float64: thread 0 writes the maximum of each step's delta (the re-centring
+        offsets). O(T K^2 / 2) per thread."""
         T, K = log_emit.shape
         other = 1 - tid
         dt = log_emit.dtype
         order = np.empty(K, dtype=np.int64)
-        tops = np.empty(K, dtype=dt)
-        srt = np.empty(K, dtype=dt)
-        counts = np.empty(BUCKETS + 1, dtype=np.int64)
         keys = np.empty(K, dtype=np.int64)
-        scratch = np.empty((4, BLOCK), dtype=dt)
+        bounds = np.empty(BUCKETS, dtype=dt)
+        mine = np.empty(K, dtype=dt)  # thread 1's copy of the re-centred scores (thread 0 writes history)
+        counts = np.empty(COUNT_SLOTS, dtype=np.int64)
+        scratch = np.empty((2, BLOCK), dtype=dt)
         nxt = np.empty(K, dtype=dt)
         w = block_width(K, log_emit.itemsize)
         for t in range(T):
@@ -306,12 +349,13 @@ if HAVE_NUMBA:
                 for j in range(j_lo, j_hi):
                     buf[j] = log_init[j] + log_emit[0, j]
             else:
-                top = source_order(shared[(t - 1) % 2], True, order, tops, srt, counts, keys)
+                scores = history[t - 1] if tid == 0 else mine
+                top = source_order(shared[(t - 1) % 2], True, order, bounds, scores, counts, keys)
                 if tid == 0:
                     tops_out[t - 1] = top
                 for j0 in range(j_lo, j_hi, w):
                     wj = min(w, j_hi - j0)
-                    maxplus_block(flat, K, col_max, order, tops, srt, j0, wj, nxt[j0:], back[t, j0:], scratch)
+                    maxplus_block(flat, K, col_max, order, keys, bounds, scores, j0, wj, nxt[j0:], scratch)
                 for j in range(j_lo, j_hi):
                     buf[j] = nxt[j] + log_emit[t, j]
             store_release(flags, tid * 16, t + 1)
@@ -327,7 +371,8 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
 
     Sources are visited in decreasing delta and a column block stops as soon as the bound
     delta_i + col_max[j] (col_max = log_trans.max(0)) cannot improve any of its columns: exact, and
-    typically 3-10x less work. Among tied sources the one with the larger delta wins."""
+    typically 3-10x less work. The argmax is found afterwards by a scan in the same order that stops at the
+    first source attaining the value. Among tied sources the one with the larger delta wins."""
     d = _arr(delta)
     a = _arr(log_trans)
     cm = a.max(axis=0) if col_max is None else _arr(col_max)
@@ -342,26 +387,29 @@ def viterbi_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, lengths: 
     """Viterbi of a batch, whole in compiled code: `threads` threads split the sequences (every threads-th
     in decreasing length, so their shares balance), each advancing its share together. log_init (B, K),
     log_emit (B, T, K), log_trans (K, K), lengths (B,) -> paths (B, T) int64 (-1 at padding), scores (B,)
-    float64. O(B T K^2) worst case, O(B T K) int32 backpointers."""
+    float64. O(B T K^2) worst case; O(B T K) memory for the re-centred scores the backtrace replays."""
     B, T, K = log_emit.shape
     e = _arr(log_emit)
     a = _arr(log_trans)
+    trans_t = np.ascontiguousarray(a.T)
     if B == 1 and threads >= 2:
-        return _viterbi_two_threads(_arr(log_init[0]), e[0, : int(lengths[0])], a, T)
+        return _viterbi_two_threads(_arr(log_init[0]), e[0, : int(lengths[0])], a, trans_t, T)
     lens = lengths.detach().cpu().numpy().astype(np.int64)
     rows = np.argsort(-lens, kind="stable")
     threads = max(1, min(threads, B))
-    back = np.empty((B, T, K), dtype=np.int32)
+    history = np.empty((B, max(T - 1, 1), K), dtype=e.dtype)
     paths = np.empty((B, T), dtype=np.int64)
     scores = np.empty(B, dtype=np.float64)
     init, flat, cm = _arr(log_init), a.reshape(-1), a.max(axis=0)
-    run_split(lambda k: viterbi_lockstep(init, e, flat, cm, lens, rows, k, threads, back, paths, scores), threads)
+    run_split(lambda k: viterbi_lockstep(init, e, flat, cm, trans_t, lens, rows, k, threads, history, paths,
+                                         scores), threads)
     return torch.from_numpy(paths), torch.from_numpy(scores)
 
 
-def _viterbi_two_threads(init: np.ndarray, emit: np.ndarray, a: np.ndarray, T: int) -> tuple[Tensor, Tensor]:
-    """One sequence's Viterbi on two threads splitting the columns (`viterbi_split`), then the backtrack.
-    init (K,), emit (L, K), a (K, K); the path is padded to T with -1."""
+def _viterbi_two_threads(init: np.ndarray, emit: np.ndarray, a: np.ndarray, trans_t: np.ndarray, T: int
+                         ) -> tuple[Tensor, Tensor]:
+    """One sequence's Viterbi on two threads splitting the columns (`viterbi_split`), then the backtrace.
+    init (K,), emit (L, K), a (K, K) and its transpose; the path is padded to T with -1."""
     L, K = emit.shape
     paths = np.full((1, T), -1, dtype=np.int64)
     if L == 0:
@@ -370,11 +418,11 @@ def _viterbi_two_threads(init: np.ndarray, emit: np.ndarray, a: np.ndarray, T: i
     half = min(K, ((K // 2 + w - 1) // w) * w)  # the split on a block boundary
     shared = np.empty((2, K), dtype=emit.dtype)
     flags = np.zeros(32, dtype=np.int64)
-    back = np.empty((L, K), dtype=np.int32)
+    history = np.empty((L, K), dtype=emit.dtype)
     step_tops = np.empty(L)
     flat, cm = a.reshape(-1), a.max(axis=0)
     bounds = ((0, half), (half, K))
-    run_split(lambda k: viterbi_split(init, emit, flat, cm, shared, flags, k, bounds[k][0], bounds[k][1], back,
+    run_split(lambda k: viterbi_split(init, emit, flat, cm, shared, flags, k, bounds[k][0], bounds[k][1], history,
                                       step_tops), 2)
-    score = backtrack(shared[(L - 1) % 2], step_tops, back, paths[0])
+    score = backtrack(shared[(L - 1) % 2], step_tops, history, trans_t, paths[0])
     return torch.from_numpy(paths), torch.tensor([score], dtype=torch.float64)

@@ -101,8 +101,8 @@ def test_two_thread_split_equals_one_thread(dtype, K):
 
 
 def test_source_order_bounds_every_later_delta():
-    """The counting-sort order: `tops[n]` is at least every delta from position n on (what makes the
-    pruning exact), `srt` holds the deltas in order, and the order is a permutation."""
+    """The counting-sort order: the bound at position n is at least every delta from n on (what makes the
+    pruning exact), `scores` holds the (re-centred) deltas by state, and the order is a permutation."""
     rng = np.random.default_rng(0)
     for K in (1, 7, 64, 257):
         for spread in (0.01, 1.0, 40.0):
@@ -110,16 +110,19 @@ def test_source_order_bounds_every_later_delta():
             if K > 3:
                 d[3] = -np.inf
             for centre in (False, True):
-                order = np.empty(K, np.int64)
-                tops = np.empty(K, np.float32)
-                srt = np.empty(K, np.float32)
-                top = maxplus.source_order(d, centre, order, tops, srt, np.empty(maxplus.BUCKETS + 1, np.int64),
-                                           np.empty(K, np.int64))
+                order, keys = np.empty(K, np.int64), np.empty(K, np.int64)
+                bounds = np.empty(maxplus.BUCKETS, np.float32)
+                scores = np.empty(K, np.float32)
+                top = maxplus.source_order(d, centre, order, bounds, scores, np.empty(maxplus.COUNT_SLOTS, np.int64),
+                                           keys)
                 assert top == d.max()
                 assert sorted(order.tolist()) == list(range(K))
-                assert np.array_equal(srt, d[order] - (d.max() if centre else np.float32(0)))  # re-centred
+                assert np.array_equal(scores, d - (d.max() if centre else np.float32(0)))  # re-centred
+                srt = scores[order]
                 suffix_max = np.maximum.accumulate(srt[::-1])[::-1]
-                assert (tops >= suffix_max).all()
+                bound = np.array([maxplus.bound_at(order, keys, bounds, n) for n in range(K)])
+                assert (bound >= suffix_max).all()
+                assert maxplus.bound_at(order, keys, bounds, K) == -np.inf
 
 
 def test_maxplus_product_with_ties_and_minus_inf():
