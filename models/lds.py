@@ -78,22 +78,28 @@ def stein(A: np.ndarray, Q: np.ndarray, B: np.ndarray | None = None, iters: int 
 
 
 def steady_state(A: np.ndarray, info: np.ndarray, Q: np.ndarray | None = None, tol: float = 1e-13,
-                 max_iter: int = 100_000) -> tuple[np.ndarray, np.ndarray]:
+                 max_iter: int = 64) -> tuple[np.ndarray, np.ndarray]:
     """Solve the filtering Riccati equation for (Sigma_1, Sigma_0), the predicted and filtered steady-state
-    covariances, given the observation information info = C^T D^-1 C (h,h). Information-form fixed point:
-    Sigma_0 = (Sigma_1^-1 + info)^-1, Sigma_1 = A Sigma_0 A^T + Q. O(h^3) per iteration."""
+    covariances, given the observation information info = C^T D^-1 C (h,h):
+    Sigma_1 = A (Sigma_1^-1 + info)^-1 A^T + Q = A Sigma_1 (I + info Sigma_1)^-1 A^T + Q, Sigma_0 = (Sigma_1^-1
+    + info)^-1. Structure-preserving doubling (Chu, Fan & Lin 2005) on X = Ab^T X (I + G X)^-1 Ab + H with
+    Ab = A^T, G = info, H = Q: each step squares the horizon covered, so it converges quadratically (about
+    10 steps at spectral radius 0.999, where the plain fixed-point iteration needs ~10^4). O(h^3) per step."""
     h = A.shape[0]
-    Q = np.eye(h) if Q is None else Q
-    S1 = spd(Q)
+    eye = np.eye(h)
+    Ak, G, H = A.T.copy(), sym(info), sym(np.eye(h) if Q is None else Q)
     for _ in range(max_iter):
-        S0 = spd_inv(spd_inv(S1) + sym(info))
-        new = spd(A @ S0 @ A.T + Q, 0.0)
-        done = np.abs(new - S1).max() <= tol * max(1.0, np.abs(new).max())
-        S1 = new
+        W = np.linalg.solve(eye + G @ H, np.hstack([Ak, G]))  # (I + G_k H_k)^-1 [A_k, G_k]
+        WA, WG = W[:, :h], W[:, h:]
+        new = sym(H + Ak.T @ H @ WA)
+        G = sym(G + Ak @ WG @ Ak.T)
+        Ak = Ak @ WA
+        done = np.abs(new - H).max() <= tol * max(1.0, np.abs(new).max())
+        H = new
         if done:
             break
-    S0 = spd_inv(spd_inv(S1) + sym(info))
-    return S1, S0
+    S1 = spd(H, 0.0)
+    return S1, spd_inv(spd_inv(S1) + sym(info))
 
 
 def smoother_matrices(A: np.ndarray, S1: np.ndarray, S0: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -115,7 +121,7 @@ def lowrank_noise_info(C: np.ndarray, U: np.ndarray, Lam: np.ndarray) -> tuple[n
 
 def kalman_tensors(A: np.ndarray, C: np.ndarray, U: np.ndarray, Lam: np.ndarray, mu: np.ndarray,
                    embed_moment: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Every exported matrix of the `lds` artifact from (A, C, U, Lam, mu). O(V h^2 + h^3 iters).
+    """Every exported matrix of the `lds` artifact from (A, C, U, Lam, mu). O(V h^2 + h^3 log horizon).
 
     The gain K = Sigma_0 C^T D~^-1 = Sigma_0 R^T (I - Lam)^-1 U^T only ever meets whitened one-hot vectors
     through U^T w, so `gain_table` row i = K U^T W (e_i - mu) is built from U's rows (nothing V x V)."""

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from latentlm.models.base import Batch
 from latentlm.models.errors import ArtifactError
-from latentlm.models.lds import LDS, spd_power, sym
+from latentlm.models.lds import LDS, spd_power, steady_state, sym
 from latentlm.models.registry import load_artifact, save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training.lds import random_lds_tensors
@@ -129,3 +129,25 @@ def test_matches_pykalman_smoother_mid_sequence():
     ref, _ = kf.smooth(w)
     ours = model.means(Batch.from_lists([ids.tolist()]))[0].numpy()
     np.testing.assert_allclose(ours[40:80], ref[40:80], atol=1e-8)
+
+
+@pytest.mark.parametrize("h,rho,scale", [(4, 0.9, 1.0), (30, 0.999, 0.05), (80, 0.9999, 0.002)])
+def test_steady_state_solves_the_riccati_equation(h, rho, scale):
+    """The doubling solve meets both fixed-point equations to rounding, also near the unit circle with weak
+    observations (where the plain iteration needs ~10^4 steps), and is the limit of the covariance recursion."""
+    rng = np.random.default_rng(h)
+    A = rng.standard_normal((h, h))
+    A *= rho / np.abs(np.linalg.eigvals(A)).max()
+    C = rng.standard_normal((h, h)) * scale
+    info = C.T @ C
+    S1, S0 = steady_state(A, info)
+    np.testing.assert_allclose(S0, np.linalg.inv(np.linalg.inv(S1) + info), rtol=1e-8, atol=1e-10 * np.abs(S1).max())
+    np.testing.assert_allclose(S1, A @ S0 @ A.T + np.eye(h), rtol=1e-8, atol=1e-10 * np.abs(S1).max())
+    if h <= 30:  # the covariance recursion from Sigma_1 = I, run until it stops moving
+        P = np.eye(h)
+        for _ in range(200_000):
+            new = A @ np.linalg.inv(np.linalg.inv(P) + info) @ A.T + np.eye(h)
+            if np.abs(new - P).max() <= 1e-13 * np.abs(new).max():
+                break
+            P = new
+        np.testing.assert_allclose(S1, new, rtol=1e-7)
