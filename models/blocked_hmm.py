@@ -205,7 +205,8 @@ def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word
         for trans_dtype, dp_dtype in dict.fromkeys(attempts):
             trans = log_trans.detach().to(trans_dtype).exp()
             res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, prior, dp_dtype)
-            if bool(torch.isfinite(res.log_lik).all()) and bool(torch.isfinite(res.trans).all()):
+            # a sum is finite only if every term is (counts are at most the token count: no overflow)
+            if bool(torch.isfinite(res.log_lik).all()) and bool(torch.isfinite(res.trans.sum())):
                 break
         return BlockCounts(res.start.to(out_dtype), res.trans.to(out_dtype), res.emit.to(out_dtype), res.log_lik,
                            res.last)
@@ -218,18 +219,20 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     Zp = trans.shape[0]
     kk = Zp // M
     mask = chain.valid_mask(lengths, T)
-    le = log_emit.detach().to(dtype)[ids]  # (B, T, k')
+    le = log_emit.detach()[ids].to(dtype)  # (B, T, k'): converted after the gather, not the whole (V, k') table
     shift = le.amax(-1).masked_fill(~mask, 0.0)  # (B, T)
     emit = (le - shift.unsqueeze(-1)).exp()
     clusters = word_cluster[ids]
     first = clusters[:, 0]
-    rows = torch.arange(B, device=ids.device)
     init = log_start.detach().to(dtype).exp().view(M, kk)[first]
     has_prior = torch.zeros(B, dtype=torch.bool, device=ids.device)
     if prior is not None:
         prior = prior.to(trans.dtype)
         has_prior = prior.sum(1) > 0
-        init = torch.where(has_prior[:, None], (prior @ trans).to(dtype).view(B, M, kk)[rows, first], init)
+        into_first = torch.empty(B, kk, dtype=trans.dtype, device=ids.device)
+        for sel, cols in _by_cluster(first, kk):  # prior @ trans in each row's first cluster: O(B Z' k')
+            into_first[sel] = prior[sel] @ trans[:, cols]
+        init = torch.where(has_prior[:, None], into_first.to(dtype), init)
     if M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
         log_cond = torch.zeros(B, T, dtype=dtype)
         alphas, gamma, right = (torch.zeros(B, T, kk, dtype=dtype) for _ in range(3))
@@ -250,18 +253,29 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     log_cond = log_cond.masked_fill(~mask, 0.0)
     if M == 1:
         trans_counts = (trans * (alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk))).to(trans.dtype)
+    elif ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
+        trans_counts = torch.zeros_like(trans)
+        blocked_kernels.block_counts(*(x.contiguous().numpy() for x in (alphas, right, clusters, lengths, trans)),
+                                     M, trans_counts.numpy())
     else:
         trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
     start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)
     start_counts.index_add_(0, first[~has_prior], gamma[~has_prior, 0])
     if prior is not None and bool(has_prior.any()):  # the carried step: prior_i trans[i, (first, j)] right_0j
-        into = torch.zeros(int(has_prior.sum()), M, kk, dtype=dtype, device=ids.device)
-        into[torch.arange(len(into), device=ids.device), first[has_prior]] = right[has_prior, 0]
-        trans_counts += (trans * (prior[has_prior].to(dtype).T @ into.reshape(-1, Zp))).to(trans_counts.dtype)
-    emit_counts = torch.zeros(log_emit.shape[0], kk, dtype=dtype, device=ids.device)
-    emit_counts.index_add_(0, ids[mask], gamma[mask])
+        carried, right0 = prior[has_prior].to(dtype), right[has_prior, 0]
+        for sel, cols in _by_cluster(first[has_prior], kk):  # only the columns of the clusters rows start in
+            block = trans[:, cols].to(dtype) * (carried[sel].T @ right0[sel])
+            trans_counts[:, cols] += block.to(trans_counts.dtype)
+    # in the output dtype: a count is a sum of at most as many posteriors as there are tokens
+    emit_counts = torch.zeros(log_emit.shape[0], kk, dtype=log_emit.dtype, device=ids.device)
+    emit_counts.index_add_(0, ids[mask], gamma[mask].to(log_emit.dtype))
     return BlockCounts(start_counts.reshape(Zp), trans_counts, emit_counts, log_cond.sum(1) + shift.sum(1),
                        chain.filtered_last(alphas, lengths))
+
+
+def _by_cluster(first: Tensor, kk: int) -> list[tuple[Tensor, slice]]:
+    """For each cluster among `first` (n,): (the rows starting in it (n,) bool, its columns of the matrix)."""
+    return [(first == c, slice(c * kk, (c + 1) * kk)) for c in torch.unique(first).tolist()]
 
 
 def _block_counts(prev: Tensor, right: Tensor, clusters: Tensor, valid: Tensor, trans: Tensor, M: int) -> Tensor:

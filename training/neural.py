@@ -159,14 +159,15 @@ class VLHMM(nn.Module):
         states = (torch.arange(M, device=active.device)[:, None] * k + active).reshape(-1)  # (M kk,)
         start, trans = self.start_and_trans_logits(states)
         # emission: per cluster, its words' logits against its own k' states, normalised over those words
-        emit_states = self.emission_reprs(states).view(M, kk, -1)
+        # unbind, not emit_states[m]: the backward of M selects would add M zero-filled (M, k', h) tensors
+        emit_states = self.emission_reprs(states).view(M, kk, -1).unbind(0)
         words = self.word_emb_by_slot.split(self.cluster_sizes)
         if self.word_bias_by_slot is None:
-            parts = [torch.log_softmax(w @ emit_states[m].T, dim=0) for m, w in enumerate(words)]
+            parts = [torch.log_softmax(w @ e.T, dim=0) for w, e in zip(words, emit_states, strict=True)]
         else:
             bias = self.word_bias_by_slot.split(self.cluster_sizes)
-            parts = [torch.log_softmax(torch.addmm(b[:, None], w, emit_states[m].T), dim=0)
-                     for m, (w, b) in enumerate(zip(words, bias, strict=True))]
+            parts = [torch.log_softmax(torch.addmm(b[:, None], w, e.T), dim=0)
+                     for w, e, b in zip(words, emit_states, bias, strict=True)]
         return torch.log_softmax(start, 0), torch.log_softmax(trans, -1), torch.cat(parts)  # emission by slot
 
     def export_tensors(self) -> dict[str, Tensor]:

@@ -120,3 +120,40 @@ if HAVE_NUMBA:
                 for j in range(k):
                     gamma[b, t, j] = 0.0
                     right[b, t, j] = 0.0
+
+    @njit(nogil=True, cache=True)
+    def block_counts(alphas, right, clusters, lengths, trans, M, out):  # pragma: no cover - compiled
+        """Expected transition counts of `blocked_forward_backward`'s outputs into out (Z, Z) (zeros on
+        entry, trans's dtype): for each (cluster, cluster) block the batch steps through, (the sum over
+        those steps t >= 1 of alpha_{t-1} (x) right_t, in float64) * the block. Steps are grouped by block
+        (a stable sort of the block ids), so each block is written once. O(B T k^2), no (B T, k, k)
+        buffer."""
+        B, T, k = alphas.shape
+        n = 0
+        for b in range(B):
+            n += max(lengths[b] - 1, 0)
+        keys = np.empty(n, dtype=np.int64)
+        where = np.empty(n, dtype=np.int64)  # b * T + t
+        s = 0
+        for b in range(B):
+            for t in range(1, lengths[b]):
+                keys[s] = clusters[b, t - 1] * M + clusters[b, t]
+                where[s] = b * T + t
+                s += 1
+        order = np.argsort(keys, kind="mergesort")
+        acc = np.empty((k, k))
+        s = 0
+        while s < n:
+            pair = keys[order[s]]
+            acc[:] = 0.0
+            while s < n and keys[order[s]] == pair:
+                b, t = divmod(where[order[s]], T)
+                for i in range(k):
+                    a = alphas[b, t - 1, i]
+                    for j in range(k):
+                        acc[i, j] += a * right[b, t, j]
+                s += 1
+            r0, c0 = (pair // M) * k, (pair % M) * k
+            for i in range(k):
+                for j in range(k):
+                    out[r0 + i, c0 + j] = acc[i, j] * trans[r0 + i, c0 + j]
