@@ -10,8 +10,8 @@ Artifact tensors (float): `A` (h,h), `C` (V,h), `mu` (V,) word frequencies (sums
 `noise_lowrank` Lam (h,h), `sigma_pred` Sigma_1 = P(x_t | w_<t) and `sigma_filt` Sigma_0 = P(x_t | w_<=t) and
 `sigma_smooth` P(x_t | w) (h,h) steady-state covariances, `filter_trans` F = A - K C A (h,h), `gain_table`
 (V,h) row i = K W (e_i - mu) (the only data-dependent term of the filter: a row lookup per token),
-`smooth_J` J = Sigma_0 A^T Sigma_1^-1 and `smooth_L` I - J A (h,h), `embed_whiten` M^-1/2 (h,h) where M is
-the training-set second moment of the smoothed means.
+`smooth_J` J = Sigma_0 A^T Sigma_1^-1 and `smooth_L` I - J A (h,h), `embed_whiten` M^-1/2 (h,h) (on M's positive
+part, `whitening`) where M is the training-set second moment of the smoothed means.
 Config: `dim` (h), `lags`, `em_iterations`, optionally `objective` (ASOS log-likelihood per token).
 
 Inference (steady state, eqs. 4-5): filtered x_t = F x_{t-1} + gain_table[w_t] with x_0 = 0; smoothed
@@ -62,6 +62,15 @@ def spd_power(X: np.ndarray, p: float, floor: float = 1e-12) -> np.ndarray:
     w, U = np.linalg.eigh(sym(X))
     w = np.maximum(w, floor * max(w.max(), floor))
     return sym((U * w**p) @ U.T)
+
+
+def whitening(M: np.ndarray, rel_tol: float = 1e-6) -> np.ndarray:
+    """M^-1/2 on M's positive part: directions whose eigenvalue is at most rel_tol * the largest (or
+    negative: an ASOS moment can be indefinite) are dropped (0), not amplified. O(h^3)."""
+    w, U = np.linalg.eigh(sym(M))
+    keep = w > rel_tol * max(float(w.max()), 0.0)
+    inv_sqrt = np.where(keep, 1.0 / np.sqrt(np.where(keep, w, 1.0)), 0.0)
+    return sym((U * inv_sqrt) @ U.T)
 
 
 def stein(A: np.ndarray, Q: np.ndarray, B: np.ndarray | None = None, iters: int = 64) -> np.ndarray:
@@ -136,7 +145,7 @@ def kalman_tensors(A: np.ndarray, C: np.ndarray, U: np.ndarray, Lam: np.ndarray,
     M = embed_moment if embed_moment is not None else np.eye(len(A))
     return {"A": A, "C": C, "mu": mu, "noise_basis": U, "noise_lowrank": sym(Lam), "sigma_pred": S1,
             "sigma_filt": S0, "sigma_smooth": P, "filter_trans": F, "gain_table": gain, "smooth_J": J,
-            "smooth_L": L, "embed_whiten": spd_power(M, -0.5)}
+            "smooth_L": L, "embed_whiten": whitening(M)}
 
 
 # -- inference (torch, batched) -------------------------------------------------------------------------
