@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from latentlm.models.base import Batch
 from latentlm.models.errors import ArtifactError
-from latentlm.models.lds import LDS, spd_power, steady_state, sym
+from latentlm.models.lds import LDS, spd_power, steady_state, sym, whitening
 from latentlm.models.registry import load_artifact, save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training.lds import random_lds_tensors
@@ -151,3 +151,17 @@ def test_steady_state_solves_the_riccati_equation(h, rho, scale):
                 break
             P = new
         np.testing.assert_allclose(S1, new, rtol=1e-7)
+
+
+def test_whitening_is_the_inverse_square_root_on_the_positive_part():
+    """M^-1/2 for a positive definite M; for an indefinite one (ASOS moments can be), the negative and negligible
+    directions are dropped instead of being blown up by a floored eigenvalue."""
+    rng = np.random.default_rng(0)
+    Q, _ = np.linalg.qr(rng.standard_normal((6, 6)))
+    pd = (Q * np.array([5.0, 2.0, 1.0, 0.5, 0.1, 0.01])) @ Q.T
+    W = whitening(pd)
+    np.testing.assert_allclose(W @ pd @ W, np.eye(6), atol=1e-10)
+    indefinite = (Q * np.array([5.0, 2.0, 1.0, 1e-9, -0.3, -3.0])) @ Q.T
+    W = whitening(indefinite)
+    np.testing.assert_allclose(W @ Q[:, :3], Q[:, :3] / np.sqrt([5.0, 2.0, 1.0]), atol=1e-10)
+    np.testing.assert_allclose(W @ Q[:, 3:], 0.0, atol=1e-10)
