@@ -146,8 +146,9 @@ class ChainFamily(ChainOps, Family):
         """(init (B, K), emit (B, T, K) or a `chain.RowLookup`, trans) in the family's reduced state space."""
         raise NotImplementedError
 
-    def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
-        """Log-space (log_init, log_emit, log_trans) over the *model states* for Viterbi."""
+    def log_chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
+        """Log-space (log_init, log_emit (B, T, K) or a `chain.RowLookup`, log_trans) over the *model states* for
+        Viterbi."""
         raise NotImplementedError
 
     def state_ids(self, batch: Batch) -> Tensor:

@@ -117,11 +117,11 @@ class BlockedHMM(ChainFamily):
     def _logs(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.start.log().view(self.M, self.k), self.trans_blocks.log(), self.emit.log()
 
-    def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
+    def log_chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         log_start, log_blocks, log_emit = self._logs
         clusters = self._clusters(batch)
         step = log_blocks.view(self.k, self.k) if self.M == 1 else self._block_fn(log_blocks, clusters)
-        return log_start[clusters[:, 0]], log_emit[batch.ids], step
+        return log_start[clusters[:, 0]], RowLookup(log_emit, batch.ids), step
 
     @property
     def states_per_token(self) -> int:

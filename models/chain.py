@@ -522,9 +522,10 @@ def _maxplus(delta: Tensor, log_trans: Tensor, block_elems: int, col_max: Tensor
 # spaces, what they would share is the loop skeleton, while each needs its own state: in-place `out=`
 # buffers and the filtered-marginal outputs for the forward; backpointers, rows frozen at padding and the
 # float64 offset for Viterbi. A generic version parameterised over all of that is longer than the two loops.
-def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tensor, *,
+def viterbi(log_init: Tensor, log_emit: Emit, log_trans: Trans, lengths: Tensor, *,
             backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
-    """Max-product in log space. log_init (B, K), log_emit (B, T, K), log_trans (K, K) or t -> (B, K, K).
+    """Max-product in log space. log_init (B, K), log_emit (B, T, K) or a `RowLookup` of log-likelihood rows
+    (read where they lie by the compiled engines), log_trans (K, K) or t -> (B, K, K).
 
     Returns the best path (B, T) (-1 at padding) and its joint log probability (B,) in float64. Scores are
     re-centred every step (the running maximum moves to a float64 offset), so float32 keeps full
@@ -538,7 +539,8 @@ def viterbi(log_init: Tensor, log_emit: Tensor, log_trans: Trans, lengths: Tenso
     engine = dispatch.max_product(backend, log_emit, log_trans, rows=B, steps=T)
     if engine in (Backend.SINGLE, Backend.GROUPS) and isinstance(log_trans, Tensor):  # whole in compiled code
         threads = dispatch.max_product_threads(B, T, K)
-        return maxplus_kernels.viterbi_cpu(log_init, log_emit, log_trans, lengths, threads)
+        return maxplus_kernels.viterbi_cpu(log_init, *_table_rows(log_emit), log_trans, lengths, threads)
+    log_emit = dense(log_emit)
     mask = valid_mask(lengths, T)
     back = torch.empty(T, B, K, dtype=torch.int32, device=device)
     ident = torch.arange(K, device=device, dtype=torch.int32).expand(B, K)

@@ -69,9 +69,9 @@ class DenseHMM(ChainFamily):
     def _logs(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.start.log(), self.trans.log(), self.emit_by_word.log()
 
-    def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
+    def log_chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         log_start, log_trans, log_emit_by_word = self._logs
-        return log_start.expand(batch.ids.shape[0], -1), log_emit_by_word[batch.ids], log_trans
+        return log_start.expand(batch.ids.shape[0], -1), RowLookup(log_emit_by_word, batch.ids), log_trans
 
     def state_ids(self, batch: Batch) -> Tensor:
         B, T = batch.ids.shape

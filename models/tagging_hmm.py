@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from latentlm.models.base import Batch
-from latentlm.models.chain import Trans
+from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError
 from latentlm.models.hmm import DenseHMM
@@ -64,9 +64,14 @@ class TaggingHMM(DenseHMM):
         p, y = self.tag_emit.max(-1)
         return p.log(), y
 
-    def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
-        log_start, log_emit, log_trans = super().log_chain(batch)
-        return log_start, log_emit + self._best_tag[0], log_trans
+    @cached_property
+    def _tagged_log_emit(self) -> Tensor:
+        """log p(x | z) + log max_y p(y | z) by word (V, Z): the emission rows of the joint word-and-tag decode."""
+        return self._logs[2] + self._best_tag[0]
+
+    def log_chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
+        log_start, _, log_trans = super().log_chain(batch)
+        return log_start, RowLookup(self._tagged_log_emit, batch.ids), log_trans
 
     def tag_marginals(self, batch: Batch) -> Tensor:
         """p(y_t | w) (B, T, Y), zeros at padding. O(B T (Z^2 + Z Y))."""

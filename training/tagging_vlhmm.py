@@ -36,6 +36,7 @@ from functools import cached_property
 import torch
 from torch import Tensor, nn
 
+from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.chain import Trans
@@ -110,7 +111,7 @@ class BlockedTagger(BlockedHMM):
 
     def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
         log_start, log_emit, step = super().log_chain(batch)
-        return log_start, log_emit + self._best_tag[0][self.state_ids(batch)], step
+        return log_start, chain.dense(log_emit) + self._best_tag[0][self.state_ids(batch)], step
 
     def tag_marginals(self, batch: Batch) -> Tensor:
         """p(y_t | w) (B, T, Y), zeros at padding. O(B T (k^2 + k Y))."""

@@ -63,6 +63,6 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
     log_trans = trans.log()
     maxplus.maxplus_cpu(emit[:, 0].log(), log_trans)
     for threads in (1, 2):  # a batch, and one sequence split over two threads
-        maxplus.viterbi_cpu(init.log(), emit.log(), log_trans, lengths, threads)
-        maxplus.viterbi_cpu(init[:1].log(), emit[:1].log(), log_trans, lengths[:1], threads)
+        maxplus.viterbi_cpu(init.log(), emit.log(), None, log_trans, lengths, threads)
+        maxplus.viterbi_cpu(init[:1].log(), emit[:1].log(), None, log_trans, lengths[:1], threads)
     _WARM.add(dtype)

@@ -154,6 +154,11 @@ def transposed(trans: Tensor) -> np.ndarray:
     return _derived(trans, "T", lambda: np.ascontiguousarray(trans.detach().numpy().T))
 
 
+def column_max(trans: Tensor) -> np.ndarray:
+    """max_i trans[i, j] (K,) (cached): the pruning bound of the compiled (max, +) product."""
+    return _derived(trans, "colmax", lambda: np.ascontiguousarray(trans.detach().numpy().max(axis=0)))
+
+
 def gemm_addresses(dtype: np.dtype, provider: str = "") -> tuple[int, int]:
     """(address of `provider`'s sgemm or dgemm for `dtype`, address of MKL's packed compute or 0).
     provider "": DEFAULT_PROVIDER."""

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from latentlm.models.kernels import blas
 from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.sum_product import emission_rows
 from latentlm.models.kernels.threads import run_split
 
 BLOCK = 256  # most columns per block: the block's running maxima and chunk indices stay in L1
@@ -238,21 +240,23 @@ if HAVE_NUMBA:
                 block_argmax(flat, K, order[b], scores[b], j0, wj, val[b, j0:], arg[b, j0:])
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_lockstep(log_init, log_emit, flat, col_max, trans_t, lengths, rows, first, stride, history,
+    def viterbi_lockstep(log_init, table, ids, flat, col_max, trans_t, lengths, rows, first, stride, history,
                          paths, scores):  # pragma: no cover - compiled
         """Viterbi of the sequences rows[first::stride] (one thread's share of a batch; `rows` in decreasing
         length), advanced together so that each panel of the matrix is swept by all of them while it is in
-        cache. log_init (B, K), log_emit (B, T, K), lengths (B,), trans_t (K, K) the matrix transposed;
+        cache. log_init (B, K); emission log-likelihoods as rows of a table: log p(x_t | z_t = k) =
+        table[ids[b, t], k], table (N, K), ids (B, T); lengths (B,), trans_t (K, K) the matrix transposed;
         history (B, T, K) scratch for each step's re-centred scores (what the backtrace replays, in place of
         backpointers); paths (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred
         every step as the sources are ordered (the float64 offset carries the scale), so float32 keeps the
         differences that decide the path."""
-        B, T, K = log_emit.shape
+        B, T = ids.shape
+        K = table.shape[1]
         mine = rows[first::stride]
         m = mine.shape[0]
         if m == 0:
             return
-        dt = log_emit.dtype
+        dt = table.dtype
         delta = np.empty((m, K), dtype=dt)
         nxt = np.empty((m, K), dtype=dt)
         order = np.empty((m, K), dtype=np.int64)
@@ -261,7 +265,7 @@ if HAVE_NUMBA:
         counts = np.empty(COUNT_SLOTS, dtype=np.int64)
         scratch = np.empty((2, BLOCK), dtype=dt)
         offset = np.zeros(m)
-        w = block_width(K, log_emit.itemsize)
+        w = block_width(K, table.itemsize)
         active = m
         for t in range(lengths[mine[0]]):
             while active > 0 and lengths[mine[active - 1]] <= t:
@@ -270,8 +274,9 @@ if HAVE_NUMBA:
                 b = mine[r]
                 d = delta[r]
                 if t == 0:
+                    e = table[ids[b, 0]]
                     for j in range(K):
-                        d[j] = log_init[b, j] + log_emit[b, 0, j]
+                        d[j] = log_init[b, j] + e[j]
                 else:
                     top = source_order(d, True, order[r], bounds[r], history[b, t - 1], counts, keys[r])
                     if np.isfinite(top):
@@ -283,10 +288,9 @@ if HAVE_NUMBA:
                         maxplus_block(flat, K, col_max, order[r], keys[r], bounds[r], history[mine[r], t - 1], j0,
                                       wj, nxt[r, j0:], scratch)
                 for r in range(active):
-                    b = mine[r]
-                    d, v = delta[r], nxt[r]
+                    d, v, e = delta[r], nxt[r], table[ids[mine[r], t]]
                     for j in range(K):
-                        d[j] = v[j] + log_emit[b, t, j]
+                        d[j] = v[j] + e[j]
         for r in range(m):
             b = mine[r]
             L = lengths[b]
@@ -321,7 +325,7 @@ if HAVE_NUMBA:
         return score
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_split(log_init, log_emit, flat, col_max, shared, flags, tid, j_lo, j_hi, history,
+    def viterbi_split(log_init, table, ids, flat, col_max, shared, flags, tid, j_lo, j_hi, history,
                       tops_out):  # pragma: no cover - compiled
         """One of two threads of the Viterbi recursion of one sequence; thread `tid` owns columns
         [j_lo, j_hi). Each step a thread orders (and re-centres) the sources of the whole previous delta
@@ -331,10 +335,11 @@ if HAVE_NUMBA:
         step. shared (2, K) is double-buffered by step parity (a thread writes buffer t % 2 only after both
         have finished reading it at step t - 1); flags (32,) int64 holds the two counters on separate cache
         lines. tops_out (T,) float64: thread 0 writes the maximum of each step's delta (the re-centring
-        offsets). O(T K^2 / 2) per thread."""
-        T, K = log_emit.shape
+        offsets). Emissions as table[ids[t]] (table (N, K), ids (T,)). O(T K^2 / 2) per thread."""
+        T = ids.shape[0]
+        K = table.shape[1]
         other = 1 - tid
-        dt = log_emit.dtype
+        dt = table.dtype
         order = np.empty(K, dtype=np.int64)
         keys = np.empty(K, dtype=np.int64)
         bounds = np.empty(BUCKETS, dtype=dt)
@@ -342,12 +347,13 @@ if HAVE_NUMBA:
         counts = np.empty(COUNT_SLOTS, dtype=np.int64)
         scratch = np.empty((2, BLOCK), dtype=dt)
         nxt = np.empty(K, dtype=dt)
-        w = block_width(K, log_emit.itemsize)
+        w = block_width(K, table.itemsize)
         for t in range(T):
             buf = shared[t % 2]
             if t == 0:
+                e = table[ids[0]]
                 for j in range(j_lo, j_hi):
-                    buf[j] = log_init[j] + log_emit[0, j]
+                    buf[j] = log_init[j] + e[j]
             else:
                 scores = history[t - 1] if tid == 0 else mine
                 top = source_order(shared[(t - 1) % 2], True, order, bounds, scores, counts, keys)
@@ -356,8 +362,9 @@ if HAVE_NUMBA:
                 for j0 in range(j_lo, j_hi, w):
                     wj = min(w, j_hi - j0)
                     maxplus_block(flat, K, col_max, order, keys, bounds, scores, j0, wj, nxt[j0:], scratch)
+                e = table[ids[t]]
                 for j in range(j_lo, j_hi):
-                    buf[j] = nxt[j] + log_emit[t, j]
+                    buf[j] = nxt[j] + e[j]
             store_release(flags, tid * 16, t + 1)
             spin_until(flags, other * 16, t + 1)
 
@@ -382,47 +389,52 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     return torch.from_numpy(val), torch.from_numpy(arg)
 
 
-def viterbi_cpu(log_init: Tensor, log_emit: Tensor, log_trans: Tensor, lengths: Tensor, threads: int
-                ) -> tuple[Tensor, Tensor]:
+def viterbi_cpu(log_init: Tensor, table: Tensor, rows: Tensor | None, log_trans: Tensor, lengths: Tensor,
+                threads: int) -> tuple[Tensor, Tensor]:
     """Viterbi of a batch, whole in compiled code: `threads` threads split the sequences (every threads-th
-    in decreasing length, so their shares balance), each advancing its share together. log_init (B, K),
-    log_emit (B, T, K), log_trans (K, K), lengths (B,) -> paths (B, T) int64 (-1 at padding), scores (B,)
-    float64. O(B T K^2) worst case; O(B T K) memory for the re-centred scores the backtrace replays."""
-    B, T, K = log_emit.shape
-    e = _arr(log_emit)
+    in decreasing length, so their shares balance), each advancing its share together. log_init (B, K);
+    emission log-likelihoods table[rows[b, t]] (table (N, K), rows (B, T): read where they lie, no gathered
+    copy) or, with rows None, a dense (B, T, K) table; log_trans (K, K), lengths (B,) -> paths (B, T) int64
+    (-1 at padding), scores (B,) float64. The transposed matrix and its column maxima are derived once per
+    matrix (`blas`'s cache). O(B T K^2) worst case; O(B T K) memory for the re-centred scores the backtrace
+    replays."""
+    e, r = emission_rows(table, rows)
+    B, T = r.shape
+    K = e.shape[1]
     a = _arr(log_trans)
-    trans_t = np.ascontiguousarray(a.T)
+    trans_t, cm = blas.transposed(log_trans), blas.column_max(log_trans)
     if B == 1 and threads >= 2:
-        return _viterbi_two_threads(_arr(log_init[0]), e[0, : int(lengths[0])], a, trans_t, T)
+        return _viterbi_two_threads(_arr(log_init[0]), e, r[0, : int(lengths[0])], a, trans_t, cm, T)
     lens = lengths.detach().cpu().numpy().astype(np.int64)
-    rows = np.argsort(-lens, kind="stable")
+    order = np.argsort(-lens, kind="stable")
     threads = max(1, min(threads, B))
     history = np.empty((B, max(T - 1, 1), K), dtype=e.dtype)
     paths = np.empty((B, T), dtype=np.int64)
     scores = np.empty(B, dtype=np.float64)
-    init, flat, cm = _arr(log_init), a.reshape(-1), a.max(axis=0)
-    run_split(lambda k: viterbi_lockstep(init, e, flat, cm, trans_t, lens, rows, k, threads, history, paths,
+    init, flat = _arr(log_init), a.reshape(-1)
+    run_split(lambda k: viterbi_lockstep(init, e, r, flat, cm, trans_t, lens, order, k, threads, history, paths,
                                          scores), threads)
     return torch.from_numpy(paths), torch.from_numpy(scores)
 
 
-def _viterbi_two_threads(init: np.ndarray, emit: np.ndarray, a: np.ndarray, trans_t: np.ndarray, T: int
-                         ) -> tuple[Tensor, Tensor]:
+def _viterbi_two_threads(init: np.ndarray, table: np.ndarray, ids: np.ndarray, a: np.ndarray, trans_t: np.ndarray,
+                         cm: np.ndarray, T: int) -> tuple[Tensor, Tensor]:
     """One sequence's Viterbi on two threads splitting the columns (`viterbi_split`), then the backtrace.
-    init (K,), emit (L, K), a (K, K) and its transpose; the path is padded to T with -1."""
-    L, K = emit.shape
+    init (K,), emissions table[ids] (ids (L,)), a (K, K), its transpose and column maxima; the path is padded
+    to T with -1."""
+    L, K = ids.shape[0], table.shape[1]
     paths = np.full((1, T), -1, dtype=np.int64)
     if L == 0:
         return torch.from_numpy(paths), torch.zeros(1, dtype=torch.float64)
-    w = int(block_width(K, emit.itemsize))
+    w = int(block_width(K, table.itemsize))
     half = min(K, ((K // 2 + w - 1) // w) * w)  # the split on a block boundary
-    shared = np.empty((2, K), dtype=emit.dtype)
+    shared = np.empty((2, K), dtype=table.dtype)
     flags = np.zeros(32, dtype=np.int64)
-    history = np.empty((L, K), dtype=emit.dtype)
+    history = np.empty((L, K), dtype=table.dtype)
     step_tops = np.empty(L)
-    flat, cm = a.reshape(-1), a.max(axis=0)
+    flat = a.reshape(-1)
     bounds = ((0, half), (half, K))
-    run_split(lambda k: viterbi_split(init, emit, flat, cm, shared, flags, k, bounds[k][0], bounds[k][1], history,
-                                      step_tops), 2)
+    run_split(lambda k: viterbi_split(init, table, ids, flat, cm, shared, flags, k, bounds[k][0], bounds[k][1],
+                                      history, step_tops), 2)
     score = backtrack(shared[(L - 1) % 2], step_tops, history, trans_t, paths[0])
     return torch.from_numpy(paths), torch.tensor([score], dtype=torch.float64)

@@ -54,7 +54,7 @@ def test_viterbi_equals_brute_force_enumeration(dtype):
         best = max(itertools.product(range(K), repeat=T),
                    key=lambda p: _joint(log_init[0], log_emit[0], log_trans, p))
         ref = _joint(log_init[0], log_emit[0], log_trans, best)
-        path, score = maxplus.viterbi_cpu(log_init, log_emit, log_trans, torch.tensor([T]), 1)
+        path, score = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([T]), 1)
         assert _joint(log_init[0], log_emit[0], log_trans, path[0].tolist()) == pytest.approx(ref, rel=1e-6)
         assert float(score[0]) == pytest.approx(ref, rel=1e-5 if dtype == torch.float32 else 1e-12)
 
@@ -70,7 +70,7 @@ def test_compiled_viterbi_equals_plain_torch(K, B, T, seed, threads, dtype, shar
     lengths = torch.randint(0, T + 1, (B,), generator=torch.Generator().manual_seed(seed))
     lengths[0] = T
     ref_path, ref_score = chain.viterbi(log_init, log_emit, log_trans, lengths, backend="torch")
-    path, score = maxplus.viterbi_cpu(log_init, log_emit, log_trans, lengths, threads)
+    path, score = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, lengths, threads)
     for b in range(B):
         L = int(lengths[b])
         assert (path[b, L:] == -1).all()
@@ -94,8 +94,8 @@ def test_two_thread_split_equals_one_thread(dtype, K):
     score to one thread (the same floating-point operations, only distributed)."""
     log_init, log_emit, log_trans = _model(K, 200, 1, dtype, K)
     for L in (200, 1, 57):
-        one = maxplus.viterbi_cpu(log_init, log_emit, log_trans, torch.tensor([L]), 1)
-        two = maxplus.viterbi_cpu(log_init, log_emit, log_trans, torch.tensor([L]), 2)
+        one = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([L]), 1)
+        two = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([L]), 2)
         assert torch.equal(one[0], two[0])
         assert float(one[1][0]) == pytest.approx(float(two[1][0]), rel=1e-12)
 
@@ -136,3 +136,24 @@ def test_maxplus_product_with_ties_and_minus_inf():
     cand = delta[:, :, None] + log_trans[None]
     assert torch.equal(v, cand.amax(1))
     assert torch.equal(cand.gather(1, a[:, None, :]).squeeze(1), v)
+
+
+@pytest.mark.parametrize("B,T", [(5, 9), (1, 40)])
+@pytest.mark.parametrize("backend", ["auto", "groups", "torch"])
+def test_viterbi_reads_emission_rows_where_they_lie(B, T, backend):
+    """Emissions as rows of a table (`RowLookup`, what the families hand over: no gathered (B, T, K) copy) give
+    exactly the paths and scores of the gathered tensor, on the compiled engines and on the torch one."""
+    K, N = 70, 13
+    g = torch.Generator().manual_seed(B * T)
+    table = torch.log_softmax(torch.randn(N, K, generator=g) * 2, 1)
+    ids = torch.randint(0, N, (B, T), generator=g)
+    log_init = torch.log_softmax(torch.randn(B, K, generator=g), 1)
+    log_trans = torch.log_softmax(torch.randn(K, K, generator=g) * 2, 1)
+    lengths = torch.full((B,), T)
+    lengths[-1] = T - 3
+    if backend == "groups" and B == 1:
+        backend = "single"
+    rows = chain.viterbi(log_init, chain.RowLookup(table, ids), log_trans, lengths, backend=backend)
+    dense = chain.viterbi(log_init, table[ids], log_trans, lengths, backend=backend)
+    assert torch.equal(rows[0], dense[0])
+    assert torch.equal(rows[1], dense[1])
