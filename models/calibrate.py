@@ -48,21 +48,30 @@ def _workload(K: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     return init, emit, torch.full((ROWS,), steps)
 
 
-def _time(fn, reps: int) -> float:
-    """The fastest of `reps` calls after a warm-up (the minimum: other processes only ever add time)."""
-    fn()  # warm: numba's cache, BLAS buffers
-    return min(timeit.repeat(fn, number=1, repeat=reps))
+def _fastest(fns: dict[str, object], rounds: int) -> dict[str, float]:
+    """Seconds of the fastest call of each fn, timed in `rounds` interleaved rounds (every candidate once per
+    round, after one warm-up call each: numba's cache, BLAS buffers) and the minimum kept: other processes
+    only ever add time, and interleaving spreads a machine's drift (a busy neighbour, a slower second core in
+    a VM) over every candidate instead of charging it to whichever ran while it lasted."""
+    for fn in fns.values():
+        fn()  # type: ignore[operator]
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            best[name] = min(best[name], timeit.timeit(fn, number=1))  # type: ignore[arg-type]
+    return best
 
 
 OPERATIONS = {"score": False, "posterior": True}  # what is timed -> whether its calls keep marginals
 
 
-def calibrate(trans: Tensor, *, reps: int = 3) -> dict[str, Choice] | None:
+def calibrate(trans: Tensor, *, rounds: int = 7) -> dict[str, Choice] | None:
     """Time every candidate on this machine with `trans` (K, K) on CPU, separately for scoring (a forward)
-    and for posteriors (forward and backward keeping marginals), and record the fastest of each in
-    `backend.CHOICES[(K, dtype, marginals)]`: the default (lockstep on the default BLAS) unless another takes
-    at most MARGIN of its time. Returns {"score": Choice, "posterior": Choice}, or None where no compiled
-    engine can run (GPU, autograd, no numba). Costs a few hundred milliseconds for K <= 1,024."""
+    and for posteriors (forward and backward keeping marginals), in `rounds` interleaved rounds, and record
+    the fastest of each in `backend.CHOICES[(K, dtype, marginals)]`: the default (lockstep on the default
+    BLAS) unless another takes at most MARGIN of its time. Returns {"score": Choice, "posterior": Choice},
+    or None where no compiled engine can run (GPU, autograd, no numba). Costs well under a second for
+    K <= 1,024."""
     if trans.device.type != "cpu" or trans.dtype not in (torch.float32, torch.float64) or trans.requires_grad:
         return None
     K, dtype = trans.shape[-1], trans.dtype
@@ -71,15 +80,18 @@ def calibrate(trans: Tensor, *, reps: int = 3) -> dict[str, Choice] | None:
         return None
     runs = {"score": lambda engine: chain.forward(init, emit, trans, lengths, backend=engine),
             "posterior": lambda engine: chain.posterior(init, emit, trans, lengths, backend=engine)}
-    keys = [(K, dtype, marginals) for marginals in OPERATIONS.values()]
-    before = {key: dispatch.CHOICES.get(key) for key in keys}
-    timings: dict[str, dict[str, float]] = {op: {} for op in OPERATIONS}
+    before = {key: dispatch.CHOICES.get(key) for key in ((K, dtype, m) for m in OPERATIONS.values())}
+
+    def call(op: str, engine: Backend, provider: str) -> None:
+        for key in before:  # so the call (and any forward or backward inside it) takes this BLAS
+            dispatch.CHOICES[key] = Choice(engine, provider, {})
+        runs[op](engine)
+
+    timings: dict[str, dict[str, float]] = {}
     try:
-        for engine, provider in candidates(K):
-            for key in keys:  # so the calls take this BLAS
-                dispatch.CHOICES[key] = Choice(engine, provider, {})
-            for op, run in runs.items():
-                timings[op][label(engine, provider)] = round(_time(partial(run, engine), reps) * 1e3, 3)
+        for op in OPERATIONS:
+            fns = {label(e, p): partial(call, op, e, p) for e, p in candidates(K)}
+            timings[op] = {name: round(sec * 1e3, 3) for name, sec in _fastest(fns, rounds).items()}
     finally:
         for key, choice in before.items():
             if choice is None:
