@@ -8,8 +8,12 @@ import json
 import math
 import os
 import random
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,37 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from latentlm.models.base import Batch
+
+
+@dataclass
+class Interrupt:
+    """Whether Ctrl-C (SIGINT) asked a training loop to stop (`graceful_interrupt`)."""
+
+    requested: bool = False
+
+
+@contextmanager
+def graceful_interrupt() -> Iterator[Interrupt]:
+    """Within the block, a first Ctrl-C sets `requested` (the loop finishes its step, evaluates, checkpoints and
+    exports its best evaluation) and a second raises KeyboardInterrupt as usual. Outside the main thread (where
+    signal handlers cannot be set) it never fires."""
+    flag = Interrupt()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if flag.requested:
+            raise KeyboardInterrupt
+        flag.requested = True
+        print("\ninterrupted: finishing this step, then evaluating and exporting the best evaluation so far "
+              "(Ctrl-C again to abort without exporting)", file=sys.stderr, flush=True)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def seed_all(seed: int) -> torch.Generator:

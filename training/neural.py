@@ -408,76 +408,77 @@ def train(ns: argparse.Namespace) -> Path:
     if not history.rows:
         history.add(step=0, epoch=0, tokens=0, seconds=time.perf_counter() - t0, valid_ppl=evaluate(),
                     lr=opt.param_groups[0]["lr"])
-    for epoch in range(pos.epoch, ns.epochs):
-        # the batch order is a function of (seed, epoch) alone, so a resumed epoch regenerates it
-        egen = torch.Generator().manual_seed(ns.seed * 100003 + epoch)
-        if blocked and ns.bptt:
-            batches = bptt_batches(train_seqs, ns.batch, ns.bptt, device)
-        else:
-            batches = common.bucket_batches(train_seqs, ns.batch, egen, device)
-        eval_at = {round(len(batches) * (i + 1) / ns.evals_per_epoch) for i in range(ns.evals_per_epoch)}
-        first = pos.batch if epoch == pos.epoch else 0
-        if first == 0:
-            carry = None
-        model.train()
-        for bi in range(first, len(batches)):
-            b = batches[bi]
-            if blocked:
-                active = sample_state_dropout(model.M, model.k, keep, gen).to(device)
-                nll, carry = blocked_loss(model, b, active, carry, want_last=bool(ns.bptt))
+    with common.graceful_interrupt() as interrupt:  # Ctrl-C: stop after this step and export the best
+        for epoch in range(pos.epoch, ns.epochs):
+            # the batch order is a function of (seed, epoch) alone, so a resumed epoch regenerates it
+            egen = torch.Generator().manual_seed(ns.seed * 100003 + epoch)
+            if blocked and ns.bptt:
+                batches = bptt_batches(train_seqs, ns.batch, ns.bptt, device)
             else:
-                nll = rank_loss(model, b)  # dropout draws from torch's global generator (checkpointed)
-            ntok = int(b.lengths.sum())
-            loss = nll / ntok
-            if not math.isfinite(float(loss.detach())):
-                raise TrainingDiverged(
-                    f"--lr: training diverged at step {pos.step + 1} (loss {float(loss.detach())}); nothing was "
-                    f"written. Try a lower --lr than {opt.param_groups[0]['lr']:g}, or more states per cluster",
-                    param="lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-            if not math.isfinite(float(grad_norm)):
-                raise TrainingDiverged(
-                    f"--lr: the gradient became non-finite at step {pos.step + 1}; nothing was written. Try a "
-                    f"lower --lr than {opt.param_groups[0]['lr']:g}", param="lr")
-            opt.step()
-            pos.step += 1
-            pos.tokens += ntok
-            bar.update(ntok, float(loss.detach()))
-            last_batch = bi == len(batches) - 1
-            at_limit = bool(ns.max_steps and pos.step >= ns.max_steps)
-            final = last_batch and epoch == ns.epochs - 1
-            out_of_time = bool(ns.time_limit and time.perf_counter() - t0 >= ns.time_limit * 60)
-            at_limit = at_limit or out_of_time
-            if ns.eval_every:
-                evaluating = pos.step % ns.eval_every == 0
-            else:
-                evaluating = (bi + 1) in eval_at if ns.evals_per_epoch else last_batch
-            evaluating = evaluating or final or at_limit
-            if evaluating:
-                ppl = evaluate()
-                bar.update(0, valid_ppl=ppl)
-                if history.add(step=pos.step, epoch=epoch + (bi + 1) / len(batches), tokens=pos.tokens,
-                               seconds=time.perf_counter() - t0, train_ppl=math.exp(float(loss.detach())),
-                               valid_ppl=ppl, lr=opt.param_groups[0]["lr"]):
-                    best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
-                elif ns.patience and history.bad_evals >= ns.patience:
+                batches = common.bucket_batches(train_seqs, ns.batch, egen, device)
+            eval_at = {round(len(batches) * (i + 1) / ns.evals_per_epoch) for i in range(ns.evals_per_epoch)}
+            first = pos.batch if epoch == pos.epoch else 0
+            if first == 0:
+                carry = None
+            model.train()
+            for bi in range(first, len(batches)):
+                b = batches[bi]
+                if blocked:
+                    active = sample_state_dropout(model.M, model.k, keep, gen).to(device)
+                    nll, carry = blocked_loss(model, b, active, carry, want_last=bool(ns.bptt))
+                else:
+                    nll = rank_loss(model, b)  # dropout draws from torch's global generator (checkpointed)
+                ntok = int(b.lengths.sum())
+                loss = nll / ntok
+                if not math.isfinite(float(loss.detach())):
+                    raise TrainingDiverged(
+                        f"--lr: training diverged at step {pos.step + 1} (loss {float(loss.detach())}); nothing was "
+                        f"written. Try a lower --lr than {opt.param_groups[0]['lr']:g}, or more states per cluster",
+                        param="lr")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                if not math.isfinite(float(grad_norm)):
+                    raise TrainingDiverged(
+                        f"--lr: the gradient became non-finite at step {pos.step + 1}; nothing was written. Try a "
+                        f"lower --lr than {opt.param_groups[0]['lr']:g}", param="lr")
+                opt.step()
+                pos.step += 1
+                pos.tokens += ntok
+                bar.update(ntok, float(loss.detach()))
+                last_batch = bi == len(batches) - 1
+                at_limit = bool(ns.max_steps and pos.step >= ns.max_steps)
+                final = last_batch and epoch == ns.epochs - 1
+                out_of_time = bool(ns.time_limit and time.perf_counter() - t0 >= ns.time_limit * 60)
+                at_limit = at_limit or out_of_time or interrupt.requested
+                if ns.eval_every:
+                    evaluating = pos.step % ns.eval_every == 0
+                else:
+                    evaluating = (bi + 1) in eval_at if ns.evals_per_epoch else last_batch
+                evaluating = evaluating or final or at_limit
+                if evaluating:
+                    ppl = evaluate()
+                    bar.update(0, valid_ppl=ppl)
+                    if history.add(step=pos.step, epoch=epoch + (bi + 1) / len(batches), tokens=pos.tokens,
+                                   seconds=time.perf_counter() - t0, train_ppl=math.exp(float(loss.detach())),
+                                   valid_ppl=ppl, lr=opt.param_groups[0]["lr"]):
+                        best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
+                    elif ns.patience and history.bad_evals >= ns.patience:
+                        stop = True
+                    elif not ns.lr_patience or history.bad_evals % ns.lr_patience == 0:
+                        # plateau: decay at every evaluation without improvement, or (--lr-patience N) after
+                        # every N in a row (Chiu & Rush: x 1/4 after 8 checks)
+                        for g in opt.param_groups:
+                            g["lr"] *= decay
+                if evaluating or stop or at_limit or (ns.checkpoint_every and pos.step % ns.checkpoint_every == 0):
+                    pos.epoch, pos.batch = (epoch + 1, 0) if last_batch else (epoch, bi + 1)
+                    _save(ckdir, model, opt, best_state, gen, history, pos, time.perf_counter() - t0, stop,
+                          carry if ns.bptt and not last_batch else None, ns)
+                if stop or at_limit:
                     stop = True
-                elif not ns.lr_patience or history.bad_evals % ns.lr_patience == 0:
-                    # plateau: decay at every evaluation without improvement, or (--lr-patience N) after
-                    # every N in a row (Chiu & Rush: x 1/4 after 8 checks)
-                    for g in opt.param_groups:
-                        g["lr"] *= decay
-            if evaluating or stop or at_limit or (ns.checkpoint_every and pos.step % ns.checkpoint_every == 0):
-                pos.epoch, pos.batch = (epoch + 1, 0) if last_batch else (epoch, bi + 1)
-                _save(ckdir, model, opt, best_state, gen, history, pos, time.perf_counter() - t0, stop,
-                      carry if ns.bptt and not last_batch else None, ns)
-            if stop or at_limit:
-                stop = True
+                    break
+            if stop:
                 break
-        if stop:
-            break
     bar.close()
     model.load_state_dict(best_state)
     model.eval()

@@ -148,3 +148,29 @@ def test_a_diverging_run_stops_with_an_error_and_writes_nothing(tmp_path, monkey
     assert rc == 2 and "--lr: training diverged at step 2" in err, err
     assert not (tmp_path / "div" / "manifest.json").exists()
     assert len(calls) == 2
+
+
+def test_ctrl_c_stops_after_the_step_and_exports_the_best_evaluation(tmp_path, monkeypatch):
+    """A first SIGINT during training finishes the step, evaluates, checkpoints and exports (a run stopped by hand
+    is not lost); the handler is the previous one again afterwards."""
+    import signal
+
+    calls = []
+    real_loss = neural.rank_loss
+
+    def loss_then_interrupt(model, batch):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)  # as a user's Ctrl-C arrives, mid-step
+        return real_loss(model, batch)
+
+    monkeypatch.setattr(neural, "rank_loss", loss_then_interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    ns = resolve_settings(train_args(tmp_path, "rank_hmm", states=16, rank=4, hidden=8, epochs=3,
+                                     train_sentences=600, batch=32, lr=0.01, valid_sentences=100))
+    path = neural.train(ns)
+    m = json.loads((path / "manifest.json").read_text())
+    assert m["provenance"]["steps"] == 3  # stopped after the interrupted step, not at the end of 3 epochs
+    assert m["provenance"]["curve"][-1]["step"] == 3  # evaluated there
+    load_artifact(path)
+    assert signal.getsignal(signal.SIGINT) is before
