@@ -14,8 +14,8 @@ cannot use BLAS, so it is written here like a GEMM micro-kernel, for each row of
   and once the bucket bound plus max_i' log_trans[i', j] (the column maxima `col_max`) cannot beat any
   column of the block, no remaining source can, and the block is done.
 `viterbi_lockstep` runs the whole recursion of a set of sequences in compiled code (one thread's share of
-a batch; threads split the rows with no synchronisation), `viterbi_split` one sequence on two threads that
-split the columns. `maxplus_cpu` / `viterbi_cpu` are the tensor-level entry points.
+a batch; threads split the rows with no synchronisation), `viterbi_chunks` one sequence on several threads
+that each take a chunk of it, by exact speculation. `maxplus_cpu` / `viterbi_cpu` are the tensor-level entry points.
 Ties: the standalone product's argmax is the source first in that order (a larger delta, up to the bucket
 width); Viterbi's backtrace takes the lowest state among tied sources.
 """
@@ -46,8 +46,6 @@ COUNT_SLOTS = BUCKETS * LANES  # the counting sort's scratch size
 if HAVE_NUMBA:
     from numba import uint64
     from numba.core.extending import intrinsic
-
-    from latentlm.models.kernels.threads import spin_until, store_release
 
     @intrinsic
     def fmax(typingctx, a, b):  # pragma: no cover - compiled
@@ -308,7 +306,7 @@ if HAVE_NUMBA:
 
     @njit(nogil=True, cache=True)
     def backtrack(last, step_tops, history, trans_t, path):  # pragma: no cover - compiled
-        """The path of `viterbi_split` from its last (not re-centred) delta, the per-step maxima and the
+        """The path of `viterbi_chunks` from its last (not re-centred) delta, the per-step maxima and the
         re-centred scores of every earlier step (L, K): path[:L] out. Returns the path's float64
         log-probability."""
         L = history.shape[0]
@@ -325,48 +323,75 @@ if HAVE_NUMBA:
         return score
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_split(log_init, table, ids, flat, col_max, shared, flags, tid, j_lo, j_hi, history,
-                      tops_out):  # pragma: no cover - compiled
-        """One of two threads of the Viterbi recursion of one sequence; thread `tid` owns columns
-        [j_lo, j_hi). Each step a thread orders (and re-centres) the sources of the whole previous delta
-        (both threads, the same order; thread 0 keeps the re-centred scores in history (L, K) for the
-        backtrace), forms its columns of the (max, +) product, publishes its columns of the new delta, and
-        waits for the other thread's (release/acquire step counters, `threads.spin_until`): one meeting per
-        step. shared (2, K) is double-buffered by step parity (a thread writes buffer t % 2 only after both
-        have finished reading it at step t - 1); flags (32,) int64 holds the two counters on separate cache
-        lines. tops_out (T,) float64: thread 0 writes the maximum of each step's delta (the re-centring
-        offsets). Emissions as table[ids[t]] (table (N, K), ids (T,)). O(T K^2 / 2) per thread."""
-        T = ids.shape[0]
+    def viterbi_steps(table, ids, flat, col_max, delta, lo, hi, history, tops, verify):  # pragma: no cover
+        """Advance one sequence's Viterbi through steps lo..hi-1 (lo >= 1): delta (K,) holds the un-centred
+        scores of step lo - 1 and is updated in place; each step t writes the re-centred scores it orders
+        (history[t - 1], what the backtrace replays) and their maximum (tops[t - 1], the offset). With
+        `verify`, history already holds a speculative run's rows (from a guessed delta, `viterbi_chunks`):
+        the first step whose re-centred scores equal that row bit for bit stops the run, since from there on
+        the same float operations on the same inputs give the rows already there. Returns where it stopped
+        (hi when it ran through). Emissions as table[ids[t]]. O((hi - lo) K^2) worst case."""
         K = table.shape[1]
-        other = 1 - tid
         dt = table.dtype
         order = np.empty(K, dtype=np.int64)
         keys = np.empty(K, dtype=np.int64)
         bounds = np.empty(BUCKETS, dtype=dt)
-        mine = np.empty(K, dtype=dt)  # thread 1's copy of the re-centred scores (thread 0 writes history)
         counts = np.empty(COUNT_SLOTS, dtype=np.int64)
         scratch = np.empty((2, BLOCK), dtype=dt)
         nxt = np.empty(K, dtype=dt)
+        fresh = np.empty(K, dtype=dt)
         w = block_width(K, table.itemsize)
-        for t in range(T):
-            buf = shared[t % 2]
-            if t == 0:
-                e = table[ids[0]]
-                for j in range(j_lo, j_hi):
-                    buf[j] = log_init[j] + e[j]
+        for t in range(lo, hi):
+            scores = history[t - 1]
+            if verify:
+                tops[t - 1] = source_order(delta, True, order, bounds, fresh, counts, keys)
+                same = True
+                for i in range(K):
+                    if fresh[i] != scores[i]:
+                        same = False
+                        break
+                if same:
+                    return t
+                scores[:] = fresh
             else:
-                scores = history[t - 1] if tid == 0 else mine
-                top = source_order(shared[(t - 1) % 2], True, order, bounds, scores, counts, keys)
-                if tid == 0:
-                    tops_out[t - 1] = top
-                for j0 in range(j_lo, j_hi, w):
-                    wj = min(w, j_hi - j0)
-                    maxplus_block(flat, K, col_max, order, keys, bounds, scores, j0, wj, nxt[j0:], scratch)
-                e = table[ids[t]]
-                for j in range(j_lo, j_hi):
-                    buf[j] = nxt[j] + e[j]
-            store_release(flags, tid * 16, t + 1)
-            spin_until(flags, other * 16, t + 1)
+                tops[t - 1] = source_order(delta, True, order, bounds, scores, counts, keys)
+            for j0 in range(0, K, w):
+                maxplus_block(flat, K, col_max, order, keys, bounds, scores, j0, min(w, K - j0), nxt[j0:], scratch)
+            e = table[ids[t]]
+            for j in range(K):
+                delta[j] = nxt[j] + e[j]
+        return hi
+
+
+def viterbi_chunks(init: np.ndarray, table: np.ndarray, ids: np.ndarray, flat: np.ndarray, col_max: np.ndarray,
+                   history: np.ndarray, tops: np.ndarray, threads: int) -> np.ndarray:
+    """One sequence's Viterbi recursion on `threads` threads, exact, by speculation: the sequence is cut into
+    `threads` chunks run at once, each after the first from a guessed start (all states equal); then each
+    chunk in turn is re-run from the true scores its predecessor ends with (`viterbi_steps` with verify)
+    until its re-centred scores meet the speculative ones bit for bit. Viterbi forgets its start quickly:
+    on the benchmark's random HMMs the rows meet after 13-26 steps (Z = 64-1,024), so a chunk's re-run is a
+    few dozen steps and no thread waits for another inside the recursion. Where they never meet (a chain
+    that remembers its start, e.g. disconnected components), the re-run covers the whole chunk: as slow as
+    one thread, never wrong. init (K,), emissions table[ids] (ids (L,), L >= 1); history (L - 1, K) and
+    tops (L - 1,) out, as `viterbi_steps` writes them. Returns the last step's un-centred scores (K,)."""
+    L, K = ids.shape[0], table.shape[1]
+    bounds = [round(c * L / threads) for c in range(threads + 1)]
+    bounds[0] = 1  # step 0 is the start: chunk 0 runs steps 1 .. bounds[1] - 1
+    ends = np.zeros((threads, K), dtype=table.dtype)  # chunk c: the scores at its last step, bounds[c + 1] - 1
+    ends[0] = init + table[ids[0]]
+
+    def run(c: int) -> None:
+        if c > 0:  # the guess: the scores of step bounds[c] - 1, all equal (ends[c] starts at zeros)
+            ends[c] = 0
+        viterbi_steps(table, ids, flat, col_max, ends[c], bounds[c], bounds[c + 1], history, tops, False)
+
+    run_split(run, threads)
+    for c in range(1, threads):  # the true scores reach chunk c from chunk c - 1, now exact
+        delta = ends[c - 1].copy()
+        if viterbi_steps(table, ids, flat, col_max, delta, bounds[c], bounds[c + 1], history, tops, True) \
+                == bounds[c + 1]:
+            ends[c] = delta  # never met: the re-run is the exact chunk
+    return ends[threads - 1]
 
 
 def _arr(x: Tensor) -> np.ndarray:
@@ -404,7 +429,7 @@ def viterbi_cpu(log_init: Tensor, table: Tensor, rows: Tensor | None, log_trans:
     a = _arr(log_trans)
     trans_t, cm = blas.transposed(log_trans), blas.column_max(log_trans)
     if B == 1 and threads >= 2:
-        return _viterbi_two_threads(_arr(log_init[0]), e, r[0, : int(lengths[0])], a, trans_t, cm, T)
+        return _viterbi_one_sequence(_arr(log_init[0]), e, r[0, : int(lengths[0])], a, trans_t, cm, T, threads)
     lens = lengths.detach().cpu().numpy().astype(np.int64)
     order = np.argsort(-lens, kind="stable")
     threads = max(1, min(threads, B))
@@ -417,24 +442,17 @@ def viterbi_cpu(log_init: Tensor, table: Tensor, rows: Tensor | None, log_trans:
     return torch.from_numpy(paths), torch.from_numpy(scores)
 
 
-def _viterbi_two_threads(init: np.ndarray, table: np.ndarray, ids: np.ndarray, a: np.ndarray, trans_t: np.ndarray,
-                         cm: np.ndarray, T: int) -> tuple[Tensor, Tensor]:
-    """One sequence's Viterbi on two threads splitting the columns (`viterbi_split`), then the backtrace.
-    init (K,), emissions table[ids] (ids (L,)), a (K, K), its transpose and column maxima; the path is padded
-    to T with -1."""
+def _viterbi_one_sequence(init: np.ndarray, table: np.ndarray, ids: np.ndarray, a: np.ndarray,
+                          trans_t: np.ndarray, cm: np.ndarray, T: int, threads: int) -> tuple[Tensor, Tensor]:
+    """One sequence's Viterbi on `threads` threads (`viterbi_chunks`), then the backtrace. init (K,),
+    emissions table[ids] (ids (L,)), a (K, K), its transpose and column maxima; the path is padded to T
+    with -1."""
     L, K = ids.shape[0], table.shape[1]
     paths = np.full((1, T), -1, dtype=np.int64)
     if L == 0:
         return torch.from_numpy(paths), torch.zeros(1, dtype=torch.float64)
-    w = int(block_width(K, table.itemsize))
-    half = min(K, ((K // 2 + w - 1) // w) * w)  # the split on a block boundary
-    shared = np.empty((2, K), dtype=table.dtype)
-    flags = np.zeros(32, dtype=np.int64)
-    history = np.empty((L, K), dtype=table.dtype)
-    step_tops = np.empty(L)
-    flat = a.reshape(-1)
-    bounds = ((0, half), (half, K))
-    run_split(lambda k: viterbi_split(init, table, ids, flat, cm, shared, flags, k, bounds[k][0], bounds[k][1],
-                                      history, step_tops), 2)
-    score = backtrack(shared[(L - 1) % 2], step_tops, history, trans_t, paths[0])
+    history = np.empty((L, K), dtype=table.dtype)  # rows 0 .. L - 2 used (`backtrack` takes L rows)
+    step_tops = np.zeros(L)
+    last = viterbi_chunks(init, table, ids, a.reshape(-1), cm, history, step_tops, max(1, min(threads, L // 64)))
+    score = backtrack(last, step_tops, history, trans_t, paths[0])
     return torch.from_numpy(paths), torch.tensor([score], dtype=torch.float64)

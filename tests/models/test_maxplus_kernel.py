@@ -1,7 +1,7 @@
 """The compiled Viterbi (models.kernels.maxplus): its (max, +) micro-kernel, source ordering and pruning
 against brute force and the plain PyTorch recursion, over random shapes, lengths, dtypes and thread
-counts, with impossible transitions and emissions; the two-thread single-sequence split against one
-thread."""
+counts, with impossible transitions and emissions; the chunked (speculative) single-sequence recursion
+against one thread."""
 
 from __future__ import annotations
 
@@ -88,16 +88,62 @@ def test_compiled_viterbi_equals_plain_torch(K, B, T, seed, threads, dtype, shar
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("K", [130, 300, 520])
-def test_two_thread_split_equals_one_thread(dtype, K):
-    """One sequence on two threads that split the columns and meet every step: bit-identical path and
-    score to one thread (the same floating-point operations, only distributed)."""
-    log_init, log_emit, log_trans = _model(K, 200, 1, dtype, K)
-    for L in (200, 1, 57):
+@pytest.mark.parametrize("K", [5, 130, 300, 520])
+def test_chunked_single_sequence_equals_one_thread(dtype, K):
+    """One sequence cut into chunks run at once from guessed starts, then re-run from the true scores until
+    they meet the guessed run bit for bit (`viterbi_chunks`): the same path and score as one thread, for 2
+    and 3 threads, lengths that give one chunk or several, and the model's impossible states."""
+    log_init, log_emit, log_trans = _model(K, 400, 1, dtype, K)
+    for L in (400, 1, 57, 130, 199):
         one = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([L]), 1)
-        two = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([L]), 2)
-        assert torch.equal(one[0], two[0])
-        assert float(one[1][0]) == pytest.approx(float(two[1][0]), rel=1e-12)
+        for threads in (2, 3):
+            many = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([L]), threads)
+            assert torch.equal(one[0], many[0]), (L, threads)
+            assert float(one[1][0]) == float(many[1][0])
+
+
+def test_chunked_single_sequence_where_the_start_is_never_forgotten():
+    """Two disconnected components: the scores of a chunk run from a guessed start never meet the true
+    ones, so the re-run covers the whole chunk; and an impossible emission in the middle (every score -inf
+    from there on). Both exactly as one thread."""
+    K, T = 6, 300
+    g = torch.Generator().manual_seed(3)
+    log_trans = torch.full((K, K), -math.inf)
+    log_trans[:3, :3] = torch.log_softmax(torch.randn(3, 3, generator=g), 1)
+    log_trans[3:, 3:] = torch.log_softmax(torch.randn(3, 3, generator=g), 1)
+    log_emit = torch.log_softmax(torch.randn(1, T, K, generator=g), 2)
+    log_init = torch.log_softmax(torch.randn(1, K, generator=g), 1)
+    one = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([T]), 1)
+    two = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([T]), 2)
+    assert torch.equal(one[0], two[0]) and float(one[1][0]) == float(two[1][0])
+    log_emit[0, 200] = -math.inf
+    one = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([T]), 1)
+    two = maxplus.viterbi_cpu(log_init, log_emit, None, log_trans, torch.tensor([T]), 2)
+    assert float(one[1][0]) == float(two[1][0]) == -math.inf
+    assert torch.equal(one[0], two[0])
+
+
+def test_chunks_meet_the_true_scores_within_a_few_steps():
+    """What makes the speculation pay: on a dense random HMM, the re-run of the second chunk stops (its
+    rows meet the guessed run's) long before the chunk ends."""
+    K, L = 64, 400
+    log_init, log_emit, log_trans = _model(K, L, 1, torch.float32, 0, holes=False)
+    table, ids = log_emit[0].numpy(), np.arange(L)
+    a = log_trans.numpy()
+    history, tops = np.empty((L, K), np.float32), np.zeros(L)
+    maxplus.viterbi_chunks(log_init[0].numpy(), table, ids, a.reshape(-1), a.max(0), history, tops, 2)
+    delta = log_init[0].numpy() + table[0]
+    true_history, true_tops = np.empty((L, K), np.float32), np.zeros(L)
+    maxplus.viterbi_steps(table, ids, a.reshape(-1), a.max(0), delta, 1, L, true_history, true_tops, False)
+    assert np.array_equal(history[: L - 1], true_history[: L - 1])
+    assert np.array_equal(tops[: L - 1], true_tops[: L - 1])
+    flat, cm, half = a.reshape(-1), a.max(0), L // 2
+    spec = np.empty((L, K), np.float32)  # the second chunk from its guessed start (all states equal)
+    maxplus.viterbi_steps(table, ids, flat, cm, np.zeros(K, np.float32), half, L, spec, np.zeros(L), False)
+    delta = log_init[0].numpy() + table[0]  # the true scores at the chunk's start, then the verified re-run
+    maxplus.viterbi_steps(table, ids, flat, cm, delta, 1, half, np.empty((L, K), np.float32), np.zeros(L), False)
+    met = maxplus.viterbi_steps(table, ids, flat, cm, delta, half, L, spec, np.zeros(L), True)
+    assert L // 2 < met < L // 2 + 60
 
 
 def test_source_order_bounds_every_later_delta():
