@@ -123,10 +123,11 @@ def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
         raise InputError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}", param="backend")
     if dtype not in DTYPES:
         raise InputError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
-    art = load_artifact(model_path(store, name))
-    fam = get_family(art.family)
     dev = torch.device(device) if not isinstance(device, torch.device) else device
+    art = load_artifact(model_path(store, name), device=dev)  # read once, straight onto the device
+    fam = get_family(art.family)
     impl = fam.from_tensors(art.tensors, art.config, device=dev, dtype=DTYPES[dtype])
+    art.tensors.clear()  # the family holds them now (converted, for a dtype other than the file's): one copy
     model = LoadedModel(name=name, artifact=art, impl=impl, device=dev)
     if backend == "onnx":
         model.use_onnx(Path(store) / ONNX_CACHE)

@@ -26,15 +26,38 @@ def check_shape(tensors: dict[str, torch.Tensor], key: str, shape: tuple[int, ..
     return t
 
 
+CHECK_CHUNK = 1 << 22  # entries per slice of a check: its temporaries stay ~30 MB whatever the model's size
+
+
+def slices(t: torch.Tensor, keep: int | None = None) -> tuple[int | None, tuple[torch.Tensor, ...]]:
+    """`t` cut into views of about CHECK_CHUNK entries along one dimension other than `keep` (the largest;
+    whole when it is small or 1-D): checks over the slices need temporaries of a slice's size, not of a
+    model's. Returns (the dimension cut, or None, the views)."""
+    other = [d for d in range(t.dim()) if d != keep]
+    if t.numel() <= CHECK_CHUNK or not other:
+        return None, (t,)
+    cut = max(other, key=lambda d: t.shape[d])
+    step = max(1, CHECK_CHUNK * t.shape[cut] // t.numel())
+    return cut, t.split(step, cut)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinite entry, checked slice by slice (`slices`)."""
+    return all(bool(torch.isfinite(p).all()) for p in slices(t)[1])
+
+
 def check_distribution(t: torch.Tensor, key: str, dim: int, where: str, tol: float = NORMALISATION_TOL) -> None:
-    """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`."""
+    """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`. Slice by slice,
+    so a multi-GB matrix is checked with ~30 MB of temporaries."""
     if not t.is_floating_point():
         raise ArtifactError(f"{where}: tensor {key!r} must be floating point, got {t.dtype}", param=key)
-    if not bool(torch.isfinite(t).all()):
+    if not all_finite(t):
         raise ArtifactError(f"{where}: tensor {key!r} has NaN or infinite entries", param=key)
-    if bool((t < 0).any()):
+    cut, parts = slices(t, keep=dim)
+    if any(bool((p < 0).any()) for p in parts):
         raise ArtifactError(f"{where}: tensor {key!r} has negative entries", param=key)
-    sums = t.double().sum(dim)
+    part_sums = [p.double().sum(dim) for p in parts]
+    sums = part_sums[0] if cut is None else torch.cat(part_sums, cut if cut < dim else cut - 1)
     bad = (sums - 1).abs() > tol
     if bool(bad.any()):
         idx = bad.nonzero()[0].tolist()

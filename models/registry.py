@@ -52,6 +52,7 @@ def save_artifact(store: Path | str, name: str, family: str, tensors: dict[str, 
     return write_artifact(store, name, family, tensors, vocab, validate=_validator(family), **kwargs)
 
 
-def load_artifact(path: Path | str) -> Artifact:
-    """Read and verify `path`: hashes, shapes, finiteness and the family's own schema checks."""
-    return read_artifact(path, _validator)
+def load_artifact(path: Path | str, device: torch.device | str = "cpu") -> Artifact:
+    """Read and verify `path`: hashes, shapes, finiteness and the family's own schema checks; the tensors
+    are read straight onto `device`."""
+    return read_artifact(path, _validator, device)

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from latentlm.models.checks import Validator
+from latentlm.models.checks import Validator, all_finite
 from latentlm.models.errors import ArtifactError, ModelNotFound
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
@@ -58,7 +58,7 @@ def check_name(name: str) -> str:
 
 @dataclass
 class Artifact:
-    """A verified model directory: manifest, vocabulary and CPU tensors."""
+    """A verified model directory: manifest, vocabulary and its tensors (on the device it was read onto)."""
 
     path: Path
     manifest: dict[str, Any]
@@ -192,17 +192,120 @@ def manifest_files(path: Path, manifest: dict[str, Any]) -> dict[str, Path]:
     return out
 
 
-def verify_files(path: Path, manifest: dict[str, Any]) -> None:
+def verify_files(path: Path, manifest: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
     """Every file the manifest lists is a regular file inside `path` (`manifest_files`) whose SHA-256 matches
-    the manifest (ArtifactError naming the file otherwise). What `read_artifact` checks first; a service
-    re-runs it to notice bytes changed under an unchanged manifest."""
+    the manifest (ArtifactError naming the file otherwise). What `read_artifact` checks first (all but the
+    weights, which `read_weights` hashes as it loads them: `skip`); a service re-runs it to notice bytes
+    changed under an unchanged manifest."""
     for fname, fpath in manifest_files(path, manifest).items():
+        if fname in skip:
+            continue
         digest = manifest["files"][fname]
         actual = sha256_file(fpath)
         if actual != digest:
             raise ArtifactError(
                 f"{fpath}: SHA-256 mismatch (manifest {digest[:12]}…, file {actual[:12]}…)", param=fname
             )
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on its JSON header
+READ_CHUNK = 16 << 20  # bytes per read (and per host-to-device copy): the only staging memory of a load
+
+
+def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, read once, straight into tensors on `device`, while the same bytes
+    are hashed: the SHA-256 checked against `digest` (the manifest's) is that of exactly the bytes loaded (no
+    window in which the file could change between a check and a read), and there is one copy of the weights
+    in memory. On CUDA the bytes go through one READ_CHUNK staging buffer (pinned), so host memory does not
+    grow with the model. Not memory-mapped: a mapping would make the served weights the file's pages, and a
+    file truncated in place under a serving process would then kill it (SIGBUS) instead of being refused at
+    the next reload. ArtifactError (naming the file) for a malformed header, offsets that leave holes or run
+    past the end, trailing bytes, or a hash mismatch. O(file size) time."""
+    dev = torch.device(device)
+    h = hashlib.sha256()
+
+    def bad(why: str) -> ArtifactError:
+        return ArtifactError(f"{fpath}: cannot read tensors ({why})", param=WEIGHTS)
+
+    with open(fpath, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad("shorter than the 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise bad(f"header length {n} exceeds the file")
+        raw = f.read(n)
+        h.update(head)
+        h.update(raw)
+        entries = _safetensors_entries(raw, bad)
+        data_len = size - 8 - n
+        tensors: dict[str, torch.Tensor] = {}
+        staging = None
+        pos = 0
+        for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
+            if begin != pos:
+                raise bad(f"tensor {name!r} starts at byte {begin}, expected {pos} (holes or overlaps)")
+            t = torch.empty(shape, dtype=dtype, device=dev)
+            if t.numel() * t.element_size() != end - begin:
+                raise bad(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
+            if end > data_len:
+                raise bad(f"tensor {name!r} runs past the end of the file")
+            flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+            if dev.type == "cpu":
+                view = memoryview(flat.numpy())
+                for lo in range(0, end - begin, READ_CHUNK):
+                    chunk = view[lo: lo + READ_CHUNK]
+                    if f.readinto(chunk) != len(chunk):
+                        raise bad(f"file ended inside tensor {name!r}")
+                    h.update(chunk)
+            else:
+                if staging is None:
+                    staging = torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                for lo in range(0, end - begin, READ_CHUNK):
+                    m = min(READ_CHUNK, end - begin - lo)
+                    chunk = memoryview(staging.numpy())[:m]
+                    if f.readinto(chunk) != m:
+                        raise bad(f"file ended inside tensor {name!r}")
+                    h.update(chunk)
+                    flat[lo: lo + m].copy_(staging[:m])  # synchronous: the staging buffer is reused next
+            tensors[name] = t
+            pos = end
+        if pos != data_len:
+            raise bad(f"{data_len - pos} bytes after the last tensor")
+    if h.hexdigest() != digest:
+        raise ArtifactError(f"{fpath}: SHA-256 mismatch (manifest {digest[:12]}…, file {h.hexdigest()[:12]}…)",
+                            param=WEIGHTS)
+    return tensors
+
+
+def _safetensors_entries(raw: bytes, bad: Callable[[str], ArtifactError]
+                         ) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """name -> (dtype, shape, begin, end) from a safetensors JSON header (its `__metadata__` ignored)."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in SAFETENSORS_DTYPES:
+            raise bad(f"tensor {name!r}: dtype {info.get('dtype') if isinstance(info, dict) else info!r} "
+                      "is not supported")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise bad(f"tensor {name!r}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end]")
+        out[name] = (SAFETENSORS_DTYPES[info["dtype"]], shape, offsets[0], offsets[1])
+    return out
 
 
 def check_model_dir(store: Path | str, name: str) -> Path:
@@ -237,22 +340,22 @@ def file_signature(path: Path, manifest: dict[str, Any]) -> tuple:
     return tuple(sig)
 
 
-def read_artifact(path: Path | str, validate_for: Callable[[str], Validator]) -> Artifact:
+def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
+                  device: torch.device | str = "cpu") -> Artifact:
     """Read and verify a model directory: file hashes, tensor shapes against the manifest, finiteness
     and the family's own checks (`validate_for(family)`: normalisation of every distribution within 1e-4).
+    The weights are read once, straight onto `device` (`read_weights`: hashed as they are read, one copy).
     Use `latentlm.models.registry.load_artifact`, which looks the family up."""
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFound(f"{path}: no such model directory", param="model")
     manifest = read_manifest(path)
-    verify_files(path, manifest)
     for required in (WEIGHTS, VOCAB):
         if required not in manifest["files"]:
             raise ArtifactError(f"{path / MANIFEST}: no hash recorded for {required}", param=required)
-    try:
-        tensors = load_file(str(path / WEIGHTS))
-    except Exception as e:  # safetensors raises several types on a corrupt header
-        raise ArtifactError(f"{path / WEIGHTS}: cannot read tensors ({e})", param=WEIGHTS) from None
+    files = manifest_files(path, manifest)
+    verify_files(path, manifest, skip=(WEIGHTS,))
+    tensors = read_weights(files[WEIGHTS], manifest["files"][WEIGHTS], device)
     expected = manifest["shapes"]
     if set(expected) != set(tensors):
         raise ArtifactError(
@@ -265,7 +368,7 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator]) ->
                 f"{path / WEIGHTS}: tensor {k!r} has shape {list(t.shape)}, manifest says {expected[k]}",
                 param=k,
             )
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not all_finite(t):
             raise ArtifactError(f"{path / WEIGHTS}: tensor {k!r} has NaN or infinite entries", param=k)
     vocab = Vocabulary.read(path / VOCAB, Preprocessing.from_dict(manifest["preprocessing"]))
     if len(vocab) != manifest["vocab_size"]:

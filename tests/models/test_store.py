@@ -136,3 +136,76 @@ def test_tokenisation_follows_preprocessing():
         v2.encode("a c")
     with pytest.raises(InputError, match="empty sequence"):
         v2.encode("   ")
+
+
+def test_read_weights_matches_safetensors_and_hashes_what_it_reads(tmp_path):
+    """The single-pass reader gives exactly safetensors' own tensors (every dtype the families use, empty and
+    0-d tensors, tensors larger than one read chunk) and checks the SHA-256 of the bytes it loaded."""
+    from safetensors.torch import load_file
+
+    from latentlm.models import store
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"big": torch.randn(3, store.READ_CHUNK // 4 // 3 + 5, generator=g),
+               "f64": torch.randn(7, dtype=torch.float64, generator=g), "ids": torch.arange(11),
+               "bf": torch.randn(4, 2, generator=g).to(torch.bfloat16), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 3), "flags": torch.tensor([True, False])}
+    f = tmp_path / WEIGHTS
+    save_file(tensors, str(f))
+    digest = store.sha256_file(f)
+    got = store.read_weights(f, digest)
+    ref = load_file(str(f))
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    with pytest.raises(ArtifactError, match="SHA-256 mismatch"):
+        store.read_weights(f, "0" * 64)
+
+
+def test_read_weights_refuses_malformed_files(tmp_path):
+    from latentlm.models import store
+
+    f = tmp_path / WEIGHTS
+    save_file({"a": torch.ones(4), "b": torch.ones(2)}, str(f))
+    good = f.read_bytes()
+    n = int.from_bytes(good[:8], "little")
+    cases = {
+        "truncated": (good[:-3], "file ended inside tensor|runs past the end"),
+        "trailing": (good + b"\0\0\0\0", "4 bytes after the last tensor"),
+        "short": (good[:5], "shorter than the 8-byte header length"),
+        "header length": ((10**9).to_bytes(8, "little") + good[8:], "header length 1000000000 exceeds the file"),
+        "not json": (good[:8] + b"{" * n + good[8 + n:], "header is not JSON"),
+    }
+    header = json.loads(good[8: 8 + n])
+    header["a"]["dtype"] = "C64"
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    cases["dtype"] = (good[:8] + raw + good[8 + n:], "dtype 'C64' is not supported")
+    header["a"]["dtype"], header["a"]["data_offsets"] = "F32", [0, 12]
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    cases["hole"] = (good[:8] + raw + good[8 + n:], "12 bytes for shape|holes or overlaps")
+    for data, message in cases.values():
+        f.write_bytes(data)
+        with pytest.raises(ArtifactError, match=message):
+            store.read_weights(f, store.sha256_file(f))
+
+
+def test_loading_keeps_one_copy_of_the_weights(tmp_path):
+    """Peak memory of loading a 256 MiB model in a fresh process: one copy of the weights plus bounded
+    temporaries (hashing and then loading held two copies; a float64 sum for the normalisation check two
+    more)."""
+    import subprocess
+    import sys
+
+    t, c = random_hmm(8192, 16)
+    t = {k: v.float() for k, v in t.items()}  # trans: 8192^2 float32 = 256 MiB
+    save_artifact(tmp_path, "big", "hmm", t, vocab(16), config=c)
+    del t
+    code = ("import sys; from latentlm import ops; from latentlm.models import registry;"
+            "kib = lambda key: int(open('/proc/self/status').read().split(key + ':')[1].split()[0]);"
+            "base = kib('VmRSS'); open('/proc/self/clear_refs', 'w').write('5');"
+            "m = ops.load_model(sys.argv[1], 'big');"
+            "print((kib('VmHWM') - base) / 1024, (kib('VmRSS') - base) / 1024)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
+    peak_mib, kept_mib = (float(x) for x in out.stdout.split()[-2:])
+    assert 256 <= kept_mib < 300, kept_mib
+    assert peak_mib < 256 * 1.5, peak_mib
