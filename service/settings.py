@@ -40,9 +40,9 @@ class Settings:
     max_sample_tokens: int = 100_000     # n * max_tokens of one /v1/sample before 413
     max_request_cost: int = 2_000_000_000_000  # estimated work of one request (`ops.operation_cost` units, ~0.05-
                                          # 0.15 ns each on one CPU core: ~2-5 min) before 413 `budget_exceeded`;
-                                         # 0 = no budget. The largest score, posterior (top_k 1), MBR decode and
-                                         # sample the other limits allow on the default model (1,024-state rank
-                                         # HMM) pass; Viterbi over its states (m^2 r per token) stops near 7k tokens
+                                         # 0 = no budget. The largest request of every operation the other limits
+                                         # allow on the default model (4,096-state VL-HMM) passes; on a 1,024-state
+                                         # rank HMM, Viterbi over its states (m^2 r per token) stops near 7k tokens
     heavy_request_cost: int = 2_000_000_000  # above this estimated cost a request runs in the heavy lane (its own
                                          # thread, in slices, round robin), so it never delays light requests
     heavy_slice_cost: int = 1_000_000_000  # the heavy lane's slice (whole sequences): its preemption and

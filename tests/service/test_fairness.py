@@ -160,7 +160,7 @@ def test_batch_lines_are_held_to_the_same_budget(fair_store, tmp_path):
 
 
 def test_default_budget_passes_maximal_requests_on_the_default_model_shape():
-    """The default model (1,024-state rank HMM, rank 256): the largest score, posterior (top_k 1), MBR decode and
+    """The previous default model (1,024-state rank HMM, rank 256): the largest score, posterior (top_k 1), MBR decode and
     sample the other limits allow are within the default budget; a 200k-token Viterbi over its states is not."""
     from latentlm.models.rank_hmm import RankHMM
 
@@ -182,6 +182,23 @@ def test_default_budget_passes_maximal_requests_on_the_default_model_shape():
     assert ops.operation_cost(m, "decode", [[1] * T], method="viterbi") > s.max_request_cost
     # the lane threshold sits far below the budget, above a full light batch of the tiny test model
     assert s.heavy_request_cost < s.max_request_cost
+
+
+def test_default_budget_passes_every_maximal_request_on_the_blocked_default_model():
+    """The default model since 2026-11-27 (a VL-HMM, 4,096 states in 128 clusters of 32): the largest
+    request of every operation the other limits allow, Viterbi included (k^2 per token), is within the
+    default budget."""
+    from latentlm.models.blocked_hmm import BlockedHMM
+    from latentlm.models.synthetic import random_blocked_hmm
+
+    t, c = random_blocked_hmm(128, 32, 10_000)
+    m = type("M", (), {"impl": BlockedHMM.from_tensors(t, c)})()
+    s = Settings()
+    T = s.max_request_tokens
+    for op, kw in (("score", {}), ("posterior", {"top_k": 1}), ("decode", {"method": "mbr"}),
+                   ("decode", {"method": "viterbi"})):
+        assert ops.operation_cost(m, op, [[1] * T], **kw) <= s.max_request_cost, (op, kw)
+    assert ops.operation_cost(m, "sample", n=1, max_tokens=s.max_sample_tokens, prefix_tokens=T) <= s.max_request_cost
 
 
 def test_budget_refused_before_any_work(server):
