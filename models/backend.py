@@ -54,8 +54,8 @@ LOCKSTEP_MIN_ROWS = 4  # rows per thread for a GEMM per step to pay (fewer rows 
 PACK_MIN_K = 512  # float32 matrices this large are packed once (MKL's gemm_pack, cached) for lockstep GEMMs
 SPLIT_MIN_K = 128  # one sequence: below this a step is too short to amortise two threads meeting every step
 SPLIT_MIN_WORK = 1 << 24  # T K^2 above which starting a second thread for one sequence pays off
-VITERBI_SPLIT_MIN_K = 512  # one sequence's Viterbi: a pruned (max, +) step is short; below this the meeting
-#                            of two threads every step costs more than half a step
+VITERBI_CHUNK_MIN_STEPS = 256  # one sequence's Viterbi runs in chunks on several threads (speculation; no
+#                                meeting per step) when each thread gets at least this many steps
 NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B K^2 (a (max, +) step) or T K^2 (one sequence) for compiled max-product
 LONG_MIN_TOKENS = 4096  # a sequence at least this long is scored as a batch of its own chunks
 CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
@@ -231,11 +231,12 @@ def threads(engine: Backend, rows: int, T: int, K: int) -> int:
 
 def max_product_threads(rows: int, T: int, K: int) -> int:
     """Threads for a compiled Viterbi (torch's intra-op thread count at most): the sequences are split
-    between threads with no synchronisation, so each thread needs one; one sequence is split by columns over
-    two threads that meet every step, from VITERBI_SPLIT_MIN_K states and SPLIT_MIN_WORK = T K^2."""
+    between threads with no synchronisation, so each thread needs one; one sequence is cut into a chunk per
+    thread (`kernels.maxplus.viterbi_chunks`: no meeting per step) once each gets VITERBI_CHUNK_MIN_STEPS
+    steps."""
     n = torch.get_num_threads()
     if rows == 1:
-        return 2 if n >= 2 and K >= VITERBI_SPLIT_MIN_K and T * K * K >= SPLIT_MIN_WORK else 1
+        return max(1, min(n, T // VITERBI_CHUNK_MIN_STEPS))
     return max(1, min(n, rows))
 
 

@@ -215,16 +215,20 @@ MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on its JSON h
 READ_CHUNK = 16 << 20  # bytes per read (and per host-to-device copy): the only staging memory of a load
 
 
-def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", staged: bool | None = None
+                 ) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, read once, straight into tensors on `device`, while the same bytes
     are hashed: the SHA-256 checked against `digest` (the manifest's) is that of exactly the bytes loaded (no
     window in which the file could change between a check and a read), and there is one copy of the weights
     in memory. On CUDA the bytes go through one READ_CHUNK staging buffer (pinned), so host memory does not
     grow with the model. Not memory-mapped: a mapping would make the served weights the file's pages, and a
     file truncated in place under a serving process would then kill it (SIGBUS) instead of being refused at
-    the next reload. ArtifactError (naming the file) for a malformed header, offsets that leave holes or run
-    past the end, trailing bytes, or a hash mismatch. O(file size) time."""
+    the next reload. `staged` (default: for every device but the CPU) reads through the staging buffer; tests
+    force it on the CPU, so the accelerator path runs in CI. ArtifactError (naming the file) for a malformed
+    header, offsets that leave holes or run past the end, trailing bytes, or a hash mismatch. O(file size)
+    time."""
     dev = torch.device(device)
+    staged = dev.type != "cpu" if staged is None else staged
     h = hashlib.sha256()
 
     def bad(why: str) -> ArtifactError:
@@ -255,7 +259,7 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu") -
             if end > data_len:
                 raise bad(f"tensor {name!r} runs past the end of the file")
             flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-            if dev.type == "cpu":
+            if not staged:
                 view = memoryview(flat.numpy())
                 for lo in range(0, end - begin, READ_CHUNK):
                     chunk = view[lo: lo + READ_CHUNK]
@@ -264,7 +268,7 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu") -
                     h.update(chunk)
             else:
                 if staging is None:
-                    staging = torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                    staging = torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=dev.type == "cuda")
                 for lo in range(0, end - begin, READ_CHUNK):
                     m = min(READ_CHUNK, end - begin - lo)
                     chunk = memoryview(staging.numpy())[:m]

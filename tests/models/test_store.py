@@ -153,11 +153,14 @@ def test_read_weights_matches_safetensors_and_hashes_what_it_reads(tmp_path):
     f = tmp_path / WEIGHTS
     save_file(tensors, str(f))
     digest = store.sha256_file(f)
-    got = store.read_weights(f, digest)
     ref = load_file(str(f))
-    assert set(got) == set(ref)
-    for k, v in ref.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    devices = [("cpu", False), ("cpu", True)] + [("cuda", None)] * torch.cuda.is_available()
+    for device, staged in devices:  # direct reads, and the staging copy accelerators use
+        got = store.read_weights(f, digest, device, staged=staged)
+        assert set(got) == set(ref)
+        for k, v in ref.items():
+            assert got[k].device.type == device, k
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k].cpu(), v), k
     with pytest.raises(ArtifactError, match="SHA-256 mismatch"):
         store.read_weights(f, "0" * 64)
 
@@ -185,8 +188,9 @@ def test_read_weights_refuses_malformed_files(tmp_path):
     cases["hole"] = (good[:8] + raw + good[8 + n:], "12 bytes for shape|holes or overlaps")
     for data, message in cases.values():
         f.write_bytes(data)
-        with pytest.raises(ArtifactError, match=message):
-            store.read_weights(f, store.sha256_file(f))
+        for staged in (False, True):
+            with pytest.raises(ArtifactError, match=message):
+                store.read_weights(f, store.sha256_file(f), staged=staged)
 
 
 def test_loading_keeps_one_copy_of_the_weights(tmp_path):
