@@ -157,10 +157,10 @@ def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, m
     marginals or runs backward, `last` when it writes each sequence's last marginal.
 
     auto: "torch" where no compiled engine can run (GPU, autograd, per-step matrices, mixed dtypes);
-    "single" for one sequence wanting only log_cond; "lockstep" where BLAS is callable and there are at
-    least LOCKSTEP_MIN_ROWS rows or more than GROUPS_MAX_K states (unless `models.calibrate` measured another
-    engine faster for this matrix size: `CHOICES`); else "groups" up to GROUPS_MAX_K states or for one
-    sequence (no GEMM to hand to BLAS anyway); else "torch" (one BLAS GEMM per step)."""
+    "single" for one sequence wanting only log_cond, "groups" for one sequence wanting more; "lockstep" where
+    BLAS is callable and there are at least LOCKSTEP_MIN_ROWS rows or more than GROUPS_MAX_K states (unless
+    `models.calibrate` measured another engine faster for this matrix size: `CHOICES`); else "groups" up to
+    GROUPS_MAX_K states; else "torch" (one BLAS GEMM per step)."""
     b = Backend(backend)
     if b is Backend.TORCH:
         return b
@@ -173,6 +173,8 @@ def sum_product(backend: Backend | str, emit, trans, *more: Tensor, rows: int, m
             return Backend.TORCH
         if one and not last:
             return Backend.SINGLE
+        if rows == 1:  # one sequence with marginals: the calibration measured batches, and its choice (a
+            return Backend.GROUPS  # one-row GEMM per step on one thread) ran 3-4x slower than "groups" here
         K = trans.shape[-1]
         if (rows >= LOCKSTEP_MIN_ROWS or K > GROUPS_MAX_K) and (chosen := _chosen(K, trans.dtype, marginals)):
             return chosen  # measured on this machine for this matrix (`models.calibrate`)

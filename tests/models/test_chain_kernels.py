@@ -192,7 +192,8 @@ def test_auto_choice():
     big = torch.eye(backend.GROUPS_MAX_K + 1, dtype=emit.dtype)
     assert choose(emit, big, rows=3) is (Backend.LOCKSTEP if blas.HAVE_GEMM else Backend.TORCH)
     assert choose(emit, big, rows=1) is Backend.SINGLE
-    assert choose(emit, big, rows=1, last=True) is (Backend.LOCKSTEP if blas.HAVE_GEMM else Backend.GROUPS)
+    assert choose(emit, big, rows=1, last=True) is Backend.GROUPS  # one sequence wanting more than log_cond
+    assert choose(emit, big, rows=1, marginals=True) is Backend.GROUPS
     assert backend.threads(Backend.LOCKSTEP, 7, 10, 10) == 1  # at least LOCKSTEP_MIN_ROWS rows a thread
     assert backend.threads(Backend.SINGLE, 1, 10, 10) == 1  # too little work to split
     log_emit = emit.log()

@@ -160,8 +160,9 @@ def test_batch_lines_are_held_to_the_same_budget(fair_store, tmp_path):
 
 
 def test_default_budget_passes_maximal_requests_on_the_default_model_shape():
-    """The previous default model (1,024-state rank HMM, rank 256): the largest score, posterior (top_k 1), MBR decode and
-    sample the other limits allow are within the default budget; a 200k-token Viterbi over its states is not."""
+    """The previous default model (1,024-state rank HMM, rank 256): the largest score, posterior (top_k 1), MBR
+    decode and sample the other limits allow are within the default budget; a 200k-token Viterbi over its states
+    is not."""
     from latentlm.models.rank_hmm import RankHMM
 
     class Impl(RankHMM):  # the shape only (no tensors): what operation_cost reads
