@@ -26,7 +26,7 @@ from torch import Tensor
 from latentlm.models import chain, triton_chain
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.chain import Emit, RowLookup, Trans
-from latentlm.models.checks import check_distribution, check_shape
+from latentlm.models.checks import CHECK_CHUNK, check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, LimitExceeded
 from latentlm.models.family import Recipe
 from latentlm.models.sampling import CategoricalTable, Samples, run_sampler, tables_at
@@ -63,9 +63,9 @@ class RankHMM(ChainFamily):
         # the cached rank-space matrices must be the products of the stored factors (checked on a
         # deterministic subset of rows so the check stays O(r m) even at paper scale)
         rows = torch.linspace(0, r - 1, steps=min(r, 16)).long().unique()
-        so, si = tensors["state_out"].double(), tensors["state_in"].double()
-        err_t = (so[rows] @ si - tensors["rank_trans"].double()[rows]).abs().max().item()
-        err_s = (tensors["start"].double() @ si - tensors["rank_start"].double()).abs().max().item()
+        si = tensors["state_in"]
+        err_t = (_product64(tensors["state_out"][rows], si) - tensors["rank_trans"][rows].double()).abs().max().item()
+        err_s = (_product64(tensors["start"][None], si)[0] - tensors["rank_start"].double()).abs().max().item()
         if err_t > 1e-4 or err_s > 1e-4:
             bad = "rank_trans" if err_t > 1e-4 else "rank_start"
             raise ArtifactError(f"{where}: tensor {bad!r} does not match the product of the stored factors "
@@ -178,3 +178,13 @@ class RankHMM(ChainFamily):
 
 
 _CORE = ("start", "state_in", "state_out", "emit", "rank_start", "rank_trans")
+
+
+def _product64(a: Tensor, b: Tensor) -> Tensor:
+    """a (n, m) @ b (m, r) in float64, over slices of m: the float64 copies are a slice's, not the matrices'
+    (a rank-4,096 artifact's factors are 256 MiB each in float32). O(n m r)."""
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float64, device=b.device)
+    step = max(1, CHECK_CHUNK // max(1, b.shape[1]))
+    for lo in range(0, b.shape[0], step):
+        out += a[:, lo: lo + step].double() @ b[lo: lo + step].double()
+    return out
