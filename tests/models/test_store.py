@@ -211,5 +211,6 @@ def test_loading_keeps_one_copy_of_the_weights(tmp_path):
             "print((kib('VmHWM') - base) / 1024, (kib('VmRSS') - base) / 1024)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     peak_mib, kept_mib = (float(x) for x in out.stdout.split()[-2:])
-    assert 256 <= kept_mib < 300, kept_mib
-    assert peak_mib < 256 * 1.5, peak_mib
+    # one copy kept (two would be 512+): the rest is modules imported on first load and the allocator's cache
+    assert 256 <= kept_mib < 256 * 1.5, kept_mib
+    assert peak_mib < 256 * 1.75, peak_mib  # and no second copy at any moment (the old path peaked at 3x)
