@@ -258,24 +258,18 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
                 raise bad(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
             if end > data_len:
                 raise bad(f"tensor {name!r} runs past the end of the file")
-            flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-            if not staged:
-                view = memoryview(flat.numpy())
-                for lo in range(0, end - begin, READ_CHUNK):
-                    chunk = view[lo: lo + READ_CHUNK]
-                    if f.readinto(chunk) != len(chunk):
-                        raise bad(f"file ended inside tensor {name!r}")
-                    h.update(chunk)
-            else:
-                if staging is None:
+            flat = t.reshape(-1).view(torch.uint8)
+            view = memoryview(flat.numpy()) if not staged else None
+            for lo in range(0, end - begin, READ_CHUNK):
+                m = min(READ_CHUNK, end - begin - lo)
+                if staged and staging is None:
                     staging = torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-                for lo in range(0, end - begin, READ_CHUNK):
-                    m = min(READ_CHUNK, end - begin - lo)
-                    chunk = memoryview(staging.numpy())[:m]
-                    if f.readinto(chunk) != m:
-                        raise bad(f"file ended inside tensor {name!r}")
-                    h.update(chunk)
-                    flat[lo: lo + m].copy_(staging[:m])  # synchronous: the staging buffer is reused next
+                buf = memoryview(staging.numpy())[:m] if staged else view[lo: lo + m]
+                if f.readinto(buf) != m:
+                    raise bad(f"file ended inside tensor {name!r}")
+                h.update(buf)
+                if staged:  # synchronous: the staging buffer is reused next
+                    flat[lo: lo + m].copy_(staging[:m])
             tensors[name] = t
             pos = end
         if pos != data_len:
@@ -357,9 +351,8 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
     for required in (WEIGHTS, VOCAB):
         if required not in manifest["files"]:
             raise ArtifactError(f"{path / MANIFEST}: no hash recorded for {required}", param=required)
-    files = manifest_files(path, manifest)
-    verify_files(path, manifest, skip=(WEIGHTS,))
-    tensors = read_weights(files[WEIGHTS], manifest["files"][WEIGHTS], device)
+    verify_files(path, manifest, skip=(WEIGHTS,))  # every listed file checked to be a regular file inside
+    tensors = read_weights(path / WEIGHTS, manifest["files"][WEIGHTS], device)
     expected = manifest["shapes"]
     if set(expected) != set(tensors):
         raise ArtifactError(

@@ -399,9 +399,7 @@ def viterbi_chunks(init: np.ndarray, table: np.ndarray, ids: np.ndarray, flat: n
     ends = np.zeros((threads, K), dtype=table.dtype)  # chunk c: the scores at its last step, bounds[c + 1] - 1
     ends[0] = init + table[ids[0]]
 
-    def run(c: int) -> None:
-        if c > 0:  # the guess: the scores of step bounds[c] - 1, all equal (ends[c] starts at zeros)
-            ends[c] = 0
+    def run(c: int) -> None:  # chunks after the first start from the guess: all states equal (zeros)
         viterbi_steps(table, ids, flat, col_max, ends[c], bounds[c], bounds[c + 1], history, tops, False)
 
     run_split(run, threads)
@@ -472,6 +470,7 @@ def _viterbi_one_sequence(init: np.ndarray, table: np.ndarray, ids: np.ndarray, 
         return torch.from_numpy(paths), torch.zeros(1, dtype=torch.float64)
     history = np.empty((L, K), dtype=table.dtype)  # rows 0 .. L - 2 used (`backtrack` takes L rows)
     step_tops = np.zeros(L)
-    last = viterbi_chunks(init, table, ids, a.reshape(-1), cm, history, step_tops, max(1, min(threads, L // 64)))
+    # how many threads pay is the dispatch's call (`backend.max_product_threads`); each chunk needs a step
+    last = viterbi_chunks(init, table, ids, a.reshape(-1), cm, history, step_tops, max(1, min(threads, L - 1)))
     score = backtrack(last, step_tops, history, trans_t, paths[0])
     return torch.from_numpy(paths), torch.tensor([score], dtype=torch.float64)
