@@ -65,14 +65,14 @@ if HAVE_NUMBA:
         return x(a, b, x, y), codegen
 
     @njit(nogil=True, inline="always", cache=True)
-    def _eight(order, scores, n, last, K, j0):  # pragma: no cover - compiled
+    def _eight(order, scores, n, last, ld, j0):  # pragma: no cover - compiled
         """Sources order[n : n + 8] (repeating order[last] past the end: a maximum is idempotent) as
-        (their row offsets i * K + j0 as unsigned ints, their deltas scores[i])."""
+        (their row offsets i * ld + j0 as unsigned ints, ld the row stride; their deltas scores[i])."""
         n0, n1, n2, n3 = min(n, last), min(n + 1, last), min(n + 2, last), min(n + 3, last)
         n4, n5, n6, n7 = min(n + 4, last), min(n + 5, last), min(n + 6, last), min(n + 7, last)
-        rows = (uint64(order[n0] * K + j0), uint64(order[n1] * K + j0), uint64(order[n2] * K + j0),
-                uint64(order[n3] * K + j0), uint64(order[n4] * K + j0), uint64(order[n5] * K + j0),
-                uint64(order[n6] * K + j0), uint64(order[n7] * K + j0))
+        rows = (uint64(order[n0] * ld + j0), uint64(order[n1] * ld + j0), uint64(order[n2] * ld + j0),
+                uint64(order[n3] * ld + j0), uint64(order[n4] * ld + j0), uint64(order[n5] * ld + j0),
+                uint64(order[n6] * ld + j0), uint64(order[n7] * ld + j0))
         return rows, (scores[order[n0]], scores[order[n1]], scores[order[n2]], scores[order[n3]],
                       scores[order[n4]], scores[order[n5]], scores[order[n6]], scores[order[n7]])
 
@@ -87,15 +87,15 @@ if HAVE_NUMBA:
         return fmax(fmax(fmax(a1, a0), fmax(a3, a2)), fmax(fmax(a5, a4), fmax(a7, a6)))
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _chunk(flat, order, scores, n0, n1, K, j0, best, nbest, next_top, col_max, w):  # pragma: no cover
+    def _chunk(flat, order, scores, n0, n1, ld, j0, best, nbest, next_top, col_max, w):  # pragma: no cover
         """The CHUNK (= 16) sources order[n0:n1] against columns [j0, j0 + w): their maxima of scores[i] + A[i, j]
         in registers (16 adds with their loads, 15 maxima per entry), merged into the running maxima `best`
         as nbest: a buffer other than the one read, since a read-modify-write of one array compiles to slow
         masked stores. Unsigned indices (no negative-index wrap), so the loop vectorises. Returns whether the
         next chunk (deltas at most next_top) could still improve any column: False ends the block (exact
         pruning)."""
-        ra, da = _eight(order, scores, n0, n1 - 1, K, j0)
-        rb, db = _eight(order, scores, n0 + 8, n1 - 1, K, j0)
+        ra, da = _eight(order, scores, n0, n1 - 1, ld, j0)
+        rb, db = _eight(order, scores, n0 + 8, n1 - 1, ld, j0)
         ft = best.dtype.type
         zero, one = ft(0.0), ft(1.0)
         alive = zero  # how many columns the next chunk could improve (a float sum: it vectorises)
@@ -107,10 +107,10 @@ if HAVE_NUMBA:
         return alive > zero
 
     @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
-    def _chunk_free(flat, order, scores, n0, n1, K, j0, best, nbest, w):  # pragma: no cover - compiled
+    def _chunk_free(flat, order, scores, n0, n1, ld, j0, best, nbest, w):  # pragma: no cover - compiled
         """`_chunk` without the pruning check (the chunks between two checks, `CHECK_EVERY`)."""
-        ra, da = _eight(order, scores, n0, n1 - 1, K, j0)
-        rb, db = _eight(order, scores, n0 + 8, n1 - 1, K, j0)
+        ra, da = _eight(order, scores, n0, n1 - 1, ld, j0)
+        rb, db = _eight(order, scores, n0 + 8, n1 - 1, ld, j0)
         for j in range(w):
             u = uint64(j)
             nbest[j] = fmax(fmax(_max8(flat, rb, db, u), _max8(flat, ra, da, u)), best[j])
@@ -171,10 +171,10 @@ if HAVE_NUMBA:
         return int(gap) if gap < BUCKETS - 1 else BUCKETS - 1
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def maxplus_block(flat, K, col_max, order, keys, bounds, scores, j0, w, val, scratch):  # pragma: no cover
+    def maxplus_block(flat, K, ld, col_max, order, keys, bounds, scores, j0, w, val, scratch):  # pragma: no cover
         """Columns [j0, j0 + w) of one row of the (max, +) product: val[j] = max_i scores[i] + A[i, j], for A
-        (K, K) given flat (K * K,), sources in `order` with `keys`, `bounds` from `source_order`.
-        scratch (2, >= w). O(K w) worst case."""
+        (K, K) given flat with row stride ld (`padded_rows`), sources in `order` with `keys`, `bounds` from
+        `source_order`. scratch (2, >= w). O(K w) worst case."""
         b0, b1 = scratch[0], scratch[1]  # running maxima, ping-pong by `flip` (no array swaps: each costs
         for j in range(w):  # reference counting)
             b0[j] = -np.inf
@@ -185,16 +185,16 @@ if HAVE_NUMBA:
             n1 = min(K, n0 + CHUNK)
             if c % CHECK_EVERY != CHECK_EVERY - 1 and c + 1 < n_chunks:  # no check: an exact maximum either way
                 if flip:
-                    _chunk_free(flat, order, scores, n0, n1, K, j0, b1, b0, w)
+                    _chunk_free(flat, order, scores, n0, n1, ld, j0, b1, b0, w)
                 else:
-                    _chunk_free(flat, order, scores, n0, n1, K, j0, b0, b1, w)
+                    _chunk_free(flat, order, scores, n0, n1, ld, j0, b0, b1, w)
                 flip = not flip
                 continue
             next_top = bound_at(order, keys, bounds, n1)
             if flip:
-                alive = _chunk(flat, order, scores, n0, n1, K, j0, b1, b0, next_top, col_max, w)
+                alive = _chunk(flat, order, scores, n0, n1, ld, j0, b1, b0, next_top, col_max, w)
             else:
-                alive = _chunk(flat, order, scores, n0, n1, K, j0, b0, b1, next_top, col_max, w)
+                alive = _chunk(flat, order, scores, n0, n1, ld, j0, b0, b1, next_top, col_max, w)
             flip = not flip
             if not alive:
                 break
@@ -203,7 +203,7 @@ if HAVE_NUMBA:
             val[j] = best[j]
 
     @njit(nogil=True, cache=True)
-    def block_argmax(flat, K, order, scores, j0, w, val, arg):  # pragma: no cover - compiled
+    def block_argmax(flat, K, ld, order, scores, j0, w, val, arg):  # pragma: no cover - compiled
         """arg[j] for columns [j0, j0 + w) of a product `maxplus_block` formed (values val): the first source
         in `order` whose scores[i] + A[i, j] equals val[j] (the same float operations, so the equality is
         exact; sources come in decreasing delta, so the scan usually stops within the first few)."""
@@ -211,7 +211,7 @@ if HAVE_NUMBA:
             arg[j] = order[0]
             for n in range(K):
                 i = order[n]
-                if scores[i] + flat[i * K + j0 + j] == val[j]:
+                if scores[i] + flat[i * ld + j0 + j] == val[j]:
                     arg[j] = i
                     break
 
@@ -237,9 +237,11 @@ if HAVE_NUMBA:
         return max(MIN_BLOCK, min(BLOCK, w - w % 8))
 
     @njit(nogil=True, cache=True)
-    def maxplus_rows(delta, flat, col_max, val, arg):  # pragma: no cover - compiled
-        """The (max, +) product of every row of delta (B, K): val (B, K), arg (B, K) int64."""
+    def maxplus_rows(delta, padded, col_max, val, arg):  # pragma: no cover - compiled
+        """The (max, +) product of every row of delta (B, K) with the matrix `padded` (K, ld)
+        (`padded_rows`): val (B, K), arg (B, K) int64."""
         B, K = delta.shape
+        ld, flat = padded.shape[1], padded.reshape(-1)
         scratch = np.empty((2, BLOCK), dtype=delta.dtype)
         order = np.empty((B, K), dtype=np.int64)
         keys = np.empty((B, K), dtype=np.int64)
@@ -252,23 +254,25 @@ if HAVE_NUMBA:
         for j0 in range(0, K, w):
             wj = min(w, K - j0)
             for b in range(B):
-                maxplus_block(flat, K, col_max, order[b], keys[b], bounds[b], scores[b], j0, wj, val[b, j0:],
+                maxplus_block(flat, K, ld, col_max, order[b], keys[b], bounds[b], scores[b], j0, wj, val[b, j0:],
                               scratch)
-                block_argmax(flat, K, order[b], scores[b], j0, wj, val[b, j0:], arg[b, j0:])
+                block_argmax(flat, K, ld, order[b], scores[b], j0, wj, val[b, j0:], arg[b, j0:])
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_lockstep(log_init, table, ids, flat, col_max, trans_t, lengths, rows, first, stride, history,
+    def viterbi_lockstep(log_init, table, ids, padded, col_max, trans_t, lengths, rows, first, stride, history,
                          paths, scores):  # pragma: no cover - compiled
         """Viterbi of the sequences rows[first::stride] (one thread's share of a batch; `rows` in decreasing
         length), advanced together so that each panel of the matrix is swept by all of them while it is in
         cache. log_init (B, K); emission log-likelihoods as rows of a table: log p(x_t | z_t = k) =
-        table[ids[b, t], k], table (N, K), ids (B, T); lengths (B,), trans_t (K, K) the matrix transposed;
+        table[ids[b, t], k], table (N, K), ids (B, T); the matrix as `padded` (K, ld) (`padded_rows`) and
+        transposed, trans_t (K, K), with its column maxima col_max (K,); lengths (B,);
         history (B, T, K) scratch for each step's re-centred scores (what the backtrace replays, in place of
         backpointers); paths (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred
         every step as the sources are ordered (the float64 offset carries the scale), so float32 keeps the
         differences that decide the path."""
         B, T = ids.shape
         K = table.shape[1]
+        ld, flat = padded.shape[1], padded.reshape(-1)
         mine = rows[first::stride]
         m = mine.shape[0]
         if m == 0:
@@ -302,8 +306,8 @@ if HAVE_NUMBA:
                 for j0 in range(0, K, w):
                     wj = min(w, K - j0)
                     for r in range(active):
-                        maxplus_block(flat, K, col_max, order[r], keys[r], bounds[r], history[mine[r], t - 1], j0,
-                                      wj, nxt[r, j0:], scratch)
+                        maxplus_block(flat, K, ld, col_max, order[r], keys[r], bounds[r], history[mine[r], t - 1],
+                                      j0, wj, nxt[r, j0:], scratch)
                 for r in range(active):
                     d, v, e = delta[r], nxt[r], table[ids[mine[r], t]]
                     for j in range(K):
@@ -342,15 +346,17 @@ if HAVE_NUMBA:
         return score
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def viterbi_steps(table, ids, flat, col_max, delta, lo, hi, history, tops, verify):  # pragma: no cover
+    def viterbi_steps(table, ids, padded, col_max, delta, lo, hi, history, tops, verify):  # pragma: no cover
         """Advance one sequence's Viterbi through steps lo..hi-1 (lo >= 1): delta (K,) holds the un-centred
         scores of step lo - 1 and is updated in place; each step t writes the re-centred scores it orders
         (history[t - 1], what the backtrace replays) and their maximum (tops[t - 1], the offset). With
         `verify`, history already holds a speculative run's rows (from a guessed delta, `viterbi_chunks`):
         the first step whose re-centred scores equal that row bit for bit stops the run, since from there on
         the same float operations on the same inputs give the rows already there. Returns where it stopped
-        (hi when it ran through). Emissions as table[ids[t]]. O((hi - lo) K^2) worst case."""
+        (hi when it ran through). Emissions as table[ids[t]], the matrix as `padded` (K, ld) (`padded_rows`)
+        with its column maxima col_max. O((hi - lo) K^2) worst case."""
         K = table.shape[1]
+        ld, flat = padded.shape[1], padded.reshape(-1)
         dt = table.dtype
         order = np.empty(K, dtype=np.int64)
         keys = np.empty(K, dtype=np.int64)
@@ -375,14 +381,15 @@ if HAVE_NUMBA:
             else:
                 tops[t - 1] = source_order(delta, True, order, bounds, scores, counts, keys)
             for j0 in range(0, K, w):
-                maxplus_block(flat, K, col_max, order, keys, bounds, scores, j0, min(w, K - j0), nxt[j0:], scratch)
+                maxplus_block(flat, K, ld, col_max, order, keys, bounds, scores, j0, min(w, K - j0), nxt[j0:],
+                              scratch)
             e = table[ids[t]]
             for j in range(K):
                 delta[j] = nxt[j] + e[j]
         return hi
 
 
-def viterbi_chunks(init: np.ndarray, table: np.ndarray, ids: np.ndarray, flat: np.ndarray, col_max: np.ndarray,
+def viterbi_chunks(init: np.ndarray, table: np.ndarray, ids: np.ndarray, padded: np.ndarray, col_max: np.ndarray,
                    history: np.ndarray, tops: np.ndarray, threads: int) -> np.ndarray:
     """One sequence's Viterbi recursion on `threads` threads, exact, by speculation: the sequence is cut into
     `threads` chunks run at once, each after the first from a guessed start (all states equal); then each
@@ -391,7 +398,8 @@ def viterbi_chunks(init: np.ndarray, table: np.ndarray, ids: np.ndarray, flat: n
     on the benchmark's random HMMs the rows meet after 13-26 steps (Z = 64-1,024), so a chunk's re-run is a
     few dozen steps and no thread waits for another inside the recursion. Where they never meet (a chain
     that remembers its start, e.g. disconnected components), the re-run covers the whole chunk: as slow as
-    one thread, never wrong. init (K,), emissions table[ids] (ids (L,), L >= 1); history (L - 1, K) and
+    one thread, never wrong. init (K,), emissions table[ids] (ids (L,), L >= 1), the matrix as `padded`
+    (`padded_rows`) with its column maxima; history (L - 1, K) and
     tops (L - 1,) out, as `viterbi_steps` writes them. Returns the last step's un-centred scores (K,)."""
     L, K = ids.shape[0], table.shape[1]
     bounds = [round(c * L / threads) for c in range(threads + 1)]
@@ -400,12 +408,12 @@ def viterbi_chunks(init: np.ndarray, table: np.ndarray, ids: np.ndarray, flat: n
     ends[0] = init + table[ids[0]]
 
     def run(c: int) -> None:  # chunks after the first start from the guess: all states equal (zeros)
-        viterbi_steps(table, ids, flat, col_max, ends[c], bounds[c], bounds[c + 1], history, tops, False)
+        viterbi_steps(table, ids, padded, col_max, ends[c], bounds[c], bounds[c + 1], history, tops, False)
 
     run_split(run, threads)
     for c in range(1, threads):  # the true scores reach chunk c from chunk c - 1, now exact
         delta = ends[c - 1].copy()
-        if viterbi_steps(table, ids, flat, col_max, delta, bounds[c], bounds[c + 1], history, tops, True) \
+        if viterbi_steps(table, ids, padded, col_max, delta, bounds[c], bounds[c + 1], history, tops, True) \
                 == bounds[c + 1]:
             ends[c] = delta  # never met: the re-run is the exact chunk
     return ends[threads - 1]
@@ -427,7 +435,7 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     cm = a.max(axis=0) if col_max is None else _arr(col_max)
     val = np.empty_like(d)
     arg = np.empty(d.shape, dtype=np.int64)
-    maxplus_rows(d, a.reshape(-1), cm, val, arg)
+    maxplus_rows(d, blas.padded_rows(log_trans), cm, val, arg)
     return torch.from_numpy(val), torch.from_numpy(arg)
 
 
@@ -437,33 +445,32 @@ def viterbi_cpu(log_init: Tensor, table: Tensor, rows: Tensor | None, log_trans:
     in decreasing length, so their shares balance), each advancing its share together. log_init (B, K);
     emission log-likelihoods table[rows[b, t]] (table (N, K), rows (B, T): read where they lie, no gathered
     copy) or, with rows None, a dense (B, T, K) table; log_trans (K, K), lengths (B,) -> paths (B, T) int64
-    (-1 at padding), scores (B,) float64. The transposed matrix and its column maxima are derived once per
-    matrix (`blas`'s cache). O(B T K^2) worst case; O(B T K) memory for the re-centred scores the backtrace
+    (-1 at padding), scores (B,) float64. The padded, transposed matrix and its column maxima are derived
+    once per matrix (`blas`'s cache). O(B T K^2) worst case; O(B T K) memory for the re-centred scores the backtrace
     replays."""
     e, r = emission_rows(table, rows)
     B, T = r.shape
     K = e.shape[1]
-    a = _arr(log_trans)
-    trans_t, cm = blas.transposed(log_trans), blas.column_max(log_trans)
+    padded, trans_t, cm = blas.padded_rows(log_trans), blas.transposed(log_trans), blas.column_max(log_trans)
     if B == 1 and threads >= 2:
-        return _viterbi_one_sequence(_arr(log_init[0]), e, r[0, : int(lengths[0])], a, trans_t, cm, T, threads)
+        return _viterbi_one_sequence(_arr(log_init[0]), e, r[0, : int(lengths[0])], padded, trans_t, cm, T, threads)
     lens = lengths.detach().cpu().numpy().astype(np.int64)
     order = np.argsort(-lens, kind="stable")
     threads = max(1, min(threads, B))
     history = np.empty((B, max(T - 1, 1), K), dtype=e.dtype)
     paths = np.empty((B, T), dtype=np.int64)
     scores = np.empty(B, dtype=np.float64)
-    init, flat = _arr(log_init), a.reshape(-1)
-    run_split(lambda k: viterbi_lockstep(init, e, r, flat, cm, trans_t, lens, order, k, threads, history, paths,
+    init = _arr(log_init)
+    run_split(lambda k: viterbi_lockstep(init, e, r, padded, cm, trans_t, lens, order, k, threads, history, paths,
                                          scores), threads)
     return torch.from_numpy(paths), torch.from_numpy(scores)
 
 
-def _viterbi_one_sequence(init: np.ndarray, table: np.ndarray, ids: np.ndarray, a: np.ndarray,
+def _viterbi_one_sequence(init: np.ndarray, table: np.ndarray, ids: np.ndarray, padded: np.ndarray,
                           trans_t: np.ndarray, cm: np.ndarray, T: int, threads: int) -> tuple[Tensor, Tensor]:
     """One sequence's Viterbi on `threads` threads (`viterbi_chunks`), then the backtrace. init (K,),
-    emissions table[ids] (ids (L,)), a (K, K), its transpose and column maxima; the path is padded to T
-    with -1."""
+    emissions table[ids] (ids (L,)), the matrix as `padded` rows, transposed and its column maxima; the path
+    is padded to T with -1."""
     L, K = ids.shape[0], table.shape[1]
     paths = np.full((1, T), -1, dtype=np.int64)
     if L == 0:
@@ -471,6 +478,6 @@ def _viterbi_one_sequence(init: np.ndarray, table: np.ndarray, ids: np.ndarray, 
     history = np.empty((L, K), dtype=table.dtype)  # rows 0 .. L - 2 used (`backtrack` takes L rows)
     step_tops = np.zeros(L)
     # how many threads pay is the dispatch's call (`backend.max_product_threads`); each chunk needs a step
-    last = viterbi_chunks(init, table, ids, a.reshape(-1), cm, history, step_tops, max(1, min(threads, L - 1)))
+    last = viterbi_chunks(init, table, ids, padded, cm, history, step_tops, max(1, min(threads, L - 1)))
     score = backtrack(last, step_tops, history, trans_t, paths[0])
     return torch.from_numpy(paths), torch.tensor([score], dtype=torch.float64)

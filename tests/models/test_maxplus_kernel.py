@@ -20,7 +20,7 @@ from latentlm.models.kernels.jit import HAVE_NUMBA
 pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba unavailable: no compiled kernels to test")
 
 if HAVE_NUMBA:
-    from latentlm.models.kernels import maxplus
+    from latentlm.models.kernels import blas, maxplus
 
 
 def _model(K: int, T: int, B: int, dtype: torch.dtype, seed: int, sharp: float = 2.0, holes: bool = True):
@@ -131,18 +131,18 @@ def test_chunks_meet_the_true_scores_within_a_few_steps():
     table, ids = log_emit[0].numpy(), np.arange(L)
     a = log_trans.numpy()
     history, tops = np.empty((L, K), np.float32), np.zeros(L)
-    maxplus.viterbi_chunks(log_init[0].numpy(), table, ids, a.reshape(-1), a.max(0), history, tops, 2)
+    maxplus.viterbi_chunks(log_init[0].numpy(), table, ids, blas.padded_array(a), a.max(0), history, tops, 2)
     delta = log_init[0].numpy() + table[0]
     true_history, true_tops = np.empty((L, K), np.float32), np.zeros(L)
-    maxplus.viterbi_steps(table, ids, a.reshape(-1), a.max(0), delta, 1, L, true_history, true_tops, False)
+    maxplus.viterbi_steps(table, ids, blas.padded_array(a), a.max(0), delta, 1, L, true_history, true_tops, False)
     assert np.array_equal(history[: L - 1], true_history[: L - 1])
     assert np.array_equal(tops[: L - 1], true_tops[: L - 1])
-    flat, cm, half = a.reshape(-1), a.max(0), L // 2
+    padded, cm, half = blas.padded_array(a), a.max(0), L // 2
     spec = np.empty((L, K), np.float32)  # the second chunk from its guessed start (all states equal)
-    maxplus.viterbi_steps(table, ids, flat, cm, np.zeros(K, np.float32), half, L, spec, np.zeros(L), False)
+    maxplus.viterbi_steps(table, ids, padded, cm, np.zeros(K, np.float32), half, L, spec, np.zeros(L), False)
     delta = log_init[0].numpy() + table[0]  # the true scores at the chunk's start, then the verified re-run
-    maxplus.viterbi_steps(table, ids, flat, cm, delta, 1, half, np.empty((L, K), np.float32), np.zeros(L), False)
-    met = maxplus.viterbi_steps(table, ids, flat, cm, delta, half, L, spec, np.zeros(L), True)
+    maxplus.viterbi_steps(table, ids, padded, cm, delta, 1, half, np.empty((L, K), np.float32), np.zeros(L), False)
+    met = maxplus.viterbi_steps(table, ids, padded, cm, delta, half, L, spec, np.zeros(L), True)
     assert L // 2 < met < L // 2 + 60
 
 
@@ -203,3 +203,20 @@ def test_viterbi_reads_emission_rows_where_they_lie(B, T, backend):
     dense = chain.viterbi(log_init, table[ids], log_trans, lengths, backend=backend)
     assert torch.equal(rows[0], dense[0])
     assert torch.equal(rows[1], dense[1])
+
+
+def test_padded_rows_spread_power_of_two_widths_over_the_cache_sets():
+    """The (max, +) kernels read the matrix with the row stride of `blas.row_stride`: whole cache lines, one
+    line more where rows are a multiple of 2 KiB (which would all start in one L1 set); the padded copy holds
+    the matrix unchanged, and the product through it equals brute force at padded and unpadded widths."""
+    assert blas.row_stride(1024, 4) == 1040 and blas.row_stride(512, 4) == 528 and blas.row_stride(256, 8) == 264
+    assert blas.row_stride(256, 4) == 256 and blas.row_stride(64, 4) == 64 and blas.row_stride(1000, 4) == 1008
+    for K in (5, 256, 512):
+        a = np.random.default_rng(K).standard_normal((K, K)).astype(np.float32)
+        padded = blas.padded_array(a)
+        assert padded.shape == (K, blas.row_stride(K, 4)) and np.array_equal(padded[:, :K], a)
+        delta = torch.from_numpy(np.random.default_rng(1).standard_normal((3, K)).astype(np.float32))
+        val, arg = maxplus.maxplus_cpu(delta, torch.from_numpy(a))
+        brute = delta[:, :, None] + torch.from_numpy(a)[None]
+        assert torch.equal(val, brute.max(1).values)
+        assert torch.equal(brute.gather(1, arg[:, None, :])[:, 0], val)
