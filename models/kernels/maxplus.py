@@ -120,7 +120,7 @@ if HAVE_NUMBA:
         """Sources in decreasing delta, by buckets of BUCKET_WIDTH below the row's maximum (a counting sort,
         O(K), instead of an O(K log K) sort that costs as much as the product itself at K = 256): order (K,)
         the sources; scores (K,) the deltas by state, re-centred on the row maximum with `centre`
-        (Viterbi's re-centring, in the same pass; what its backtrace replays); keys (K,) each state's slot
+        (Viterbi's re-centring, in the same pass; what its backtrace replays); keys (K,) int32 each state's slot
         (bucket * LANES + lane) and bounds (BUCKETS,) each bucket's upper edge (re-centred likewise), so
         that bounds[keys[order[n]] // LANES] (`bound_at`) bounds every delta from position n on. Only the
         order is scattered: the deltas and bounds are read through it. counts (COUNT_SLOTS,) int64 scratch.
@@ -128,15 +128,17 @@ if HAVE_NUMBA:
         K = drow.shape[0]
         top = row_max(drow)
         shift = top if centre and np.isfinite(top) else drow.dtype.type(0.0)
-        for i in range(K):
-            scores[i] = drow[i] - shift
+        inv_width, last = drow.dtype.type(1.0 / BUCKET_WIDTH), drow.dtype.type(BUCKETS - 1)
+        for i in range(K):  # branch-free, so it vectorises (int32 keys: AVX2 converts floats to int32 only)
+            d = drow[i]
+            scores[i] = d - shift
+            gap = (top - d) * inv_width  # the bucket: NaN (an impossible row) and the far tail go to the last one
+            keys[i] = np.int32(gap if gap < last else last) * LANES + (i & (LANES - 1))
         for k in range(BUCKETS):
             bounds[k] = (top - shift) - (k * BUCKET_WIDTH - BUCKET_SLACK) if k > 0 else top - shift
         counts[:] = 0
         for i in range(K):  # slot = bucket * LANES + lane: a bucket's lanes are adjacent in the prefix sum
-            k = _bucket(top, drow[i]) * LANES + (i & (LANES - 1))
-            keys[i] = k
-            counts[k] += 1
+            counts[keys[i]] += 1
         start = 0  # exclusive prefix sum, the running total in a register (not a store-to-load chain)
         for k in range(BUCKETS * LANES):
             c = counts[k]
@@ -163,12 +165,6 @@ if HAVE_NUMBA:
         for i in range(row.shape[0]):
             top = fmax(row[i], top)
         return top
-
-    @njit(nogil=True, inline="always", cache=True)
-    def _bucket(top, d):  # pragma: no cover - compiled
-        """The bucket of delta d below the row maximum `top` (the last one holds everything further down)."""
-        gap = (top - d) / BUCKET_WIDTH
-        return int(gap) if gap < BUCKETS - 1 else BUCKETS - 1
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def maxplus_block(flat, K, ld, col_max, order, keys, bounds, scores, j0, w, val, scratch):  # pragma: no cover
@@ -244,7 +240,7 @@ if HAVE_NUMBA:
         ld, flat = padded.shape[1], padded.reshape(-1)
         scratch = np.empty((2, BLOCK), dtype=delta.dtype)
         order = np.empty((B, K), dtype=np.int64)
-        keys = np.empty((B, K), dtype=np.int64)
+        keys = np.empty((B, K), dtype=np.int32)
         bounds = np.empty((B, BUCKETS), dtype=delta.dtype)
         scores = np.empty((B, K), dtype=delta.dtype)
         counts = np.empty(COUNT_SLOTS, dtype=np.int64)
@@ -281,7 +277,7 @@ if HAVE_NUMBA:
         delta = np.empty((m, K), dtype=dt)
         nxt = np.empty((m, K), dtype=dt)
         order = np.empty((m, K), dtype=np.int64)
-        keys = np.empty((m, K), dtype=np.int64)
+        keys = np.empty((m, K), dtype=np.int32)
         bounds = np.empty((m, BUCKETS), dtype=dt)
         counts = np.empty(COUNT_SLOTS, dtype=np.int64)
         scratch = np.empty((2, BLOCK), dtype=dt)
@@ -359,7 +355,7 @@ if HAVE_NUMBA:
         ld, flat = padded.shape[1], padded.reshape(-1)
         dt = table.dtype
         order = np.empty(K, dtype=np.int64)
-        keys = np.empty(K, dtype=np.int64)
+        keys = np.empty(K, dtype=np.int32)
         bounds = np.empty(BUCKETS, dtype=dt)
         counts = np.empty(COUNT_SLOTS, dtype=np.int64)
         scratch = np.empty((2, BLOCK), dtype=dt)
