@@ -13,7 +13,9 @@ cannot use BLAS, so it is written here like a GEMM micro-kernel, for each row of
 - exact pruning: sources come in decreasing delta by a counting sort into buckets (O(K), `source_order`),
   and once the bucket bound plus max_i' log_trans[i', j] (the column maxima `col_max`) cannot beat any
   column of the block, no remaining source can, and the block is done (checked every CHECK_EVERY chunks:
-  a chunk more than needed changes no maximum).
+  a chunk more than needed changes no maximum);
+- the matrix is read from a copy with padded rows (`blas.padded_rows`): where a row is a multiple of 2 KiB,
+  the 16 rows of a chunk would all start in one L1 set and evict each other.
 `viterbi_lockstep` runs the whole recursion of a set of sequences in compiled code (one thread's share of
 a batch; threads split the rows with no synchronisation), `viterbi_chunks` one sequence on several threads
 that each take a chunk of it, by exact speculation. `maxplus_cpu` / `viterbi_cpu` are the tensor-level entry points.
