@@ -171,9 +171,13 @@ def row_stride(K: int, itemsize: int) -> int:
 
 
 def padded_array(mat: np.ndarray) -> np.ndarray:
-    """mat (K, K) copied into rows of `row_stride` elements (the padding is -inf and never read)."""
+    """mat (K, K) in rows of `row_stride` elements (the padding is -inf and never read): mat itself where the
+    stride is its width, else a copy."""
     K = mat.shape[0]
-    out = np.full((K, row_stride(mat.shape[1], mat.itemsize)), -np.inf, dtype=mat.dtype)
+    stride = row_stride(mat.shape[1], mat.itemsize)
+    if stride == mat.shape[1] and mat.flags.c_contiguous:
+        return mat
+    out = np.full((K, stride), -np.inf, dtype=mat.dtype)
     out[:, : mat.shape[1]] = mat
     return out
 

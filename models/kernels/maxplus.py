@@ -429,8 +429,7 @@ def maxplus_cpu(delta: Tensor, log_trans: Tensor, col_max: Tensor | None = None)
     typically 3-10x less work. The argmax is found afterwards by a scan in the same order that stops at the
     first source attaining the value. Among tied sources the one with the larger delta wins."""
     d = _arr(delta)
-    a = _arr(log_trans)
-    cm = a.max(axis=0) if col_max is None else _arr(col_max)
+    cm = blas.column_max(log_trans) if col_max is None else _arr(col_max)
     val = np.empty_like(d)
     arg = np.empty(d.shape, dtype=np.int64)
     maxplus_rows(d, blas.padded_rows(log_trans), cm, val, arg)
