@@ -95,6 +95,33 @@ def evaluate(score: Callable[[Batch], Tensor], batches: list[Batch]) -> float:
     return math.exp(-total / n)
 
 
+# -- growing models (--split-at) ---------------------------------------------------------------------
+def split_epochs(ns: Any) -> list[int]:
+    """`--split-at` as a sorted list of epochs, checked: blocked_hmm only, distinct epochs in [1, epochs), and
+    the starting model (states / 2^splits) still has whole clusters that keep a state under dropout."""
+    from latentlm.models.errors import InputError
+
+    if not ns.split_at:
+        return []
+    try:
+        epochs = [int(x) for x in str(ns.split_at).strip("[] ").split(",") if x.strip()]
+    except ValueError:
+        raise InputError(f"--split-at: expected comma-separated epochs, got {ns.split_at!r}",
+                         param="split_at") from None
+    if ns.family != "blocked_hmm":
+        raise InputError(f"--split-at: only blocked_hmm splits its states, not {ns.family}", param="split_at")
+    if len(set(epochs)) != len(epochs) or any(not 1 <= e < ns.epochs for e in epochs):
+        raise InputError(f"--split-at: expected distinct epochs in [1, {ns.epochs}) (--epochs {ns.epochs}), got "
+                         f"{ns.split_at!r}", param="split_at")
+    start, clusters = ns.states >> len(epochs), ns.clusters or 1
+    k = start // clusters
+    if start << len(epochs) != ns.states or k < 1 or start % clusters or k - round(k * ns.state_dropout) < 1:
+        raise InputError(f"--split-at: {len(epochs)} split(s) need --states {ns.states} to be {2 ** len(epochs)} x a "
+                         f"multiple of --clusters {clusters} whose states per cluster keep one under "
+                         f"--state-dropout {ns.state_dropout}", param="split_at")
+    return sorted(epochs)
+
+
 # -- checkpoints --------------------------------------------------------------------------------------
 def checkpoint_dir(store: Path | str, name: str) -> Path:
     """Where `name`'s training checkpoint lives: `<store>/.train/<name>/` (hidden from the model list)."""
@@ -105,13 +132,14 @@ def checkpoint_dir(store: Path | str, name: str) -> Path:
 SHAPE_SETTINGS: dict[str, tuple[str, ...]] = {
     "hmm": ("states",),
     "densehmm": ("states", "hidden"),
-    "blocked_hmm": ("states", "clusters", "hidden"),
+    "blocked_hmm": ("states", "clusters", "hidden", "split_at"),
     "rank_hmm": ("states", "rank", "hidden"),
     "pcfg": ("nt", "pt", "rank", "hidden"),
     "lds": ("dim", "lags"),
 }
 _DESCRIBE = {"states": "{} states", "clusters": "{} clusters", "rank": "rank {}", "hidden": "hidden size {}",
-             "nt": "{} nonterminals", "pt": "{} preterminals", "dim": "latent dimension {}", "lags": "{} lags"}
+             "nt": "{} nonterminals", "pt": "{} preterminals", "dim": "latent dimension {}", "lags": "{} lags",
+             "split_at": "--split-at {!r}"}
 
 
 def shape_settings(ns: Any) -> dict[str, Any]:
@@ -158,8 +186,9 @@ def check_resume(ns: Any) -> None:
         have = saved.get(key)
         if have is not None and have != want[key]:
             flag = "--" + key.replace("_", "-")
+            shown = repr(have) if isinstance(have, str) else have  # --split-at '' (no splits)
             raise InputError(f"{flag}: the checkpoint of {ns.name!r} has {_DESCRIBE[key].format(have)}, not "
-                             f"{want[key]}; drop --resume or use {flag} {have}", param=key)
+                             f"{want[key]}; drop --resume or use {flag} {shown}", param=key)
 
 
 def save_checkpoint(path: Path, tensors: dict[str, Tensor], state: dict[str, Any], ns: Any = None) -> None:

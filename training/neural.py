@@ -129,6 +129,10 @@ class VLHMM(nn.Module):
             else torch.empty(V, h).uniform_(-1.0 / math.sqrt(h), 1.0 / math.sqrt(h)))
         self.cluster_sizes = torch.bincount(word_cluster, minlength=M).tolist()
 
+    def state_axes(self) -> dict[str, int]:
+        """The parameters indexed by state, each with its state axis (what `split_states` doubles)."""
+        return {"state_emb": 1, "next_state": 0} if self.state_embedding == "independent" else {"state_emb": 0}
+
     def emission_reprs(self, states: Tensor) -> Tensor:
         """H_emit (n, h) of global state ids `states` (n,): the state vectors `embed` serves."""
         if self.state_embedding == "independent":
@@ -184,6 +188,58 @@ class VLHMM(nn.Module):
                 "trans": (trans / trans.sum(1, keepdim=True)).float().cpu(),
                 "emit": emit.float(), "word_cluster": self.word_cluster.cpu().long(),
                 "state_vectors": state_vectors.float().cpu()}
+
+
+def split_states(t: Tensor, M: int, k: int, axis: int) -> Tensor:
+    """`t` with its state axis `axis` (M k states, cluster-major) doubled to M 2k: state j of cluster m becomes
+    states 2j and 2j + 1 of cluster m, both copies of it. O(numel)."""
+    before, after = t.shape[:axis], t.shape[axis + 1:]
+    pairs = t.reshape(*before, M, k, 1, *after).expand(*before, M, k, 2, *after)
+    return pairs.reshape(*before, M * 2 * k, *after)
+
+
+def split_model(model: VLHMM, opt: torch.optim.Optimizer | None = None, best_state: dict[str, Tensor] | None = None,
+                generator: torch.Generator | None = None, noise: float = 0.0
+                ) -> tuple[VLHMM, torch.optim.Optimizer | None, dict[str, Tensor] | None]:
+    """Every state of `model` split in two within its cluster (k -> 2k states per cluster). Without noise the
+    new model is the same distribution: the copies share their parent's outgoing and emission distributions
+    and halve its start and incoming transition probabilities (all logits are copied, so each softmax over
+    the doubled states gives each copy half). `noise` adds N(0, (noise x std)^2) to the copies' state
+    parameters (drawn from `generator`) to break their symmetry. The AdamW moments in `opt` and the
+    parameters in `best_state` are split alike (`best_state` without noise: the same model, the same
+    perplexity). Returns (model, optimizer over its parameters, best_state). O(Z h)."""
+    M, k, axes = model.M, model.k, model.state_axes()
+    device, dtype = model.word_cluster.device, model.state_emb.dtype
+    new = VLHMM(model.V, model.word_cluster, M, 2 * k, model.h, model.state_embedding).to(device, dtype)
+    params = model.state_dict()
+    new.load_state_dict({n: split_states(v, M, k, axes[n]) if n in axes else v for n, v in params.items()})
+    if noise:
+        with torch.no_grad():
+            for name in axes:
+                p = getattr(new, name)
+                p.add_(torch.randn(p.shape, generator=generator, dtype=p.dtype).to(device) * (noise * float(p.std())))
+    new_opt = None
+    if opt is not None:
+        state = opt.state_dict()
+        index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+        for name, axis in axes.items():
+            moments = state["state"].get(index[name], {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments:
+                    moments[key] = split_states(moments[key], M, k, axis)
+        new_opt = make_optimizer(new, state["param_groups"][0]["lr"], blocked=True)
+        new_opt.load_state_dict(state)
+    if best_state is not None:
+        best_state = {n: split_states(v, M, k, axes[n]) if n in axes else v for n, v in best_state.items()}
+    return new, new_opt, best_state
+
+
+def make_optimizer(model: nn.Module, lr: float, blocked: bool) -> torch.optim.Optimizer:
+    """AdamW as the papers train: blocked_hmm (Chiu & Rush) betas (0.9, 0.999), no weight decay; rank_hmm
+    (Yang et al.) betas (0.99, 0.999), weight decay 0.01."""
+    betas = (0.9, 0.999) if blocked else (0.99, 0.999)
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0 if blocked else 0.01,
+                             fused=True)
 
 
 class RankNeural(nn.Module):
@@ -300,8 +356,9 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
     if ns.family == "blocked_hmm":
         from latentlm.training.brown import brown_clusters
 
+        states = ns.states >> len(common.split_epochs(ns))  # the model grows to ns.states by splitting (--split-at)
         if ns.clusters == 1:  # no emission constraint: every state may emit every word
-            model = VLHMM(V, torch.zeros(V, dtype=torch.long), 1, ns.states, ns.hidden, ns.state_embedding)
+            model = VLHMM(V, torch.zeros(V, dtype=torch.long), 1, states, ns.hidden, ns.state_embedding)
             return model, {}
         res = brown_clusters(train_seqs, V, ns.clusters, progress=ns.progress)
         wc = torch.from_numpy(res.word_cluster)
@@ -311,7 +368,7 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
 
             raise InputError(f"--clusters {ns.clusters}: the training data has only {M} distinct words",
                              param="clusters")
-        model = VLHMM(V, wc, M, ns.states // M, ns.hidden, ns.state_embedding)
+        model = VLHMM(V, wc, M, states // M, ns.hidden, ns.state_embedding)
         return model, {"clusters.txt": res.to_text(vocab.tokens).encode()}
     return RankNeural(V, ns.states, ns.rank, ns.hidden, ns.dropout or 0.0), {}
 
@@ -367,16 +424,16 @@ def train(ns: argparse.Namespace) -> Path:
     model, extra_files = build(ns, vocab, train_seqs)
     model.to(device)
     blocked = ns.family == "blocked_hmm"
-    lr = ns.lr
-    betas = (0.9, 0.999) if blocked else (0.99, 0.999)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0 if blocked else 0.01,
-                            fused=True)
-    decay = 1.0 / (ns.lr_decay or (4.0 if blocked else 2.0))
+    splits = common.split_epochs(ns)
     history, pos = common.History(), Position()
     ckdir = common.checkpoint_dir(ns.store, ns.name)
+    tensors, state = common.load_checkpoint(ckdir) if ns.resume else ({}, {})
+    while blocked and ns.resume and model.M * model.k < _checkpoint_states(model, tensors):
+        model = split_model(model)[0]  # splits done before the checkpoint (its parameters follow)
+    opt = make_optimizer(model, ns.lr, blocked)
+    decay = 1.0 / (ns.lr_decay or (4.0 if blocked else 2.0))
     carry = None
     if ns.resume:
-        tensors, state = common.load_checkpoint(ckdir)
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         common.restore_optimizer(opt, tensors, state["optimizer"])
         history = common.History.from_json(state["history"])
@@ -420,6 +477,9 @@ def train(ns: argparse.Namespace) -> Path:
             first = pos.batch if epoch == pos.epoch else 0
             if first == 0:
                 carry = None
+                if epoch in splits:  # grow: every state splits in two (same distribution, noise breaks ties)
+                    model, opt, best_state = split_model(model, opt, best_state, gen, noise=0.01)
+                    keep = model.k - round(model.k * ns.state_dropout)
             model.train()
             for bi in range(first, len(batches)):
                 b = batches[bi]
@@ -493,6 +553,11 @@ def train(ns: argparse.Namespace) -> Path:
     extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
     return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
                          extra_files=extra_files)
+
+
+def _checkpoint_states(model: VLHMM, tensors: dict[str, Tensor]) -> int:
+    """The number of states of the VL-HMM parameters in checkpoint `tensors`."""
+    return int(tensors["model.state_emb"].shape[model.state_axes()["state_emb"]])
 
 
 @dataclass

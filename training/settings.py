@@ -60,6 +60,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
                                "0 = no limit) and export the best evaluation"),
     "export_only": (bool, False, "blocked_hmm, rank_hmm, with --resume: export the checkpoint's best parameters "
                                  "again without training (e.g. a checkpoint brought back from a GPU run)"),
+    "split_at": (str, "", "blocked_hmm: epochs (from 0, comma-separated) at whose start every state splits in two, "
+                          "a warm start that keeps the model's distribution (--states is the final count; "
+                          "training starts with states / 2^(number of splits))"),
     "state_embedding": (str, "factored", "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
                                          "App. A.2) or 'independent' (one learned vector per state, App. A.3)"),
     "checkpoint_every": (int, None, "also checkpoint every N optimisation steps (blocked_hmm, rank_hmm; default "
@@ -130,6 +133,8 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
             v = cfg.get(key)
         if v is None:
             v = fam_defaults.get(key, default)
+        if typ is str and isinstance(v, list | tuple):  # a YAML / TOML list, e.g. split_at: [10, 20]
+            v = ",".join(str(x) for x in v)
         if v is not None:
             v = _coerce(key, typ, v)
         merged[key] = v
@@ -218,6 +223,10 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--fit: expected 'em', 'em-tied' or 'cooc', got {ns.fit!r}", param="fit")
     if recipe.check is not None:
         recipe.check(ns)
+    if ns.split_at:
+        from latentlm.training.common import split_epochs
+
+        split_epochs(ns)  # raises InputError naming --split-at
     if ns.dropout is not None and not 0 <= ns.dropout < 1:
         raise InputError(f"--dropout: must be in [0, 1), got {ns.dropout}", param="dropout")
     if ns.resume:

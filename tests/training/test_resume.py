@@ -58,23 +58,27 @@ def _final(store, name):
 FAMILIES = {
     "blocked_hmm": dict(states=16, clusters=4, hidden=8, state_dropout=0.5),
     "blocked_hmm_bptt": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, bptt=12, batch=6),
+    # 8 states until epoch 1, then 16 (--split-at): the split must happen exactly once whatever the interruption
+    "blocked_hmm_split": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, split_at="1",
+                              state_embedding="independent"),
     "rank_hmm": dict(states=16, rank=4, hidden=8, dropout=0.3),
 }
 
 
-# checkpoints at steps 3, 5 (eval), 6, 9, 10 (eval), 12, ... of 10 batches per epoch: the 3rd is in epoch 1,
-# the 6th in epoch 2
-@pytest.mark.parametrize("case,interrupt_at", [("blocked_hmm", 6), ("blocked_hmm_bptt", 3), ("rank_hmm", 3),
-                                               ("rank_hmm", 6)])
-def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, case, interrupt_at):
-    family = case.removesuffix("_bptt")
+# checkpoints at steps 3, 5 (eval), 6, 9, 10 (eval, the end of epoch 1), 12, ... of 10 batches per epoch: the 3rd
+# is in epoch 1, the 5th at its end (before a split at epoch 1), the 6th in epoch 2 (after it)
+@pytest.mark.parametrize("case,interrupt_at,mid", [("blocked_hmm", 6, True), ("blocked_hmm_bptt", 3, True),
+                                                   ("rank_hmm", 3, True), ("rank_hmm", 6, True),
+                                                   ("blocked_hmm_split", 5, False), ("blocked_hmm_split", 6, True)])
+def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, case, interrupt_at, mid):
+    family = case.removesuffix("_bptt").removesuffix("_split")
     kw = {"data": [tiny_corpus(tmp_path)], "epochs": 2, "batch": 16, "lr": 0.02, "eval_every": 5,
           "checkpoint_every": 3, "patience": 3, **FAMILIES[case]}
 
     def run(name, resume=False):
         return neural.train(resolve_settings(train_args(tmp_path, family, name=name, resume=resume, **kw)))
 
-    _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at, mid_epoch=True)
+    _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at, mid_epoch=mid)
 
 
 def _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at: int, mid_epoch: bool) -> None:
@@ -131,8 +135,12 @@ def test_checkpoint_every_writes_position_and_generators(tmp_path):
      "--hidden: the checkpoint of 'run' has hidden size 4, not 6; drop --resume or use --hidden 4"),
     ("rank_hmm", {"states": 8, "rank": 4, "hidden": 8}, {"states": 8, "rank": 2, "hidden": 8}, "rank",
      "--rank: the checkpoint of 'run' has rank 4, not 2; drop --resume or use --rank 4"),
-    ("blocked_hmm", {"states": 16, "clusters": 4, "hidden": 8}, {"states": 16, "clusters": 8, "hidden": 8},
+    ("blocked_hmm", {"states": 16, "clusters": 4, "hidden": 8, "split_at": ""},
+     {"states": 16, "clusters": 8, "hidden": 8, "split_at": ""},
      "clusters", "--clusters: the checkpoint of 'run' has 4 clusters, not 8; drop --resume or use --clusters 4"),
+    ("blocked_hmm", {"states": 16, "clusters": 4, "hidden": 8, "split_at": ""},
+     {"states": 16, "clusters": 4, "hidden": 8, "split_at": "1"}, "split_at",
+     "--split-at: the checkpoint of 'run' has --split-at '', not 1; drop --resume or use --split-at ''"),
 ])
 def test_resume_refuses_other_shape_settings(tmp_path, monkeypatch, family, first, second, flag, message):
     from latentlm.models.errors import InputError
@@ -140,7 +148,7 @@ def test_resume_refuses_other_shape_settings(tmp_path, monkeypatch, family, firs
 
     trainer = cli.train
     data = tiny_corpus(tmp_path)
-    kw = {"data": [data], "epochs": 1, "batch": 16, "max_steps": 2, "name": "run", "lr": 0.02}
+    kw = {"data": [data], "epochs": 2, "batch": 16, "max_steps": 2, "name": "run", "lr": 0.02}
     trainer(resolve_settings(train_args(tmp_path, family, **kw, **first)))
     ck = common.checkpoint_dir(tmp_path, "run")
     assert json.loads((ck / "state.json").read_text())["settings"] == {"family": family, **first}
