@@ -303,6 +303,10 @@ class Progress:
         self.bar.set_postfix(self.post, refresh=False)
         self.bar.update(tokens)
 
+    def relabel(self, desc: str) -> None:
+        """Change the bar's label (a model that grows mid-run says its new size)."""
+        self.bar.set_description(desc, refresh=False)
+
     def close(self) -> None:
         self.bar.close()
 

@@ -448,7 +448,7 @@ def train(ns: argparse.Namespace) -> Path:
     k = model.k if blocked else 0
     keep = k - round(k * ns.state_dropout) if blocked else 0
     N = common.num_tokens(train_seqs)
-    bar = common.Progress(N * max(ns.epochs - pos.epoch, 0), f"{ns.family} Z={ns.states}", ns.progress)
+    bar = common.Progress(N * max(ns.epochs - pos.epoch, 0), _label(ns, model, splits), ns.progress)
     stop = False
     best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
     if history.rows:
@@ -480,6 +480,7 @@ def train(ns: argparse.Namespace) -> Path:
                 if epoch in splits:  # grow: every state splits in two (same distribution, noise breaks ties)
                     model, opt, best_state = split_model(model, opt, best_state, gen, noise=0.01)
                     keep = model.k - round(model.k * ns.state_dropout)
+                    bar.relabel(_label(ns, model, splits))
             model.train()
             for bi in range(first, len(batches)):
                 b = batches[bi]
@@ -553,6 +554,13 @@ def train(ns: argparse.Namespace) -> Path:
     extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
     return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
                          extra_files=extra_files)
+
+
+def _label(ns: argparse.Namespace, model: nn.Module, splits: list[int]) -> str:
+    """The progress bar's label: family and current state count, and the splits still to come."""
+    states = model.M * model.k if isinstance(model, VLHMM) else ns.states
+    ahead = splits[len(splits) - (ns.states // states).bit_length() + 1:]  # ns.states = states x 2^len(ahead)
+    return f"{ns.family} Z={states}" + (f" (x2 at epoch {', '.join(map(str, ahead))})" if ahead else "")
 
 
 def _checkpoint_states(model: VLHMM, tensors: dict[str, Tensor]) -> int:
