@@ -247,7 +247,11 @@ def _trainers() -> dict[str, Callable[[argparse.Namespace], Path]]:
 
 
 def train(ns: argparse.Namespace) -> Path:
-    """Run the recipe's training loop on validated settings; returns the artifact directory."""
+    """Run the recipe's training loop on validated settings; returns the artifact directory. The process keeps
+    freed memory for the next step's tensors (`common.reuse_freed_memory`)."""
+    from latentlm.training.common import reuse_freed_memory
+
+    reuse_freed_memory()
     return _trainers()[ns.family](ns)
 
 

@@ -1,0 +1,36 @@
+"""Training processes keep freed memory for reuse (`common.reuse_freed_memory`): a 64 MiB tensor allocated
+and freed step after step faults its pages in once, not at every step. Run in a child process, since the
+setting is process-wide."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CHILD = """
+import resource, sys, torch
+from latentlm.training.common import reuse_freed_memory
+if sys.argv[1] == "reuse":
+    assert reuse_freed_memory()
+torch.empty(1).fill_(0)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(8):
+    t = torch.empty(4096, 4096)  # 64 MiB: above glibc's mmap ceiling of 32 MiB
+    t.fill_(1.0)
+    del t
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_large_tensors_fault_in_once_not_every_step():
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
+        return int(out.stdout.strip())
+
+    pages = 64 * 2**20 // 4096  # 16,384 pages per tensor
+    default, reuse = faults("default"), faults("reuse")
+    assert default > 6 * pages  # every allocation is a fresh mapping: 8 x 16,384 faults
+    assert reuse < 3 * pages  # the heap grows once (about two tensors' worth of faults), then is reused
