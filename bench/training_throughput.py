@@ -24,6 +24,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -102,6 +103,29 @@ def flops(family: str, Z: int, c: int, h: int, keep: float, emb: str) -> float:
     return 3.0 * fwd
 
 
+def blocked_step(batch: Batch, Z: int, c: int, h: int, drop: float, emb: str, g: torch.Generator
+                 ) -> tuple[Callable[[], None], neural.VLHMM, int]:
+    """One blocked_hmm optimisation step on `batch` (BPTT: the carry goes on), as the trainer runs it: a
+    VL-HMM over V words in c random balanced clusters, state dropout `drop`, AdamW (fused). Returns (step,
+    model, states kept per cluster)."""
+    B, T = batch.ids.shape
+    wc = torch.arange(V) % c
+    model = neural.VLHMM(V, wc[torch.randperm(V, generator=g)], c, Z // c, h, emb)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    k = Z // c
+    keep = k - round(k * drop)
+    carry = [None]
+
+    def step() -> None:
+        active = neural.sample_state_dropout(c, k, keep, g)
+        nll, carry[0] = neural.blocked_loss(model, batch, active, carry[0], want_last=True)
+        opt.zero_grad()
+        (nll / (B * T)).backward()
+        opt.step()
+
+    return step, model, keep
+
+
 def run_config(name: str, steps: int, baseline: bool) -> dict:
     family, Z, c, h, B, T, drop, emb = CONFIGS[name]
     torch.manual_seed(0)
@@ -121,21 +145,9 @@ def run_config(name: str, steps: int, baseline: bool) -> dict:
         row.update(rank=c, clusters="", keep=Z)
         keep_frac = 1.0
     else:
-        wc = torch.arange(V) % c
-        model = neural.VLHMM(V, wc[torch.randperm(V, generator=g)], c, Z // c, h, emb)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        step, model, keep = blocked_step(batch, Z, c, h, drop, emb, g)
         k = Z // c
-        keep = k - round(k * drop)
         keep_frac = keep / k
-        carry = [None]
-
-        def step():
-            active = neural.sample_state_dropout(c, k, keep, g)
-            nll, carry[0] = neural.blocked_loss(model, batch, active, carry[0], want_last=True)
-            opt.zero_grad()
-            (nll / (B * T)).backward()
-            opt.step()
-
         row.update(rank="", clusters=c, keep=c * keep)
     sec = timed(step, steps)
     fl = flops(family, Z, c, h, keep_frac, emb)
@@ -186,10 +198,7 @@ def main() -> None:
         rows.append(row)
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
-    lines = [f"\n## {dt.date.today().isoformat()}: {cpu_name()}, {args.threads} torch threads, torch "
-             f"{torch.__version__}, load average before the run {' '.join(load)}\n",
-             f"Command: `python {' '.join(sys.argv)}`\n",
-             "| config | family | states (kept per step) | clusters / rank | hidden | tokens/step | ms/step | "
+    lines = ["| config | family | states (kept per step) | clusters / rank | hidden | tokens/step | ms/step | "
              "tokens/s | GFLOP/step | GFLOP/s | GEMM peak GFLOP/s | % of peak | min/epoch (PTB) | previous path "
              "ms/step | speed-up |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -198,8 +207,16 @@ def main() -> None:
                      f"| {r['hidden']} | {r['tokens/step']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
                      f"{r['gflop']:.2f} | {r['gflops']:.1f} | {r['peak']:.1f} | {r['pct']:.0f}% | "
                      f"{r['epoch_min']:.1f} | {r.get('old_ms', math.nan):.1f} | {r.get('speedup', math.nan):.2f}x |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
+    write_section(args.out, f"{args.threads} torch threads, torch {torch.__version__}, load average before the run "
+                  f"{' '.join(load)}", lines)
+
+
+def write_section(out: Path, setting: str, lines: list[str]) -> None:
+    """Append one run's section to `out` (heading: date, CPU and `setting`; the command; `lines`) and print it."""
+    lines = [f"\n## {dt.date.today().isoformat()}: {cpu_name()}, {setting}\n",
+             f"Command: `python {' '.join(sys.argv)}`\n", *lines]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
