@@ -434,6 +434,8 @@ def service_load(args, dev: torch.device) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+    if "error" in row or row.get("errors") or job.get("error") or job.get("request_counts", {}).get("failed"):
+        row["server_log_tail"] = log.read_text(errors="replace")[-2000:]  # why the server refused them
     if "error" not in row:
         emit(job)
         if "error" in job:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check in at most ~8 minutes (section limits 100 + 240 + 100 + 30 s), writing one markdown results file:
+# One GPU check in at most ~8 minutes (section limits 100 + 240 + 100 + 30 s by default), writing one markdown results file:
 #   (a) tests/models/test_triton.py (compiled Triton kernels on CUDA, CUDA graphs; interpreter on CPU)
 #   (b) bench/gpu_bench.py: the kernels next to the shared yardstick, same process (+ matmul peak, copy bandwidth)
 #   (c) `latentlm serve --device cuda` under a load generator (needs fastapi/uvicorn: installed from .whl/ if there)
@@ -8,6 +8,8 @@
 #   bash bench/gpu_check.sh [--small] [--yardstick PATH] [--out DIR]
 #
 # --small: tiny shapes; without a GPU the Triton kernels run in Triton's interpreter (CI on CPU, ~1-2 minutes).
+# GPU_CHECK_LIMITS="A B C D": the four sections' limits in seconds (default "100 240 100 30"; the benchmark stops
+# starting new variants 40 s before its limit).
 # The repository need not be pip-installed: a temporary `latentlm` package of symlinks (latentlm/* plus
 # models/, service/, training/ as latentlm.models, ...) is put first on PYTHONPATH.
 # Yardstick: --yardstick PATH, else ../shared/bench/gpu_yardstick.py when it exists, else
@@ -41,6 +43,7 @@ YARD="$(cd "$(dirname "$YARD")" 2>/dev/null && pwd)/$(basename "$YARD")"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 T_START=$(date +%s)
+read -r LIM_A LIM_B LIM_C LIM_D <<< "${GPU_CHECK_LIMITS:-100 240 100 30}"
 # shellcheck source=bench/gpu_env.sh
 . "$ROOT/bench/gpu_env.sh"  # $PYTHON, $WORK, an importable `latentlm` without installing the repository
 
@@ -92,24 +95,24 @@ section() {  # section NAME TIMEOUT_S CMD...: run, keep status, time and output 
 ANY_FAILED=0  # every section runs; the script's exit status says whether one failed
 mkdir -p "$WORK/run"
 # (a) tests: on CUDA the compiled kernels (and the `cuda` tests); on CPU the interpreter
-PYTHONPATH="$SVC_PATH" section "a-tests" 100 "$PYTHON" -m pytest "$ROOT/tests/models/test_triton.py" "$ROOT/tests/models/test_backend_cuda.py" --rootdir "$ROOT" -q -rs \
+PYTHONPATH="$SVC_PATH" section "a-tests" "$LIM_A" "$PYTHON" -m pytest "$ROOT/tests/models/test_triton.py" "$ROOT/tests/models/test_backend_cuda.py" --rootdir "$ROOT" -q -rs \
   -p no:cacheprovider --import-mode=importlib
 # (b) kernels next to the yardstick
 if [ -f "$YARD" ]; then
-  TAIL_LINES=70 section "b-bench" 240 "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --yardstick "$YARD" --deadline-s 200 \
+  TAIL_LINES=70 section "b-bench" "$LIM_B" "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --yardstick "$YARD" --deadline-s $((LIM_B - 40)) \
     --out "$OUT/gpu_bench$SUFFIX.md" --json "$OUT/gpu_bench$SUFFIX.jsonl"
 else
   printf '\n## b-bench: skipped: no yardstick at %s (pass --yardstick PATH)\n' "$YARD" >> "$WORK/sections.md"
 fi
 # (c) the service under load
 if PYTHONPATH="$SVC_PATH" "$PYTHON" -c "import fastapi, uvicorn, pydantic, httpx" 2>"$WORK/fastapi.err"; then
-  PYTHONPATH="$SVC_PATH" section "c-service" 100 "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode service \
+  PYTHONPATH="$SVC_PATH" section "c-service" "$LIM_C" "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode service \
     --json "$OUT/gpu_service$SUFFIX.jsonl"
 else
   printf '\n## c-service: skipped: no fastapi (%s)\n' "$(tail -1 "$WORK/fastapi.err")" >> "$WORK/sections.md"
 fi
 # (d) onnxruntime CUDA provider parity
-section "d-onnx" 30 "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode onnx
+section "d-onnx" "$LIM_D" "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode onnx
 
 T_END=$(date +%s)
 {

@@ -3,8 +3,11 @@ back only small files): `pack` splits `<store>/.train/<name>/` (tensors.safetens
 shards, `unpack` reassembles it, after which `latentlm train --config ... --name NAME --resume --export-only`
 writes the artifact (or `--resume` alone continues training).
 
-    python bench/gpu_params.py pack STORE NAME OUT_DIR [--max-mb 15]
+    python bench/gpu_params.py pack STORE NAME OUT_DIR [--max-mb 15] [--best-only [--dtype float16]]
     python bench/gpu_params.py unpack OUT_DIR STORE NAME
+
+--best-only keeps only the best parameters (what `--export-only` exports; no optimizer state, so `--resume`
+cannot continue training from it), optionally stored in float16 (half the size; unpack restores float32).
 
 Tensors larger than a shard are cut along their first dimension into parts `key@part:i`; `unpack` checks
 every shard's SHA-256 against the index (`checkpoint-index.json`) and concatenates the parts in order.
@@ -22,9 +25,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def pack(store: Path, name: str, out: Path, max_mb: float) -> list[Path]:
+def pack(store: Path, name: str, out: Path, max_mb: float, best_only: bool = False,
+         dtype: str | None = None) -> list[Path]:
     src = store / ".train" / name
     tensors = load_file(str(src / "tensors.safetensors"))
+    if best_only:
+        tensors = {k: v for k, v in tensors.items() if k.startswith("best.")}
+    if dtype:
+        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
     limit = int(max_mb * 2**20)
     pieces: list[tuple[str, torch.Tensor]] = []
     for key, t in tensors.items():
@@ -74,6 +82,9 @@ def unpack(src: Path, store: Path, name: str) -> Path:
                 tensors[key] = t
     for base, chunks in parts.items():
         tensors[base] = torch.cat([t for _, t in sorted(chunks, key=lambda c: c[0])])
+    tensors = {k: v.float() if v.dtype in (torch.float16, torch.bfloat16) else v for k, v in tensors.items()}
+    if not any(k.startswith("model.") for k in tensors):  # packed --best-only: the model is its best parameters
+        tensors.update({"model." + k[5:]: v.clone() for k, v in tensors.items() if k.startswith("best.")})
     dst = store / ".train" / name
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "tensors.safetensors"))
@@ -89,13 +100,15 @@ def main() -> None:
     p.add_argument("name")
     p.add_argument("out", type=Path)
     p.add_argument("--max-mb", type=float, default=15.0)
+    p.add_argument("--best-only", action="store_true", help="only the best parameters (enough to export)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], help="store floating tensors in this type")
     u = sub.add_parser("unpack")
     u.add_argument("src", type=Path)
     u.add_argument("store", type=Path)
     u.add_argument("name")
     args = ap.parse_args()
     if args.cmd == "pack":
-        paths = pack(args.store, args.name, args.out, args.max_mb)
+        paths = pack(args.store, args.name, args.out, args.max_mb, args.best_only, args.dtype)
         print(f"{len(paths)} shards in {args.out}")
     else:
         print(f"checkpoint restored to {unpack(args.src, args.store, args.name)}")

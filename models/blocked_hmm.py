@@ -66,7 +66,7 @@ class BlockedHMM(ChainFamily):
         if "state_vectors" in tensors:
             sv = tensors["state_vectors"]
             check_shape(tensors, "state_vectors", (Z, sv.shape[1] if sv.ndim == 2 else 0), where)
-        per_state = torch.zeros(M, k, dtype=torch.float64).index_add_(0, wc, emit.double())  # (M, k)
+        per_state = torch.zeros(M, k, dtype=torch.float64, device=emit.device).index_add_(0, wc, emit.double())
         if bool((emit < 0).any()) or not bool(torch.isfinite(emit).all()):
             raise ArtifactError(f"{where}: tensor 'emit' has negative or non-finite entries", param="emit")
         bad = (per_state - 1).abs() > 1e-4

@@ -252,9 +252,9 @@ def check_normalised(tensors: dict[str, Tensor], N: int, W: int, bos: int, eos: 
         lower = cond_logprob(t["unigram_logprob"], keys, lps, bo_tabs, lower_ctx,
                              w[:, -1], W).exp()
         n_ctx = words[n - 2].shape[0]
-        explicit = torch.zeros(n_ctx, dtype=torch.float64).index_add_(0, ctx, lps[n - 2].exp())
-        lower_sum = torch.zeros(n_ctx, dtype=torch.float64).index_add_(0, ctx, lower)
-        has = torch.zeros(n_ctx, dtype=torch.bool)
+        explicit = torch.zeros(n_ctx, dtype=torch.float64, device=ctx.device).index_add_(0, ctx, lps[n - 2].exp())
+        lower_sum = torch.zeros(n_ctx, dtype=torch.float64, device=ctx.device).index_add_(0, ctx, lower)
+        has = torch.zeros(n_ctx, dtype=torch.bool, device=ctx.device)
         has[ctx] = True
         bo = bo_tabs[n - 2].exp()
         sums = torch.where(has, explicit + bo * (1 - lower_sum), bo)

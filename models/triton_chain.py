@@ -450,6 +450,7 @@ def rank_forward_cuda(init: Tensor, emit_table: Tensor, ids: Tensor, lengths: Te
         bufs["g"] = torch.zeros(Bb, r, dtype=torch.float32 if (fp32_out or sd == torch.float32) else sd, device=dev)
         init_rows = torch.zeros(Bb, dtype=torch.long, device=dev) if shared else bufs["rows"]
         block, warps = _norm_block(r)
+        mm_kw = {"out_dtype": torch.float32} if fp32_out else {}  # bf16 inputs, fp32 accumulator and output
 
         def body(self: _Runner) -> None:
             b = self.bufs
@@ -460,10 +461,7 @@ def rank_forward_cuda(init: Tensor, emit_table: Tensor, ids: Tensor, lengths: Te
                     k[(Bb,)](b["init"], init_rows, 0 if shared else r, E, ids_, Tb, len_, alpha, r, lc, Tb, 0, r,
                              BLOCK=block, num_warps=warps)
                     for t in range(1, Tb):
-                        if fp32_out:
-                            torch.mm(alpha, R, out_dtype=torch.float32, out=g)
-                        else:
-                            torch.mm(alpha, R, out=g)
+                        torch.mm(alpha, R, out=g, **mm_kw)
                         k[(Bb,)](g, b["rows"], r, E, ids_, Tb, len_, alpha, r, lc, Tb, t, r,
                                  BLOCK=block, num_warps=warps)
                 else:
@@ -471,7 +469,7 @@ def rank_forward_cuda(init: Tensor, emit_table: Tensor, ids: Tensor, lengths: Te
                     init_b = b["init"].expand(Bb, r) if shared else b["init"]
                     _torch_emit_norm(init_b, E[ids_[:, 0]], valid[:, 0], alpha, lc, 0)
                     for t in range(1, Tb):
-                        torch.mm(alpha, R, out=g)
+                        torch.mm(alpha, R, out=g, **mm_kw)
                         _torch_emit_norm(g, E[ids_[:, t]], valid[:, t], alpha, lc, t)
 
         return _Runner(body, bufs)

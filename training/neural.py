@@ -268,14 +268,15 @@ class RankNeural(nn.Module):
         return start, state_in, state_out, emit
 
     def export_tensors(self) -> dict[str, Tensor]:
-        with torch.no_grad():
-            start, si, so, emit = (t.double().cpu() for t in self.matrices())
-        start = start / start.sum()
-        si = si / si.sum(1, keepdim=True)
-        so = so / so.sum(1, keepdim=True)
-        emit = emit / emit.sum(0, keepdim=True)
-        return {"start": start.float(), "state_in": si.float(), "state_out": so.float(), "emit": emit.float(),
-                "rank_start": (start @ si).float(), "rank_trans": (so @ si).float()}
+        with torch.no_grad():  # float64 on the parameters' device (V U^T is O(m r^2)), stored float32 on the CPU
+            start, si, so, emit = (t.double() for t in self.matrices())
+            start = start / start.sum()
+            si = si / si.sum(1, keepdim=True)
+            so = so / so.sum(1, keepdim=True)
+            emit = emit / emit.sum(0, keepdim=True)
+            out = {"start": start, "state_in": si, "state_out": so, "emit": emit, "rank_start": start @ si,
+                   "rank_trans": so @ si}
+            return {k: v.float().cpu() for k, v in out.items()}
 
 
 # -- losses -------------------------------------------------------------------------------------------
@@ -384,12 +385,14 @@ def exported_tensors(model: nn.Module, ns: argparse.Namespace, train_seqs: list[
 
 
 def family_scorer(model: nn.Module, family: str, tensors: dict[str, Tensor] | None = None):
-    """Score function over the exported tensors through the family's own inference (what the service runs)."""
+    """Score function over the exported tensors through the family's own inference (what the service runs),
+    on the device that holds the model's parameters."""
     t = model.export_tensors() if tensors is None else tensors
+    device = next(model.parameters()).device
     if family == "blocked_hmm":
-        impl = BlockedHMM.from_tensors(t, {"num_clusters": model.M})
+        impl = BlockedHMM.from_tensors(t, {"num_clusters": model.M}, device=device)
     else:
-        impl = RankHMM.from_tensors(t, {})
+        impl = RankHMM.from_tensors(t, {}, device=device)
     return lambda b: impl.score(b)[0], t
 
 
@@ -435,10 +438,11 @@ def train(ns: argparse.Namespace) -> Path:
     carry = None
     if ns.resume:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
-        common.restore_optimizer(opt, tensors, state["optimizer"])
+        if not ns.export_only:  # exporting needs only the parameters (a checkpoint may carry no optimizer state)
+            common.restore_optimizer(opt, tensors, state["optimizer"])
+            common.restore_rng(gen, tensors)
         history = common.History.from_json(state["history"])
         pos = Position.from_json(state, history)
-        common.restore_rng(gen, tensors)
         carry = tensors.get("carry")
         carry = carry.to(device) if carry is not None else None
         t0 -= state.get("seconds", 0.0)

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything a short GPU loan is for, in one command within a wall-clock budget, into one folder that holds at
+# most 8 files (what such a machine can bring back):
+#   (1) bench/gpu_check.sh with shortened section limits (tests, kernels next to the yardstick, service, onnx);
+#   (2) bench/gpu_train.sh with the time that is left (the paper-scale rank-space HMM by default), its best
+#       parameters in float16 shards of at most 15 MiB;
+#   (3) OUT/gpu_check.md, OUT/gpu_train.md, OUT/files.tgz (every other report, log, JSON and the checkpoint's
+#       index and state) and OUT/checkpoint/checkpoint-*.safetensors.
+# Rebuild the trained artifact here: tar xzf OUT/files.tgz -C OUT, then bench/gpu_params.py unpack OUT/checkpoint
+# STORE gpu-train, then `latentlm train --config CONFIG --name gpu-train --store STORE --resume --export-only`.
+#
+#   bash bench/gpu_session.sh [--budget-s 570] [--check-limits "80 170 80 20"] [--small] OUT
+#
+# --small: both scripts' --small modes on the CPU (checks this script end to end).
+set -u
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUDGET=570
+LIMITS="80 170 80 20"
+SMALL=()
+OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --budget-s) BUDGET="$2"; shift ;;
+    --check-limits) LIMITS="$2"; shift ;;
+    --small) SMALL=(--small) ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -*) echo "gpu_session.sh: unknown option $1" >&2; exit 2 ;;
+    *) OUT="$1" ;;
+  esac
+  shift
+done
+[ -n "$OUT" ] || { echo "gpu_session.sh: give the output folder" >&2; exit 2; }
+T0=$(date +%s)
+STAGE="$(mktemp -d /tmp/latentlm-session.XXXXXX)"
+mkdir -p "$OUT" "$STAGE/check" "$STAGE/train"
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+# (1) the check; its report is copied out at once, so it comes back even if a later stage runs out of time
+GPU_CHECK_LIMITS="$LIMITS" bash "$ROOT/bench/gpu_check.sh" "${SMALL[@]}" --out "$STAGE/check"
+RC=$?
+echo "gpu_session: check finished after $(elapsed) s (exit $RC)" | tee "$STAGE/session.log"
+cp "$STAGE/check"/gpu_check*.md "$OUT/" 2>/dev/null
+tar czf "$OUT/files.tgz" -C "$STAGE" check session.log
+
+# (2) training in what is left: reserve 180 s for data, export, three evaluations and packing
+LEFT=$(( BUDGET - $(elapsed) - 180 ))
+if [ "$LEFT" -lt 45 ]; then
+  echo "gpu_session: only $LEFT s left for training; skipped" | tee -a "$STAGE/session.log"
+else
+  MIN=$(python3 -c "print(round($LEFT / 60, 2))")
+  echo "gpu_session: training for $MIN minutes" | tee -a "$STAGE/session.log"
+  bash "$ROOT/bench/gpu_train.sh" "${SMALL[@]}" --minutes "$MIN" --out "$STAGE/train"
+  RC=$?
+  echo "gpu_session: training finished after $(elapsed) s (exit $RC)" | tee -a "$STAGE/session.log"
+  cp "$STAGE/train/gpu_train.md" "$OUT/" 2>/dev/null
+  if ls "$STAGE/train/checkpoint"/checkpoint-*.safetensors > /dev/null 2>&1; then
+    mkdir -p "$OUT/checkpoint"
+    mv "$STAGE/train/checkpoint"/checkpoint-*.safetensors "$OUT/checkpoint/"
+  fi
+fi
+tar czf "$OUT/files.tgz" -C "$STAGE" check train session.log
+ls -la "$OUT" "$OUT/checkpoint" 2>/dev/null
+rm -rf "$STAGE"
