@@ -211,8 +211,11 @@ def split_model(model: VLHMM, opt: torch.optim.Optimizer | None = None, best_sta
     M, k, axes = model.M, model.k, model.state_axes()
     device, dtype = model.word_cluster.device, model.state_emb.dtype
     new = VLHMM(model.V, model.word_cluster, M, 2 * k, model.h, model.state_embedding).to(device, dtype)
-    params = model.state_dict()
-    new.load_state_dict({n: split_states(v, M, k, axes[n]) if n in axes else v for n, v in params.items()})
+
+    def split_all(params: dict[str, Tensor]) -> dict[str, Tensor]:  # a state dict, every state axis doubled
+        return {n: split_states(v, M, k, axes[n]) if n in axes else v for n, v in params.items()}
+
+    new.load_state_dict(split_all(model.state_dict()))
     if noise:
         with torch.no_grad():
             for name in axes:
@@ -230,7 +233,7 @@ def split_model(model: VLHMM, opt: torch.optim.Optimizer | None = None, best_sta
         new_opt = make_optimizer(new, state["param_groups"][0]["lr"], blocked=True)
         new_opt.load_state_dict(state)
     if best_state is not None:
-        best_state = {n: split_states(v, M, k, axes[n]) if n in axes else v for n, v in best_state.items()}
+        best_state = split_all(best_state)
     return new, new_opt, best_state
 
 

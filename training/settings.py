@@ -60,7 +60,8 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
                                "0 = no limit) and export the best evaluation"),
     "export_only": (bool, False, "blocked_hmm, rank_hmm, with --resume: export the checkpoint's best parameters "
                                  "again without training (e.g. a checkpoint brought back from a GPU run)"),
-    "split_at": (str, "", "blocked_hmm: epochs (from 0, comma-separated) at whose start every state splits in two, "
+    "split_at": (str, "", "blocked_hmm: epochs (1 to --epochs - 1, comma-separated; epochs count from 0) at "
+                          "whose start every state splits in two, "
                           "a warm start that keeps the model's distribution (--states is the final count; "
                           "training starts with states / 2^(number of splits))"),
     "state_embedding": (str, "factored", "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
