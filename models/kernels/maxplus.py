@@ -102,8 +102,7 @@ if HAVE_NUMBA:
         zero, one = ft(0.0), ft(1.0)
         alive = zero  # how many columns the next chunk could improve (a float sum: it vectorises)
         for j in range(w):
-            u = uint64(j)
-            nb = fmax(fmax(_max8(flat, rb, db, u), _max8(flat, ra, da, u)), best[j])
+            nb = _max16(flat, ra, da, rb, db, best, j)
             nbest[j] = nb
             alive += pick(next_top + col_max[j0 + j], nb, one, zero)
         return alive > zero
@@ -114,8 +113,13 @@ if HAVE_NUMBA:
         ra, da = _eight(order, scores, n0, n1 - 1, ld, j0)
         rb, db = _eight(order, scores, n0 + 8, n1 - 1, ld, j0)
         for j in range(w):
-            u = uint64(j)
-            nbest[j] = fmax(fmax(_max8(flat, rb, db, u), _max8(flat, ra, da, u)), best[j])
+            nbest[j] = _max16(flat, ra, da, rb, db, best, j)
+
+    @njit(nogil=True, inline="always", fastmath=FASTMATH, cache=True)
+    def _max16(flat, ra, da, rb, db, best, j):  # pragma: no cover - compiled
+        """One column j of a chunk: the maximum of best[j] and the 16 sources (two `_eight`s) at offset j."""
+        u = uint64(j)
+        return fmax(fmax(_max8(flat, rb, db, u), _max8(flat, ra, da, u)), best[j])
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def source_order(drow, centre, order, bounds, scores, counts, keys):  # pragma: no cover - compiled
