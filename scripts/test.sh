@@ -35,10 +35,10 @@ fi
 
 echo "==> ruff"
 .venv/bin/ruff check .
-echo "==> bench/gpu_check.sh --small (the GPU check's code paths on this CPU: Triton interpreter, tiny shapes)"
+echo "==> bench/gpu_session.sh --small (gpu_check.sh and gpu_train.sh on this CPU: Triton interpreter, tiny shapes)"
 GPU_SMALL_OUT="$(mktemp -d)"
-PYTHON="$PWD/.venv/bin/python" bash bench/gpu_check.sh --small --out "$GPU_SMALL_OUT" >"$GPU_SMALL_OUT/log" 2>&1 || {
-  cat "$GPU_SMALL_OUT/log"; echo "gpu_check.sh --small failed"; exit 1; }
-tail -n 3 "$GPU_SMALL_OUT/log"
+PYTHON="$PWD/.venv/bin/python" bash bench/gpu_session.sh --small "$GPU_SMALL_OUT/out" >"$GPU_SMALL_OUT/log" 2>&1 || {
+  cat "$GPU_SMALL_OUT/log"; echo "gpu_session.sh --small failed"; exit 1; }
+grep "^gpu_session:" "$GPU_SMALL_OUT/log"
 echo "==> pytest"
 exec .venv/bin/python -m pytest "$@"

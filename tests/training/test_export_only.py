@@ -48,3 +48,27 @@ def test_export_only_needs_resume(tmp_path):
     with pytest.raises(InputError) as e:
         resolve_settings(train_args(tmp_path, "rank_hmm", export_only=True))
     assert e.value.param == "export_only"
+
+
+@pytest.mark.parametrize("dtype", [None, "float16"])
+def test_best_parameters_alone_export_the_artifact(tmp_path, dtype):
+    """What a GPU run brings back (`pack --best-only [--dtype float16]`: no optimizer state, no generators)
+    exports with `--export-only`: the same artifact in float32, within float16's rounding in float16."""
+    settings = dict(hidden=8, epochs=1, max_steps=6, train_sentences=400, valid_sentences=50, batch=8,
+                    states=32, rank=8)
+    first = neural.train(resolve_settings(train_args(tmp_path / "a", "rank_hmm", **settings)))
+    name = first.name
+    gpu_params().pack(tmp_path / "a", name, tmp_path / "carry", max_mb=15, best_only=True, dtype=dtype)
+    carried = gpu_params().load_file(str(tmp_path / "carry" / "checkpoint-000.safetensors"))
+    assert carried and all(k.startswith("best.") for k in carried)
+    assert all(v.dtype == (torch.float16 if dtype else torch.float32) for v in carried.values())
+    gpu_params().unpack(tmp_path / "carry", tmp_path / "b", name)
+    again = neural.train(resolve_settings(train_args(tmp_path / "b", "rank_hmm", resume=True, export_only=True,
+                                                     **settings)))
+    a, b = load_artifact(first), load_artifact(again)
+    for key, t in a.tensors.items():
+        if dtype is None:
+            assert torch.equal(t, b.tensors[key]), key
+        else:  # parameters rounded to 11 significant bits: probabilities within ~1% of the float32 export
+            assert torch.allclose(t, b.tensors[key], rtol=2e-2, atol=1e-7), key
+            assert not torch.equal(t, b.tensors[key]), key
