@@ -505,6 +505,9 @@ def train(ns: argparse.Namespace) -> Path:
                         param="lr")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                if ns.lr_anneal:
+                    used = budget_used(ns, pos.step, epoch + bi / len(batches), time.perf_counter() - t0)
+                    set_lr(opt, anneal_factor(used, ns.lr_anneal))
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
                 if not math.isfinite(float(grad_norm)):
                     raise TrainingDiverged(
@@ -537,6 +540,7 @@ def train(ns: argparse.Namespace) -> Path:
                         # plateau: decay at every evaluation without improvement, or (--lr-patience N) after
                         # every N in a row (Chiu & Rush: x 1/4 after 8 checks)
                         for g in opt.param_groups:
+                            g["base_lr"] = g.get("base_lr", g["lr"]) * decay
                             g["lr"] *= decay
                 if evaluating or stop or at_limit or (ns.checkpoint_every and pos.step % ns.checkpoint_every == 0):
                     pos.epoch, pos.batch = (epoch + 1, 0) if last_batch else (epoch, bi + 1)
@@ -561,6 +565,29 @@ def train(ns: argparse.Namespace) -> Path:
     extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
     return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
                          extra_files=extra_files)
+
+
+def budget_used(ns: argparse.Namespace, step: int, epochs_done: float, seconds: float) -> float:
+    """The fraction of the training budget spent: the largest of epochs, steps and wall time against their
+    limits (a limit of 0 is no limit). Wall time makes it depend on the machine, as --time-limit does."""
+    fractions = [epochs_done / ns.epochs if ns.epochs else 0.0]
+    if ns.max_steps:
+        fractions.append(step / ns.max_steps)
+    if ns.time_limit:
+        fractions.append(seconds / (ns.time_limit * 60))
+    return min(max(fractions), 1.0)
+
+
+def anneal_factor(used: float, fraction: float) -> float:
+    """LR multiplier of the budget-aware schedule (--lr-anneal F): 1 until 1 - F of the budget is spent, then
+    a linear fall to 0 at its end ("warmup-stable-decay" without the warm-up)."""
+    return min(1.0, (1.0 - used) / fraction) if fraction > 0 else 1.0
+
+
+def set_lr(opt: torch.optim.Optimizer, factor: float) -> None:
+    """Set every group's LR to its plateau-decayed base LR (`base_lr`, kept in the checkpointed groups) x factor."""
+    for g in opt.param_groups:
+        g["lr"] = g.setdefault("base_lr", g["lr"]) * factor
 
 
 def _label(ns: argparse.Namespace, model: nn.Module, splits: list[int]) -> str:

@@ -54,6 +54,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
                             "improvement (0 = at each one)"),
     "lr_decay": (float, None, "blocked_hmm, rank_hmm: divide the LR by this on a plateau (default 4 blocked_hmm, "
                               "2 rank_hmm)"),
+    "lr_anneal": (float, 0.0, "blocked_hmm, rank_hmm: over the last this fraction of the budget (whichever of "
+                               "--epochs, --max-steps, --time-limit runs out first) the LR falls linearly to 0 "
+                               "(0 = off: only the plateau decay)"),
     "eval_every": (int, 0, "evaluate on validation every N steps (0 = --evals-per-epoch times per epoch)"),
     "evals_per_epoch": (int, 1, "blocked_hmm, rank_hmm: evaluations per epoch when --eval-every is 0"),
     "time_limit": (float, 0.0, "blocked_hmm, rank_hmm: stop after this many minutes of training (wall clock; "
@@ -199,6 +202,8 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--time-limit: must be a number of minutes >= 0, got {ns.time_limit}", param="time_limit")
     if ns.lr_decay is not None and not (ns.lr_decay >= 1 and math.isfinite(ns.lr_decay)):
         raise InputError(f"--lr-decay: must be a factor >= 1, got {ns.lr_decay}", param="lr_decay")
+    if not (0 <= ns.lr_anneal <= 1):
+        raise InputError(f"--lr-anneal: must be a fraction from 0 to 1, got {ns.lr_anneal}", param="lr_anneal")
     if ns.export_only and (not ns.resume or ns.family not in ("blocked_hmm", "rank_hmm")):
         raise InputError("--export-only: needs --resume and --family blocked_hmm or rank_hmm (it exports an "
                          "existing checkpoint of a neural HMM)", param="export_only")

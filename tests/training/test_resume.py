@@ -62,6 +62,8 @@ FAMILIES = {
     "blocked_hmm_split": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, split_at="1",
                               state_embedding="independent"),
     "rank_hmm": dict(states=16, rank=4, hidden=8, dropout=0.3),
+    # the LR falls to 0 over the second half of the 2 epochs (--lr-anneal): the schedule must survive the resume
+    "rank_hmm_anneal": dict(states=16, rank=4, hidden=8, dropout=0.3, lr_anneal=0.5),
 }
 
 
@@ -69,9 +71,10 @@ FAMILIES = {
 # is in epoch 1, the 5th at its end (before a split at epoch 1), the 6th in epoch 2 (after it)
 @pytest.mark.parametrize("case,interrupt_at,mid", [("blocked_hmm", 6, True), ("blocked_hmm_bptt", 3, True),
                                                    ("rank_hmm", 3, True), ("rank_hmm", 6, True),
+                                                   ("rank_hmm_anneal", 6, True),
                                                    ("blocked_hmm_split", 5, False), ("blocked_hmm_split", 6, True)])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, case, interrupt_at, mid):
-    family = case.removesuffix("_bptt").removesuffix("_split")
+    family = case.removesuffix("_bptt").removesuffix("_split").removesuffix("_anneal")
     kw = {"data": [tiny_corpus(tmp_path)], "epochs": 2, "batch": 16, "lr": 0.02, "eval_every": 5,
           "checkpoint_every": 3, "patience": 3, **FAMILIES[case]}
 

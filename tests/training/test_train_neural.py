@@ -174,3 +174,32 @@ def test_ctrl_c_stops_after_the_step_and_exports_the_best_evaluation(tmp_path, m
     assert m["provenance"]["curve"][-1]["step"] == 3  # evaluated there
     load_artifact(path)
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_lr_anneal_falls_linearly_to_zero_over_the_last_fraction_of_the_budget(tmp_path):
+    """--lr-anneal 0.5 with a 12-step budget: steps 1-7 run at the full LR, step j > 6 at lr x (12 - j + 1) / 6
+    (the fraction spent before the step), and the LR never rises again after a plateau decay."""
+    assert neural.anneal_factor(0.3, 0.5) == 1.0 and neural.anneal_factor(0.75, 0.5) == 0.5
+    assert neural.anneal_factor(1.0, 0.2) == 0.0 and neural.anneal_factor(0.9, 0.0) == 1.0
+    ns = resolve_settings(train_args(tmp_path, "rank_hmm", states=16, rank=4, hidden=8, epochs=50,
+                                     train_sentences=300, valid_sentences=50, batch=16, lr=0.01, max_steps=12,
+                                     eval_every=1, patience=0, lr_decay=1.0, lr_anneal=0.5))
+    m = json.loads((neural.train(ns) / "manifest.json").read_text())
+    lrs = {int(r["step"]): r["lr"] for r in m["provenance"]["curve"]}
+    for j in range(1, 13):
+        assert lrs[j] == pytest.approx(0.01 * min(1.0, (12 - (j - 1)) / 6)), j
+    # with a plateau decay (x 1/2 at every evaluation without improvement) the schedule multiplies the decayed LR
+    ns = resolve_settings(train_args(tmp_path, "rank_hmm", states=16, rank=4, hidden=8, epochs=50, name="d",
+                                     train_sentences=300, valid_sentences=50, batch=16, lr=0.5, max_steps=12,
+                                     eval_every=1, patience=0, lr_decay=2.0, lr_anneal=0.5))
+    curve = json.loads((neural.train(ns) / "manifest.json").read_text())["provenance"]["curve"][1:]
+    assert all(b["lr"] <= a["lr"] + 1e-15 for a, b in zip(curve, curve[1:], strict=False))
+    assert any(r["lr"] < 0.5 * (12 - r["step"] + 1) / 6 - 1e-12 for r in curve[6:])  # a decay happened
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_lr_anneal_outside_0_1_is_refused(tmp_path, value):
+    from latentlm.models.errors import InputError
+
+    with pytest.raises(InputError, match="--lr-anneal: must be a fraction from 0 to 1"):
+        resolve_settings(train_args(tmp_path, "rank_hmm", lr_anneal=value))
