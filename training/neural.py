@@ -174,20 +174,20 @@ class VLHMM(nn.Module):
                      for w, e, b in zip(words, emit_states, bias, strict=True)]
         return torch.log_softmax(start, 0), torch.log_softmax(trans, -1), torch.cat(parts)  # emission by slot
 
-    def export_tensors(self) -> dict[str, Tensor]:
-        """Cached `blocked_hmm` tensors (float64-normalised, stored float32)."""
+    def export_tensors(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        """Cached `blocked_hmm` tensors (float64-normalised on the parameters' device, float32 on `device`:
+        the CPU for the artifact, the parameters' device for an evaluation during training)."""
         with torch.no_grad():
             ls, lt, le = (t.double() for t in self.matrices(None))
             # each state's emission-side representation H_emit (Z, h), served by `embed`
             state_vectors = self.emission_reprs(torch.arange(self.M * self.k, device=self.word_cluster.device))
-        start, trans, emit = ls.exp(), lt.exp(), le.exp()
-        per_state = torch.zeros(self.M, self.k, dtype=torch.float64).index_add_(0, self.word_cluster.cpu(),
-                                                                                 emit.cpu())
-        emit = emit.cpu() / per_state[self.word_cluster.cpu()]
-        return {"start": (start / start.sum()).float().cpu(),
-                "trans": (trans / trans.sum(1, keepdim=True)).float().cpu(),
-                "emit": emit.float(), "word_cluster": self.word_cluster.cpu().long(),
-                "state_vectors": state_vectors.float().cpu()}
+            start, trans, emit = ls.exp(), lt.exp(), le.exp()
+            per_state = torch.zeros(self.M, self.k, dtype=torch.float64, device=emit.device).index_add_(
+                0, self.word_cluster, emit)
+            emit = emit / per_state[self.word_cluster]
+        out = {"start": start / start.sum(), "trans": trans / trans.sum(1, keepdim=True), "emit": emit,
+               "word_cluster": self.word_cluster, "state_vectors": state_vectors}
+        return {k: (v.float() if v.is_floating_point() else v.long()).to(device) for k, v in out.items()}
 
 
 def split_states(t: Tensor, M: int, k: int, axis: int) -> Tensor:
@@ -270,8 +270,10 @@ class RankNeural(nn.Module):
         emit = torch.softmax(self.h2(self.rank_emb) @ self.word_emb.T, dim=1).T  # (V, r): p(x | q)
         return start, state_in, state_out, emit
 
-    def export_tensors(self) -> dict[str, Tensor]:
-        with torch.no_grad():  # float64 on the parameters' device (V U^T is O(m r^2)), stored float32 on the CPU
+    def export_tensors(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        """Cached `rank_hmm` tensors: float64 on the parameters' device (V U^T is O(m r^2)), float32 on `device`
+        (the CPU for the artifact, the parameters' device for an evaluation during training)."""
+        with torch.no_grad():
             start, si, so, emit = (t.double() for t in self.matrices())
             start = start / start.sum()
             si = si / si.sum(1, keepdim=True)
@@ -279,7 +281,7 @@ class RankNeural(nn.Module):
             emit = emit / emit.sum(0, keepdim=True)
             out = {"start": start, "state_in": si, "state_out": so, "emit": emit, "rank_start": start @ si,
                    "rank_trans": so @ si}
-            return {k: v.float().cpu() for k, v in out.items()}
+            return {k: v.float().to(device) for k, v in out.items()}
 
 
 # -- losses -------------------------------------------------------------------------------------------
@@ -377,11 +379,11 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
     return RankNeural(V, ns.states, ns.rank, ns.hidden, ns.dropout or 0.0), {}
 
 
-def exported_tensors(model: nn.Module, ns: argparse.Namespace, train_seqs: list[list[int]], eos: int | None
-                     ) -> dict[str, Tensor]:
-    """The tensors the artifact stores: the family's cached matrices, with a BPTT-trained VL-HMM's sentence
-    start replaced by the state distribution after `<eos>` (`fix_start_for_streams`)."""
-    tensors = model.export_tensors()
+def exported_tensors(model: nn.Module, ns: argparse.Namespace, train_seqs: list[list[int]], eos: int | None,
+                     device: torch.device | str = "cpu") -> dict[str, Tensor]:
+    """The tensors the artifact stores (on `device`): the family's cached matrices, with a BPTT-trained VL-HMM's
+    sentence start replaced by the state distribution after `<eos>` (`fix_start_for_streams`)."""
+    tensors = model.export_tensors(device)
     if ns.family == "blocked_hmm" and ns.bptt:
         tensors = fix_start_for_streams(model, tensors, train_seqs, eos)
     return tensors
@@ -405,12 +407,13 @@ def fix_start_for_streams(model: VLHMM, tensors: dict[str, Tensor], seqs: list[l
     posterior at <eos> over (up to 2,000) training sentences and push it through the transitions."""
     if eos is None:
         return tensors
-    impl = BlockedHMM.from_tensors(tensors, {"num_clusters": model.M})
+    device = tensors["trans"].device
+    impl = BlockedHMM.from_tensors(tensors, {"num_clusters": model.M}, device=device)
     sample = [s for s in seqs[:2000] if s and s[-1] == eos]
     if not sample:
         return tensors
-    acc = torch.zeros(impl.num_states, dtype=torch.float64)
-    for b in common.bucket_batches(sample, 256):
+    acc = torch.zeros(impl.num_states, dtype=torch.float64, device=device)
+    for b in common.bucket_batches(sample, 256, device=device):
         init, emit, trans = impl.chain(b)
         _, alphas = chain.forward(init, emit, trans, b.lengths, keep_alphas=True)
         last = chain.filtered_last(alphas, b.lengths).double()  # (B, k) in <eos>'s cluster
@@ -464,7 +467,7 @@ def train(ns: argparse.Namespace) -> Path:
 
     def evaluate() -> float:  # the validation perplexity of exactly what would be exported now
         model.eval()
-        score, _ = family_scorer(model, ns.family, exported_tensors(model, ns, train_seqs, vocab.eos_id))
+        score, _ = family_scorer(model, ns.family, exported_tensors(model, ns, train_seqs, vocab.eos_id, device))
         ppl = common.evaluate(score, vbatches)
         model.train()
         return ppl

@@ -68,12 +68,12 @@ class TaggingVLHMM(VLHMM):
         """log p(y | z) (n, Y) for global state ids `states` (n,), normalised over all Y tags."""
         return torch.log_softmax(self.tag_reprs(states) @ self.tag_emb.T, dim=-1)
 
-    def export_tensors(self) -> dict[str, Tensor]:
-        """The `blocked_hmm` tensors plus `tag_emit` (Z, Y), rows summing to 1."""
-        t = super().export_tensors()
+    def export_tensors(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        """The `blocked_hmm` tensors plus `tag_emit` (Z, Y), rows summing to 1, on `device`."""
+        t = super().export_tensors(device)
         with torch.no_grad():
-            ty = self.log_tag_emission(self.active_states(None)).double().exp().cpu()
-        t["tag_emit"] = (ty / ty.sum(1, keepdim=True)).float()
+            ty = self.log_tag_emission(self.active_states(None)).double().exp()
+        t["tag_emit"] = (ty / ty.sum(1, keepdim=True)).float().to(device)
         return t
 
 
