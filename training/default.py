@@ -10,8 +10,8 @@ minutes on a slower or busy machine (the best evaluation so far is exported then
 
 Since the second half of 2026-11-27 the LR falls linearly to 0 over the second half of the budget
 (`lr_anneal` 0.5; the budget is the 4.5-minute cap or the 2 epochs, whichever runs out first, so the
-schedule finishes on a slow machine too): 203.4 valid / 188.7 test, against 218.6 / 202.8 with a constant LR,
-in the same 4.5 minutes. It serves every
+schedule finishes on a slow machine too): 203.1 valid / 188.4 test as `latentlm serve` built it, against
+218.6 / 202.8 with a constant LR, in the same 4.5 minutes. It serves every
 operation the README shows the default model with: score, posterior, decode (viterbi, mbr) and sample.
 """
 
