@@ -342,10 +342,12 @@ def rank_loss(model: RankNeural, batch: Batch) -> Tensor:
 
 
 # -- data for BPTT ------------------------------------------------------------------------------------
-def bptt_batches(seqs: list[list[int]], streams: int, chunk: int, device) -> list[Batch]:
-    """The concatenated corpus split into `streams` running streams, cut into chunks of `chunk` tokens:
-    consecutive batches continue each stream (carry the posterior between them)."""
+def bptt_batches(seqs: list[list[int]], streams: int, chunk: int, device, start: int = 0) -> list[Batch]:
+    """The concatenated corpus, read from token `start` on (wrapping around), split into `streams` running
+    streams and cut into chunks of `chunk` tokens: consecutive batches continue each stream (carry the posterior
+    between them)."""
     flat = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long)
+    flat = flat.roll(-start)
     n = len(flat) // streams
     flat = flat[: n * streams].view(streams, n)
     out = []
@@ -480,7 +482,8 @@ def train(ns: argparse.Namespace) -> Path:
             # the batch order is a function of (seed, epoch) alone, so a resumed epoch regenerates it
             egen = torch.Generator().manual_seed(ns.seed * 100003 + epoch)
             if blocked and ns.bptt:
-                batches = bptt_batches(train_seqs, ns.batch, ns.bptt, device)
+                start = int(torch.randint(N, (1,), generator=egen)) if ns.bptt_rotate else 0
+                batches = bptt_batches(train_seqs, ns.batch, ns.bptt, device, start)
             else:
                 batches = common.bucket_batches(train_seqs, ns.batch, egen, device)
             eval_at = {round(len(batches) * (i + 1) / ns.evals_per_epoch) for i in range(ns.evals_per_epoch)}

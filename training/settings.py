@@ -40,6 +40,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "epochs": (int, None, "passes over the training data (EM iterations for hmm)"),
     "batch": (int, None, "sentences per batch"),
     "bptt": (int, 0, "blocked_hmm: tokens per BPTT chunk over the running text (0 = sentence batches)"),
+    "bptt_rotate": (bool, False, "blocked_hmm with --bptt: every epoch the running text starts at a random token "
+                                 "(drawn from the seed and the epoch), so the streams and chunks differ from epoch "
+                                 "to epoch (off: the same batches every epoch, as the paper's BPTT iterator)"),
     "device": (str, "cpu", "cpu, cuda or auto"),
     "seed": (int, 0, "random seed (everything is deterministic given it)"),
     "lr": (float, None, "learning rate (AdamW)"),
@@ -204,6 +207,9 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--lr-decay: must be a factor >= 1, got {ns.lr_decay}", param="lr_decay")
     if not (0 <= ns.lr_anneal <= 1):
         raise InputError(f"--lr-anneal: must be a fraction from 0 to 1, got {ns.lr_anneal}", param="lr_anneal")
+    if ns.bptt_rotate and not (ns.family == "blocked_hmm" and ns.bptt):
+        raise InputError("--bptt-rotate: needs --family blocked_hmm with --bptt N (it moves the start of the running "
+                         "text that BPTT reads)", param="bptt_rotate")
     if ns.export_only and (not ns.resume or ns.family not in ("blocked_hmm", "rank_hmm")):
         raise InputError("--export-only: needs --resume and --family blocked_hmm or rank_hmm (it exports an "
                          "existing checkpoint of a neural HMM)", param="export_only")

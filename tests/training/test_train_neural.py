@@ -114,6 +114,36 @@ def test_blocked_hmm_bptt_streams_run(tmp_path):
     assert abs(res["perplexity"] - best) / best < 1e-4
 
 
+def test_bptt_batches_cut_the_running_text_from_any_start():
+    """Streams are consecutive slices of the corpus read from token `start` (wrapping around); chunks continue
+    them; start 0 is the unrotated corpus."""
+    seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11, 12]]  # 12 tokens
+    for start in (0, 1, 5, 11):
+        flat = [1 + (start + i) % 12 for i in range(12)]
+        batches = neural.bptt_batches(seqs, 3, 3, "cpu", start)  # 3 streams of 4 tokens: chunks of 3 then 1
+        assert [b.ids.shape for b in batches] == [(3, 3), (3, 1)]
+        streams = torch.cat([b.ids for b in batches], 1).tolist()
+        assert streams == [flat[0:4], flat[4:8], flat[8:12]]
+        assert all(b.lengths.tolist() == [b.ids.shape[1]] * 3 for b in batches)
+
+
+def test_bptt_rotate_moves_the_streams_per_epoch_and_needs_bptt(tmp_path):
+    from latentlm.models.errors import InputError
+
+    for kw in (dict(family="rank_hmm"), dict(family="blocked_hmm")):
+        with pytest.raises(InputError, match="--bptt-rotate: needs --family blocked_hmm with --bptt"):
+            resolve_settings(train_args(tmp_path, kw["family"], bptt_rotate=True))
+    runs = {}
+    for rotate in (False, True):
+        ns = resolve_settings(train_args(tmp_path, "blocked_hmm", states=16, clusters=8, hidden=8, epochs=2,
+                                         train_sentences=200, valid_sentences=50, batch=8, bptt=16, seed=3,
+                                         bptt_rotate=rotate, name=f"r{int(rotate)}", patience=0))
+        curve = json.loads((neural.train(ns) / "manifest.json").read_text())["provenance"]["curve"]
+        runs[rotate] = [r["valid_ppl"] for r in curve]
+    assert runs[False][0] == runs[True][0]  # same initial model
+    assert runs[False][1:] != runs[True][1:]  # other batches from the first epoch on
+
+
 def test_densehmm_exports_hmm_with_vectors(tmp_path):
     ns = resolve_settings(train_args(tmp_path, "densehmm", states=16, hidden=8, epochs=2, fit="cooc",
                                      train_sentences=3000, lr=0.05, valid_sentences=300))
