@@ -58,6 +58,9 @@ VITERBI_CHUNK_MIN_STEPS = 256  # one sequence's Viterbi runs in chunks on severa
 #                                meeting per step) when each thread gets at least this many steps
 NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B K^2 (a (max, +) step) or T K^2 (one sequence) for compiled max-product
 LONG_MIN_TOKENS = 4096  # a sequence at least this long is scored as a batch of its own chunks
+HALVES_MAX_K = 512  # one sequence's posterior on CPU: up to this many states the forward and the backward run
+#                     on two threads meeting in the middle (exact), beyond it as a batch of chunks (the matrix
+#                     outgrows a core's cache and a matrix-vector product per step is bound by streaming it)
 CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
 CHUNK_ROWS_PER_THREAD = 8  # chunks per thread on the compiled engines (twice that for K > GROUPS_MAX_K)
 MAX_CHUNKS = 64  # chunks (rows of the per-step GEMM) on the torch engine (GPU)
@@ -229,6 +232,14 @@ def threads(engine: Backend, rows: int, T: int, K: int) -> int:
     if engine is Backend.LOCKSTEP:
         return max(1, min(n, rows // LOCKSTEP_MIN_ROWS))
     return n
+
+
+def posterior_halves(engine: Backend, rows: int, T: int, K: int) -> bool:
+    """Whether the posterior of one sequence on the compiled "groups" engine runs on two threads meeting in the
+    middle (`kernels.sum_product.posterior_halves`): two threads allowed, at most HALVES_MAX_K states and
+    T K^2 of at least SPLIT_MIN_WORK (below it starting the second thread costs more than it saves)."""
+    return (engine is Backend.GROUPS and rows == 1 and torch.get_num_threads() >= 2 and K <= HALVES_MAX_K
+            and T * K * K >= SPLIT_MIN_WORK)
 
 
 def max_product_threads(rows: int, T: int, K: int) -> int:

@@ -207,6 +207,8 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
         log_scales = log_scales.masked_fill(dead, -math.inf)
         if out_last is not None:
             out_last.masked_fill_(dead.any(1, keepdim=True), 0.0)
+        if keep_alphas:  # 0, not NaN, from the impossible step on (as the compiled engines)
+            alphas.masked_fill_(dead.T.unsqueeze(-1), 0.0)
     log_cond = log_scales.masked_fill(~mask, 0.0)
     return log_cond, (alphas.transpose(0, 1) if keep_alphas else None)
 
@@ -373,7 +375,10 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
                                         provider=dispatch.provider(K, emit.dtype, True))
     emit = dense(emit)
     # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
-    emit_scaled = _pad_emit(emit, lengths) / log_cond.T.exp().unsqueeze(-1)
+    # (an impossible position's scale is 0: its inverse is taken as 0, so every beta before it is 0 and an
+    # impossible sequence's posteriors are 0, as on the compiled engines, not 0 / 0)
+    inv_scale = torch.where(torch.isneginf(log_cond), 0.0, (-log_cond).exp())
+    emit_scaled = _pad_emit(emit, lengths) * inv_scale.T.unsqueeze(-1)
     not_started = (torch.arange(T, device=lengths.device)[:, None] >= (lengths - 1)[None, :]).unsqueeze(-1)
     if alphas is None:
         betas = emit.new_ones(T, B, K)
@@ -393,6 +398,7 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
         g = gamma[t].mul_(beta)
         g.div_(g.sum(-1, keepdim=True).clamp_min_(tiny))
     gamma.masked_fill_(~valid_mask(lengths, T).T.unsqueeze(-1), 0.0)
+    gamma.masked_fill_(torch.isneginf(log_cond).any(1)[None, :, None], 0.0)  # an impossible sequence: all 0
     return alphas
 
 
@@ -411,6 +417,8 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, backen
                                              threads=dispatch.threads(engine, B, T, K),
                                              pack=dispatch.packs(engine, emit.dtype, K, True),
                                              provider=dispatch.provider(K, emit.dtype, True))
+        if B == 1 and dispatch.posterior_halves(engine, B, int(lengths[0]), K):  # one sequence: two threads, exact
+            return sum_product.posterior_halves(init, *_table_rows(emit), trans, int(lengths[0]))  # type: ignore[arg-type]
         log_cond, alphas = _forward_steps(init, emit, trans, lengths, True, None, engine)
         return backward(emit, trans, lengths, log_cond, alphas=alphas, backend=engine), log_cond  # type: ignore[arg-type]
     gamma = torch.zeros(B, T, K, dtype=emit.dtype, device=emit.device)
@@ -420,9 +428,13 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, backen
         width = int(lengths[short].max())
         g, c = posterior(init[short], _rows(emit, short, width), trans, lengths[short], backend=backend)
         gamma[short, :width], log_cond[short, :width] = g, c
+    halves = dispatch.sum_product(backend, emit, trans, init, rows=1, marginals=True) is Backend.GROUPS
     for b in long.nonzero().squeeze(1).tolist():
         n = int(lengths[b])
-        g, c = posterior_chunked(init[b : b + 1], _one_row(emit, b, n), trans, backend=backend)  # type: ignore[arg-type]
+        if halves and dispatch.posterior_halves(Backend.GROUPS, 1, n, K):  # exact, two threads meeting once
+            g, c = sum_product.posterior_halves(init[b : b + 1], *_table_rows(_one_row(emit, b, n)), trans, n)  # type: ignore[arg-type]
+        else:
+            g, c = posterior_chunked(init[b : b + 1], _one_row(emit, b, n), trans, backend=backend)  # type: ignore[arg-type]
         gamma[b, :n], log_cond[b, :n] = g[0], c[0]
     return gamma, log_cond
 

@@ -19,7 +19,7 @@ from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
 from latentlm.models.kernels.rows import ROWS
 
 if HAVE_NUMBA:
-    from latentlm.models.kernels.rows import backward_row, forward_row, matmul4, vec_matmul_cols
+    from latentlm.models.kernels.rows import backward_row, forward_row, matmul4, product_normalised, vec_matmul_cols
     from latentlm.models.kernels.threads import spin_until, store_release
 
     @njit(nogil=True, inline="always", cache=True)
@@ -164,3 +164,53 @@ if HAVE_NUMBA:
             if tid == 0:
                 log_cond[t] = np.log(total)
             inv_prev = 1.0 / total
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def halves_forward(init, table, rows, trans, t0, t1, combine, log_cond, gamma, x, y):  # pragma: no cover
+        """Forward steps t0 .. t1 - 1 of one sequence for the meet-in-the-middle posterior (`halves_backward`
+        is the other thread). rows (T,) index table (N, K); x (K,) holds alpha_{t0 - 1} on entry (unused when
+        t0 = 0) and alpha_{t1 - 1} on exit, normalised; y (K,) is scratch; log_cond (1, T) float64 gets log c_t
+        (-inf from an impossible step on). Without `combine` (the first half) alpha_t goes to gamma[0, t]
+        (gamma (1, T, K)); with it gamma[0, t] already holds a beta_t (any scale) and becomes alpha_t beta_t /
+        sum, the posterior (0 for an impossible sequence). O((t1 - t0) K^2)."""
+        K = table.shape[1]
+        lengths = np.full(1, rows.shape[0], dtype=np.int64)
+        no_last = np.empty((0, K), dtype=table.dtype)
+        for t in range(t0, t1):
+            if t > 0:
+                vec_matmul_cols(x, trans, y, 0, K)
+            forward_row(init if t == 0 else y, table[rows[t]], x, 0, t, lengths, log_cond, gamma, not combine,
+                        no_last)
+            if combine:
+                product_normalised(gamma[0, t], x, gamma[0, t])
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def halves_backward(table, rows, trans_t, t0, t1, combine, gamma, beta, v, y):  # pragma: no cover
+        """Backward steps t1 - 1 down to t0 of one sequence of T positions for the meet-in-the-middle posterior
+        (`halves_forward` is the other thread): beta_{t-1} = trans @ (emit_t * beta_t), each normalised to sum
+        1 by its own total (the posterior does not depend on the betas' scale, so this thread never waits for
+        the forward's scales). trans_t is trans transposed (contiguous); beta (K,) holds beta_{t1 - 1} on entry
+        (ones at the last position) and beta_{t0 - 1} on exit (when t0 > 0); v, y (K,) scratch. Without
+        `combine` (the second half) beta_t goes to gamma[0, t]; with it gamma[0, t] holds alpha_t and becomes
+        the posterior as in `halves_forward`. O((t1 - t0) K^2)."""
+        K = table.shape[1]
+        for t in range(t1 - 1, t0 - 1, -1):
+            if combine:
+                product_normalised(gamma[0, t], gamma[0, t], beta)
+            else:
+                gamma[0, t] = beta
+            if t == 0:
+                break
+            e = table[rows[t]]
+            for j in range(K):
+                v[j] = e[j] * beta[j]
+            vec_matmul_cols(v, trans_t, y, 0, K)
+            c = 0.0
+            for j in range(K):
+                c += y[j]
+            if c > 0.0:
+                inv = y.dtype.type(1.0 / c)
+                for j in range(K):
+                    beta[j] = y[j] * inv
+            else:
+                beta[:] = 0.0

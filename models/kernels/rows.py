@@ -121,6 +121,22 @@ if HAVE_NUMBA:
                 v[j] = e[j] * bj * inv_c
 
     @njit(nogil=True, fastmath=FASTMATH, inline="always", cache=True)
+    def product_normalised(out, a, b):  # pragma: no cover - compiled
+        """out = a * b / sum(a * b) (out may be a or b), 0 where the sum is 0: a posterior from an alpha and a
+        beta of any scale (0 for an impossible sequence)."""
+        s = 0.0
+        for j in range(out.shape[0]):
+            w = a[j] * b[j]
+            out[j] = w
+            s += w
+        if s > 0.0:
+            inv = out.dtype.type(1.0 / s)
+            for j in range(out.shape[0]):
+                out[j] *= inv
+        else:
+            out[:] = 0.0
+
+    @njit(nogil=True, fastmath=FASTMATH, inline="always", cache=True)
     def vec_matmul_cols(x, mat, out, j0, j1):  # pragma: no cover - compiled
         """out[j0:j1] = (x @ mat)[j0:j1] for x (K,), mat (K, K): eight source rows per sweep of a row slice
         (a matrix-vector product is bound by streaming `mat`; this keeps the accumulator traffic below it)."""

@@ -153,6 +153,41 @@ def posterior_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tenso
     return torch.from_numpy(gamma), torch.from_numpy(log_cond).to(table.dtype)
 
 
+def posterior_halves(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, length: int
+                     ) -> tuple[Tensor, Tensor]:
+    """The posterior of one sequence (init (1, K), emissions as in `forward_cpu` with B = 1, its first `length`
+    positions) on two threads that meet in the middle: one runs the forward from the start, the other the
+    backward from the end, each keeping its half (alphas of [0, m), betas of [m, T)); then each goes on
+    into the other's half, turning the kept vectors into posteriors alpha_t beta_t / sum as it passes.
+    Each thread does T matrix-vector products, with no meeting but the one at the middle and no
+    approximation (the backward normalises its betas by their own sum: the posterior does not depend on
+    their scale). -> posteriors (1, T_in, K) (0 at padding) and log_cond (1, T_in) (0 at padding), T_in
+    being the emissions' width. O(T K^2) per thread; one (T, K) output and nothing else of that size."""
+    e, r = emission_rows(table, rows)
+    T_in, K = r.shape[1], e.shape[1]
+    log_cond = np.zeros((1, T_in), dtype=np.float64)
+    gamma = np.zeros((1, T_in, K), dtype=e.dtype)
+    n = int(length)
+    if n > 0:
+        a, a_t, r0, lc, g = as_array(trans), blas.transposed(trans), r[0, :n], log_cond[:, :n], gamma[:, :n]
+        x, beta = np.zeros(K, dtype=e.dtype), np.ones(K, dtype=e.dtype)
+        scratch = [np.empty(K, dtype=e.dtype) for _ in range(3)]
+        first = as_array(init[0])
+        m = n // 2
+
+        def half(k: int, second: bool) -> None:
+            if k == 0:
+                groups.halves_forward(first, e, r0, a, m if second else 0, n if second else m, second, lc, g, x,
+                                      scratch[0])
+            else:
+                groups.halves_backward(e, r0, a_t, 0 if second else m, m if second else n, second, g, beta,
+                                       scratch[1], scratch[2])
+
+        run_split(lambda k: half(k, False), 2)  # each its own half ...
+        run_split(lambda k: half(k, True), 2)  # ... then the other's
+    return torch.from_numpy(gamma), torch.from_numpy(log_cond).to(table.dtype)
+
+
 def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, log_cond: Tensor, *,
                  engine: str, threads: int, alphas: Tensor | None = None, pack: bool = False,
                  provider: str = "") -> Tensor:

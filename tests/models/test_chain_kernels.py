@@ -173,6 +173,67 @@ def test_two_thread_single_sequence_forward(dtype, tol, K):
     assert torch.isinf(dead[0, 123:]).all() and torch.isfinite(dead[0, :123]).all()
 
 
+@settings(max_examples=30, deadline=None)
+@given(T=st.integers(1, 12), K=st.integers(1, 9), pad=st.integers(0, 3), dtype=st.sampled_from(["f32", "f64"]),
+       seed=st.integers(0, 10_000))
+def test_meet_in_the_middle_posterior_equals_plain(T, K, pad, dtype, seed):
+    """One sequence's posterior on two threads meeting in the middle (forward from the start, backward from
+    the end, each finishing the other's half) equals the plain recursion, odd and even lengths, padding."""
+    dt, tol = (torch.float32, 1e-5) if dtype == "f32" else (torch.float64, 1e-12)
+    init, emit, trans, _ = random_chain(1, T + pad, K, seed, dtype=dt)
+    n = torch.tensor([T])
+    gamma, cond = sum_product.posterior_halves(init, emit, None, trans, T)
+    ref_gamma, ref_cond = plain(chain.posterior, init, emit, trans, n)
+    torch.testing.assert_close(gamma, ref_gamma, rtol=tol, atol=tol)
+    torch.testing.assert_close(cond, ref_cond, rtol=tol, atol=tol)
+    assert (gamma[0, T:] == 0).all() and (cond[0, T:] == 0).all()
+
+
+@pytest.mark.parametrize("dead_at", [0, 3, 9, 14])
+def test_meet_in_the_middle_impossible_sequence_has_zero_posterior(dead_at):
+    """An impossible position in either half: log_cond is -inf from there on (as step by step) and every
+    posterior is 0, on both threads' sides of the middle."""
+    init, emit, trans, _ = random_chain(1, 15, 6, seed=dead_at)
+    emit[0, dead_at] = 0.0
+    gamma, cond = sum_product.posterior_halves(init, emit, None, trans, 15)
+    ref_gamma, ref_cond = plain(chain.posterior, init, emit, trans, torch.tensor([15]))
+    assert torch.isinf(cond[0, dead_at:]).all() and torch.isfinite(cond[0, :dead_at]).all()
+    torch.testing.assert_close(cond[0, :dead_at], ref_cond[0, :dead_at])
+    assert (gamma == 0).all() and (ref_gamma == 0).all()
+
+
+def test_one_sequence_posterior_runs_halves_where_chosen(monkeypatch):
+    """`chain.posterior` of one sequence (alone, or a long one in a batch) takes the meet-in-the-middle path
+    exactly where `backend.posterior_halves` says so, and the result is the plain recursion's either way."""
+    calls = []
+    real = sum_product.posterior_halves
+    monkeypatch.setattr(sum_product, "posterior_halves", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(backend, "SPLIT_MIN_WORK", 8 * 16)  # T K^2 of 128: these tiny inputs qualify
+    monkeypatch.setattr(backend, "LONG_MIN_TOKENS", 40)
+    monkeypatch.setattr(backend, "CHUNK_MIN_STATES", 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    init, emit, trans, lengths = random_chain(3, 60, 4, seed=5)
+    lengths[:] = torch.tensor([60, 7, 45])
+    assert backend.posterior_halves(Backend.GROUPS, 1, 8, 4) and not backend.posterior_halves(Backend.GROUPS, 1, 7, 4)
+    assert not backend.posterior_halves(Backend.LOCKSTEP, 1, 60, 4)
+    assert not backend.posterior_halves(Backend.GROUPS, 2, 60, 4)
+    assert not backend.posterior_halves(Backend.GROUPS, 1, 60, backend.HALVES_MAX_K + 1)
+    one, _ = chain.posterior(init[:1], emit[:1], trans, lengths[:1])
+    assert calls == [60]
+    torch.testing.assert_close(one, plain(chain.posterior, init[:1], emit[:1], trans, lengths[:1])[0])
+    calls.clear()
+    many, cond = chain.posterior(init, emit, trans, lengths)  # rows 0 and 2 are long: each alone, in halves
+    assert sorted(calls) == [45, 60]
+    ref, ref_cond = plain(chain.posterior, init, emit, trans, lengths)
+    torch.testing.assert_close(many, ref)
+    torch.testing.assert_close(cond, ref_cond)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "get_num_threads", lambda: 1)  # one thread allowed: the step-by-step recursion
+        calls.clear()
+        chain.posterior(init[:1], emit[:1], trans, lengths[:1])
+        assert calls == []
+
+
 def test_auto_choice():
     """What "auto" picks: the torch recursion under autograd, for per-step matrices and mixed dtypes; the
     single-sequence kernel for one sequence's log_cond; lockstep or groups for batches by size and what this
