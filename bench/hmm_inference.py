@@ -77,7 +77,12 @@ def machine() -> dict[str, str]:
     vec = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags]
     from latentlm.models.kernels import blas
 
-    return {"cpu": model.group(1).strip() if model else platform.processor() or platform.machine(),
+    family = re.search(r"cpu family\s*:\s*(\d+)", info)
+    number = re.search(r"^model\s*:\s*(\d+)", info, re.M)
+    cpu = model.group(1).strip() if model else platform.processor() or platform.machine()
+    if family and number:  # a VM may name only the vendor line ("AMD EPYC"): Zen 3 and Zen 5 differ here
+        cpu += f" (family {family.group(1)}, model {number.group(1)})"
+    return {"cpu": cpu,
             "vector": ", ".join(vec) or "none of avx2/avx512", "cores": str(os.cpu_count()),
             "blas": ", ".join(blas.PROVIDERS) or "none callable from the kernels"}
 
@@ -296,13 +301,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peer-budget", type=int, default=3200, help="max tokens per peer measurement")
     ap.add_argument("--out", type=Path, default=None,
-                    help="default: bench/results/hmm_inference_<cpu model>.md (one file per machine)")
+                    help="default: bench/results/hmm_inference_<cpu model>[_avx512].md (one file per machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     host = machine()
     if args.out is None:
-        slug = re.sub(r"[^a-z0-9]+", "_", host["cpu"].lower()).strip("_")
+        slug = re.sub(r"[^a-z0-9]+", "_", host["cpu"].split(" (family")[0].lower()).strip("_")
+        slug += "_avx512" if "avx512f" in host["vector"] else ""  # the same model name, another machine
         args.out = Path(f"bench/results/hmm_inference_{slug}.md")
     ctx = mp.get_context("spawn")
     # the GEMM peaks in a child process of their own: MKL's and OpenBLAS's worker threads spin for a while
