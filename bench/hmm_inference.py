@@ -18,6 +18,7 @@ of other machines stay) with the CPU model, its vector extensions, the BLAS libr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -35,6 +36,7 @@ import torch
 from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.hmm import DenseHMM
+from latentlm.models.kernels import sum_product
 from latentlm.models.synthetic import random_hmm
 
 V = 10_000
@@ -127,13 +129,41 @@ def ours(Z: int) -> dict[str, float]:
     }
     # the long sequence step by step
     r["score/long@sequential"] = 10_000 / timed(lambda: score_on(m, lg, chunk_long=False), 0, 5)
-    r["posterior/long@sequential"] = 10_000 / timed(lambda: posterior_on(m, lg, chunk_long=False), 0, 3)
+    # one long posterior three ways: a batch of its own chunks, two threads meeting in the middle, one thread
+    init, emit, trans = m.chain(lg)
+    r["posterior/long@chunked"] = 10_000 / timed(lambda: chain.posterior_chunked(init, emit, trans), 0, 3)
+    r["posterior/long@halves"] = 10_000 / timed(
+        lambda: sum_product.posterior_halves(init, emit.table, emit.rows, trans, 10_000), 0, 3)
+    with one_thread():
+        r["posterior/long@sequential"] = 10_000 / timed(lambda: posterior_on(m, lg, chunk_long=False), 0, 3)
     # baseline in the same process: one BLAS GEMM + elementwise ops per step
     plain = {"backend": "torch", "chunk_long": False}
     r["score/batch@plain"] = 3200 / timed(lambda: score_on(m, b, **plain))
     r["score/long@plain"] = 10_000 / timed(lambda: score_on(m, lg, **plain), 0, 1)
     r["posterior/batch@plain"] = 3200 / timed(lambda: posterior_on(m, b, **plain))
     return r
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's thread count held to 1 (the chain engine then runs one sequence on one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def posterior_accuracy(Z: int) -> float:
+    """max |p(z_t | x) float32 (what `m.posterior` runs) - float64 step by step| on the long sequence."""
+    t, c = random_hmm(Z, V, 0)
+    _, long_ids = data(Z)
+    lg = Batch(long_ids, torch.tensor([10_000]))
+    with one_thread():
+        ref = posterior_on(DenseHMM.from_tensors(t, c, dtype=torch.float64), lg, chunk_long=False)
+    got = DenseHMM.from_tensors(t, c).posterior(lg)[1]
+    return float((got.double() - ref).abs().max())
 
 
 def chunked_accuracy(Z: int) -> dict[str, float]:
@@ -334,7 +364,8 @@ def main() -> None:
         peak_z = max(before, after)
         rows.append({"Z": Z, "limit": peak_z / (2 * Z * Z), "peak": peak_z, "peak_around": [before, after],
                      "ours": timed_ours, "choice": _choice(Z), "exact": viterbi_exactness(Z),
-                     "chunked": chunked_accuracy(Z), "rss_mib": posterior_peak_rss(Z)})
+                     "chunked": chunked_accuracy(Z), "posterior_err": posterior_accuracy(Z),
+                     "rss_mib": posterior_peak_rss(Z)})
         print(json.dumps(rows[-1], default=float), flush=True)
     for row in rows:
         Z = row["Z"]
@@ -428,17 +459,26 @@ def write_report(out: Path, peak: float, rows: list[dict], threads: int, host: d
     lines += ["", "One 10,000-token sequence: scored as a batch of chunks (`models.chain.forward_chunked`) vs the",
               "step-by-step recursion (compiled kernels), same process; log p(x) against a float64 sequential",
               "reference:", "",
-              "| Z | score chunked tok/s | sequential | ratio | float64 log p | chunked - ref | sequential - ref "
-              "| posterior chunked tok/s | sequential | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| Z | score chunked tok/s | sequential | ratio | float64 log p | chunked - ref | sequential - ref |",
+              "|---|---|---|---|---|---|---|"]
     for r in rows:
         o, a = r["ours"], r["chunked"]
         fast, slow = o["score/long"], o["score/long@sequential"]
-        pfast, pslow = o["posterior/long"], o["posterior/long@sequential"]
         ref = a["float64 sequential"]
         lines.append(f"| {r['Z']} | {fast:,.0f} | {slow:,.0f} | {fast / slow:.1f}x | {ref:.4f} | "
-                     f"{a['float32 chunked'] - ref:+.1e} | {a['float32 sequential'] - ref:+.1e} | "
-                     f"{pfast:,.0f} | {pslow:,.0f} | {pfast / pslow:.1f}x |")
+                     f"{a['float32 chunked'] - ref:+.1e} | {a['float32 sequential'] - ref:+.1e} |")
+    lines += ["", "Its posterior, tokens/s: what `posterior` runs by default (auto), a batch of its own chunks",
+              "(`chain.posterior_chunked`), two threads meeting in the middle (`sum_product.posterior_halves`:",
+              "exact), and the step-by-step recursion on one thread; the default's largest difference from a",
+              "float64 step-by-step posterior:", "",
+              "| Z | auto | chunked | halves | one thread | auto / one thread | max abs diff vs float64 |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        o = {k: r["ours"].get(f"posterior/long{v}", float("nan")) for k, v in
+             (("auto", ""), ("chunked", "@chunked"), ("halves", "@halves"), ("one", "@sequential"))}
+        lines.append(f"| {r['Z']} | {o['auto']:,.0f} | {o['chunked']:,.0f} | {o['halves']:,.0f} | {o['one']:,.0f} | "
+                     f"{o['auto'] / o['one']:.1f}x | "
+                     f"{r.get('posterior_err', float('nan')):.1e} |")
     lines += ["", "Chunking needs 128+ states on CPU (below that the step-by-step recursion is as fast). "
               "tests/models/test_chain_chunked.py", "checks chunked against step-by-step scores and posteriors "
               "in float64 (posteriors to 1e-9), fallbacks and impossible sequences included."]
