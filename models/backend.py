@@ -61,6 +61,9 @@ LONG_MIN_TOKENS = 4096  # a sequence at least this long is scored as a batch of 
 HALVES_MAX_K = 512  # one sequence's posterior on CPU: up to this many states the forward and the backward run
 #                     on two threads meeting in the middle (exact), beyond it as a batch of chunks (the matrix
 #                     outgrows a core's cache and a matrix-vector product per step is bound by streaming it)
+HALVES_MIN_WORK = 1 << 21  # ... once T (K^2 + HALVES_STEP_COST) reaches this (below, handing the halves to two
+HALVES_STEP_COST = 4096  # threads costs more than it saves; a step's fixed cost is about 4,096 multiply-adds;
+#                          bench/results/posterior_halves.md)
 CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
 CHUNK_ROWS_PER_THREAD = 8  # chunks per thread on the compiled engines (twice that for K > GROUPS_MAX_K)
 MAX_CHUNKS = 64  # chunks (rows of the per-step GEMM) on the torch engine (GPU)
@@ -237,9 +240,9 @@ def threads(engine: Backend, rows: int, T: int, K: int) -> int:
 def posterior_halves(engine: Backend, rows: int, T: int, K: int) -> bool:
     """Whether the posterior of one sequence on the compiled "groups" engine runs on two threads meeting in the
     middle (`kernels.sum_product.posterior_halves`): two threads allowed, at most HALVES_MAX_K states and
-    T K^2 of at least SPLIT_MIN_WORK (below it starting the second thread costs more than it saves)."""
+    T (K^2 + HALVES_STEP_COST) of at least HALVES_MIN_WORK."""
     return (engine is Backend.GROUPS and rows == 1 and torch.get_num_threads() >= 2 and K <= HALVES_MAX_K
-            and T * K * K >= SPLIT_MIN_WORK)
+            and T * (K * K + HALVES_STEP_COST) >= HALVES_MIN_WORK)
 
 
 def max_product_threads(rows: int, T: int, K: int) -> int:

@@ -208,7 +208,8 @@ def test_one_sequence_posterior_runs_halves_where_chosen(monkeypatch):
     calls = []
     real = sum_product.posterior_halves
     monkeypatch.setattr(sum_product, "posterior_halves", lambda *a: calls.append(a[-1]) or real(*a))
-    monkeypatch.setattr(backend, "SPLIT_MIN_WORK", 8 * 16)  # T K^2 of 128: these tiny inputs qualify
+    monkeypatch.setattr(backend, "HALVES_MIN_WORK", 8 * 20)  # T (K^2 + 4) of 160: these tiny inputs qualify
+    monkeypatch.setattr(backend, "HALVES_STEP_COST", 4)
     monkeypatch.setattr(backend, "LONG_MIN_TOKENS", 40)
     monkeypatch.setattr(backend, "CHUNK_MIN_STATES", 2)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
