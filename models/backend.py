@@ -58,12 +58,12 @@ VITERBI_CHUNK_MIN_STEPS = 256  # one sequence's Viterbi runs in chunks on severa
 #                                meeting per step) when each thread gets at least this many steps
 NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B K^2 (a (max, +) step) or T K^2 (one sequence) for compiled max-product
 LONG_MIN_TOKENS = 4096  # a sequence at least this long is scored as a batch of its own chunks
-HALVES_MAX_K = 512  # one sequence's posterior on CPU: up to this many states the forward and the backward run
-#                     on two threads meeting in the middle (exact), beyond it as a batch of chunks (the matrix
-#                     outgrows a core's cache and a matrix-vector product per step is bound by streaming it)
-HALVES_MIN_WORK = 1 << 21  # ... once T (K^2 + HALVES_STEP_COST) reaches this (below, handing the halves to two
-HALVES_STEP_COST = 4096  # threads costs more than it saves; a step's fixed cost is about 4,096 multiply-adds;
-#                          bench/results/posterior_halves.md)
+HALVES_MIN_WORK = 1 << 21  # one sequence's posterior on CPU runs its forward and backward on two threads meeting
+HALVES_STEP_COST = 4096  # in the middle (exact) once T (K^2 + HALVES_STEP_COST) reaches HALVES_MIN_WORK (below,
+#                          handing the halves to two threads costs more than it saves; a step's fixed cost is
+#                          about 4,096 multiply-adds; bench/results/posterior_halves.md)
+HALVES_MAX_K = 512  # a long sequence (LONG_MIN_TOKENS+) runs so up to this many states, beyond it as a batch of
+#                     chunks (the matrix outgrows a core's cache: a matrix-vector product per step streams it)
 CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
 CHUNK_ROWS_PER_THREAD = 8  # chunks per thread on the compiled engines (twice that for K > GROUPS_MAX_K)
 MAX_CHUNKS = 64  # chunks (rows of the per-step GEMM) on the torch engine (GPU)
@@ -239,9 +239,10 @@ def threads(engine: Backend, rows: int, T: int, K: int) -> int:
 
 def posterior_halves(engine: Backend, rows: int, T: int, K: int) -> bool:
     """Whether the posterior of one sequence on the compiled "groups" engine runs on two threads meeting in the
-    middle (`kernels.sum_product.posterior_halves`): two threads allowed, at most HALVES_MAX_K states and
-    T (K^2 + HALVES_STEP_COST) of at least HALVES_MIN_WORK."""
-    return (engine is Backend.GROUPS and rows == 1 and torch.get_num_threads() >= 2 and K <= HALVES_MAX_K
+    middle (`kernels.sum_product.posterior_halves`): two threads allowed and T (K^2 + HALVES_STEP_COST) of at
+    least HALVES_MIN_WORK. (Whether a long sequence runs so or as a batch of chunks is `chain.posterior`'s,
+    by HALVES_MAX_K.)"""
+    return (engine is Backend.GROUPS and rows == 1 and torch.get_num_threads() >= 2
             and T * (K * K + HALVES_STEP_COST) >= HALVES_MIN_WORK)
 
 

@@ -406,9 +406,11 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, backen
               chunk_long: bool = True) -> tuple[Tensor, Tensor]:
     """Per-position marginals p(z_t | x) (B, T, K) (zeros at padding) and `log_cond` (B, T).
     One (B, T, K) tensor: the filtered marginals are turned into posteriors in place. O(B T K^2).
-    `backend` picks the engine ("lockstep" fuses both passes per thread). With `chunk_long` and a shared
-    matrix, each sequence of at least `backend.LONG_MIN_TOKENS` positions runs as a batch of its own chunks
-    in both directions (`posterior_chunked`), the others as one batch."""
+    `backend` picks the engine ("lockstep" fuses both passes per thread). One sequence alone runs on two
+    threads meeting in the middle where `backend.posterior_halves` says so. With `chunk_long` and a shared
+    matrix, each sequence of at least `backend.LONG_MIN_TOKENS` positions runs alone: so, up to
+    `backend.HALVES_MAX_K` states, else as a batch of its own chunks in both directions
+    (`posterior_chunked`); the others as one batch."""
     B, T, K = emit.shape
     if not chunk_long or (long := _long_rows(lengths, trans, False, init, emit, backend)) is None:
         engine = dispatch.sum_product(backend, emit, trans, init, rows=B, marginals=True)
@@ -421,21 +423,30 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, backen
             return sum_product.posterior_halves(init, *_table_rows(emit), trans, int(lengths[0]))  # type: ignore[arg-type]
         log_cond, alphas = _forward_steps(init, emit, trans, lengths, True, None, engine)
         return backward(emit, trans, lengths, log_cond, alphas=alphas, backend=engine), log_cond  # type: ignore[arg-type]
-    gamma = torch.zeros(B, T, K, dtype=emit.dtype, device=emit.device)
-    log_cond = torch.zeros(B, T, dtype=emit.dtype, device=emit.device)
+    halves = (K <= dispatch.HALVES_MAX_K
+              and dispatch.sum_product(backend, emit, trans, init, rows=1, marginals=True) is Backend.GROUPS)
+
+    def one_long(b: int, n: int) -> tuple[Tensor, Tensor]:
+        if halves and dispatch.posterior_halves(Backend.GROUPS, 1, n, K):  # exact, two threads meeting once
+            return sum_product.posterior_halves(init[b : b + 1], *_table_rows(_one_row(emit, b, n)), trans, n)  # type: ignore[arg-type]
+        return posterior_chunked(init[b : b + 1], _one_row(emit, b, n), trans, backend=backend)  # type: ignore[arg-type]
+
+    if B == 1 and int(lengths[0]) == T:  # one sequence: its own result, no (T, K) copy
+        return one_long(0, T)
+    # torch.empty, not zeros: first-touch page faults of a fresh zeroed (B, T, K) cost as much as a posterior
+    gamma = torch.empty(B, T, K, dtype=emit.dtype, device=emit.device)
+    log_cond = torch.empty(B, T, dtype=emit.dtype, device=emit.device)
     short = (~long).nonzero().squeeze(1)
     if short.numel():
         width = int(lengths[short].max())
         g, c = posterior(init[short], _rows(emit, short, width), trans, lengths[short], backend=backend)
         gamma[short, :width], log_cond[short, :width] = g, c
-    halves = dispatch.sum_product(backend, emit, trans, init, rows=1, marginals=True) is Backend.GROUPS
+        gamma[short, width:], log_cond[short, width:] = 0.0, 0.0
     for b in long.nonzero().squeeze(1).tolist():
         n = int(lengths[b])
-        if halves and dispatch.posterior_halves(Backend.GROUPS, 1, n, K):  # exact, two threads meeting once
-            g, c = sum_product.posterior_halves(init[b : b + 1], *_table_rows(_one_row(emit, b, n)), trans, n)  # type: ignore[arg-type]
-        else:
-            g, c = posterior_chunked(init[b : b + 1], _one_row(emit, b, n), trans, backend=backend)  # type: ignore[arg-type]
+        g, c = one_long(b, n)
         gamma[b, :n], log_cond[b, :n] = g[0], c[0]
+        gamma[b, n:], log_cond[b, n:] = 0.0, 0.0
     return gamma, log_cond
 
 

@@ -165,9 +165,11 @@ def posterior_halves(init: Tensor, table: Tensor, rows: Tensor | None, trans: Te
     being the emissions' width. O(T K^2) per thread; one (T, K) output and nothing else of that size."""
     e, r = emission_rows(table, rows)
     T_in, K = r.shape[1], e.shape[1]
-    log_cond = np.zeros((1, T_in), dtype=np.float64)
-    gamma = np.zeros((1, T_in, K), dtype=e.dtype)
     n = int(length)
+    log_cond = np.zeros((1, T_in), dtype=np.float64)
+    # np.empty, not np.zeros (see `forward_cpu`): every position below n is written by the kernels
+    gamma = np.empty((1, T_in, K), dtype=e.dtype)
+    gamma[0, n:] = 0.0
     if n > 0:
         a, a_t, r0, lc, g = as_array(trans), blas.transposed(trans), r[0, :n], log_cond[:, :n], gamma[:, :n]
         x, beta = np.zeros(K, dtype=e.dtype), np.ones(K, dtype=e.dtype)

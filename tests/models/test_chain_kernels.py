@@ -218,7 +218,7 @@ def test_one_sequence_posterior_runs_halves_where_chosen(monkeypatch):
     assert backend.posterior_halves(Backend.GROUPS, 1, 8, 4) and not backend.posterior_halves(Backend.GROUPS, 1, 7, 4)
     assert not backend.posterior_halves(Backend.LOCKSTEP, 1, 60, 4)
     assert not backend.posterior_halves(Backend.GROUPS, 2, 60, 4)
-    assert not backend.posterior_halves(Backend.GROUPS, 1, 60, backend.HALVES_MAX_K + 1)
+    assert backend.posterior_halves(Backend.GROUPS, 1, 60, backend.HALVES_MAX_K + 1)  # alone: any size
     one, _ = chain.posterior(init[:1], emit[:1], trans, lengths[:1])
     assert calls == [60]
     torch.testing.assert_close(one, plain(chain.posterior, init[:1], emit[:1], trans, lengths[:1])[0])
@@ -228,6 +228,14 @@ def test_one_sequence_posterior_runs_halves_where_chosen(monkeypatch):
     ref, ref_cond = plain(chain.posterior, init, emit, trans, lengths)
     torch.testing.assert_close(many, ref)
     torch.testing.assert_close(cond, ref_cond)
+    with monkeypatch.context() as m:  # long sequences beyond HALVES_MAX_K states: a batch of chunks
+        m.setattr(backend, "HALVES_MAX_K", 3)
+        chunked, real_chunked = [], chain.posterior_chunked
+        m.setattr(chain, "posterior_chunked",
+                  lambda i, e, *a, **k: chunked.append(e.shape[1]) or real_chunked(i, e, *a, **k))
+        many, _ = chain.posterior(init, emit, trans, lengths)
+        assert sorted(chunked) == [45, 60]
+        torch.testing.assert_close(many, ref)
     with monkeypatch.context() as m:
         m.setattr(torch, "get_num_threads", lambda: 1)  # one thread allowed: the step-by-step recursion
         calls.clear()
