@@ -458,9 +458,9 @@ def test_sampling_streams_the_api_samples(page, api):
     done(page, "sampling")
     items = css(page, "#samples li.sample")
     assert len(items) == n
-    for li, w in zip(items, want, strict=True):
-        assert li.find_element("css selector", ".prefix").text == prefix
-        assert li.find_element("css selector", ".continuation").text.split() == w["tokens"]
+    for li, w in zip(items, want, strict=True):  # textContent: .text is "" once the list scrolls out of view
+        assert li.find_element("css selector", ".prefix").get_attribute("textContent").strip() == prefix
+        assert li.find_element("css selector", ".continuation").get_attribute("textContent").split() == w["tokens"]
     assert f"{sum(len(w['tokens']) for w in want)} tokens sampled" in one(page, "#sample-usage").text
     shot(page, "sampling")
     # a PCFG samples whole sentences, each with its tree (the words put in)
