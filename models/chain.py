@@ -398,7 +398,6 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
         g = gamma[t].mul_(beta)
         g.div_(g.sum(-1, keepdim=True).clamp_min_(tiny))
     gamma.masked_fill_(~valid_mask(lengths, T).T.unsqueeze(-1), 0.0)
-    gamma.masked_fill_(torch.isneginf(log_cond).any(1)[None, :, None], 0.0)  # an impossible sequence: all 0
     return alphas
 
 
