@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
 from latentlm.models.kernels.rows import ROWS
 
 if HAVE_NUMBA:
-    from latentlm.models.kernels.rows import backward_row, forward_row, matmul4, product_normalised, vec_matmul_cols
+    from latentlm.models.kernels.rows import (
+        backward_row,
+        copy_row,
+        forward_row,
+        matmul4,
+        product_normalised,
+        vec_matmul_cols,
+    )
     from latentlm.models.kernels.threads import spin_until, store_release
 
     @njit(nogil=True, inline="always", cache=True)
@@ -42,16 +49,22 @@ if HAVE_NUMBA:
         -inf from an impossible step on) and, when `keep`, the filtered marginals into alphas (B, T, K) (left
         untouched at padding); when last is (B, K), each sequence's filtered marginal at its last position (0
         if impossible). O(B T K^2)."""
-        B, T = rows.shape
         K = table.shape[1]
         x = np.zeros((ROWS, K), dtype=table.dtype)
         y = np.zeros((ROWS, K), dtype=table.dtype)
+        _forward_groups(init, table, rows, trans, lengths, order, log_cond, alphas, keep, last, first, stride, x, y)
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _forward_groups(init, table, rows, trans, lengths, order, log_cond, alphas, keep, last,  # pragma: no cover
+                        first, stride, x, y):
+        """`forward_groups` with its scratch x, y (ROWS, K), without reference counting."""
+        B = rows.shape[0]
         for g in range(first, (B + ROWS - 1) // ROWS, stride):
             g0, n, t_max = _group(g, B, lengths, order)
             x[:] = 0.0
             for t in range(t_max):
                 if t > 0 and n == 1:  # a lone sequence (e.g. one long input): a matrix-vector product
-                    vec_matmul_cols(x[0], trans, y[0], 0, K)
+                    vec_matmul_cols(x[0], trans, y[0], 0, trans.shape[1])
                 elif t > 0:
                     matmul4(x, trans, y)
                 for r in range(n):
@@ -69,11 +82,17 @@ if HAVE_NUMBA:
         the last position and at padding). With `to_gamma`, out holds the alphas and is overwritten in place
         by the posteriors p(z_t | x) = alpha_t beta_t / sum (0 at padding and for impossible sequences):
         no (B, T, K) beta tensor is ever allocated. Emissions as in `forward_groups`. O(B T K^2)."""
-        B, T = rows.shape
         K = table.shape[1]
         x = np.ones((ROWS, K), dtype=table.dtype)
         v = np.zeros((ROWS, K), dtype=table.dtype)
         y = np.zeros((ROWS, K), dtype=table.dtype)
+        _backward_groups(table, rows, trans_t, lengths, order, log_cond, out, to_gamma, first, stride, x, v, y)
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _backward_groups(table, rows, trans_t, lengths, order, log_cond, out, to_gamma,  # pragma: no cover
+                         first, stride, x, v, y):
+        """`backward_groups` with its scratch x, v, y (ROWS, K), without reference counting."""
+        B, T = rows.shape
         for g in range(first, (B + ROWS - 1) // ROWS, stride):
             g0, n, t_max = _group(g, B, lengths, order)
             x[:] = 1.0
@@ -82,28 +101,32 @@ if HAVE_NUMBA:
                 for r in range(n):
                     b = order[g0 + r]
                     if t >= lengths[b]:
-                        out[b, t] = 0.0 if to_gamma else 1.0
+                        out[b, t, :] = 0.0 if to_gamma else 1.0
                     else:
                         backward_row(x[r], out[b, t], v[r], table[rows[b, t]], log_cond[b, t], to_gamma)
                 if t == 0 or t >= t_max:
                     continue
                 if n == 1:
-                    vec_matmul_cols(v[0], trans_t, y[0], 0, K)
+                    vec_matmul_cols(v[0], trans_t, y[0], 0, trans_t.shape[1])
                 else:
                     matmul4(v, trans_t, y)
                 for r in range(n):
                     if t <= lengths[order[g0 + r]] - 1:
-                        x[r] = y[r]
+                        copy_row(y[r], x[r])
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def forward_one(init, table, rows, trans, log_cond):  # pragma: no cover - compiled
         """Scaled forward of one sequence: init (K,), emissions table[rows[t]] (table (N, K), rows (T,)),
         trans (K, K) -> log_cond (T,) float64. O(T K^2), one pass over `trans` per step and no interpreter
         work between steps."""
+        K = table.shape[1]
+        _forward_one(init, table, rows, trans, log_cond, np.empty(K, dtype=table.dtype), np.empty(K, dtype=table.dtype))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _forward_one(init, table, rows, trans, log_cond, alpha, nxt):  # pragma: no cover - compiled
+        """`forward_one` with its scratch alpha, nxt (K,), without reference counting."""
         T = rows.shape[0]
         K = table.shape[1]
-        alpha = np.empty(K, dtype=table.dtype)
-        nxt = np.empty(K, dtype=table.dtype)
         for t in range(T):
             if t > 0:
                 vec_matmul_cols(alpha, trans, nxt, 0, K)
@@ -134,10 +157,15 @@ if HAVE_NUMBA:
         flags (32,) int64 holds the two counters on separate cache lines. Both threads form the same total
         c_t; thread 0 writes log_cond.
         Same result as `forward_one` up to float rounding. O(T K^2 / 2) per thread."""
+        _forward_one_split(init, table, rows, trans, log_cond, shared, partial, flags, tid, j0, j1,
+                           np.zeros(table.shape[1], dtype=table.dtype))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _forward_one_split(init, table, rows, trans, log_cond, shared, partial, flags, tid, j0, j1,  # pragma: no cover
+                           nxt):
+        """`forward_one_split` with its scratch nxt (K,), without reference counting."""
         T = rows.shape[0]
-        K = table.shape[1]
         other = 1 - tid
-        nxt = np.zeros(K, dtype=table.dtype)
         inv_prev = 1.0
         for t in range(T):
             buf = shared[t % 2]
@@ -173,9 +201,14 @@ if HAVE_NUMBA:
         (-inf from an impossible step on). Without `combine` (the first half) alpha_t goes to gamma[0, t]
         (gamma (1, T, K)); with it gamma[0, t] already holds a beta_t (any scale) and becomes alpha_t beta_t /
         sum, the posterior (0 for an impossible sequence). O((t1 - t0) K^2)."""
+        _halves_forward(init, table, rows, trans, t0, t1, combine, log_cond, gamma, x, y,
+                        np.full(1, rows.shape[0], dtype=np.int64), np.empty((0, table.shape[1]), dtype=table.dtype))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _halves_forward(init, table, rows, trans, t0, t1, combine, log_cond, gamma, x, y, lengths,  # pragma: no cover
+                        no_last):
+        """`halves_forward` with `forward_row`'s lengths (1,) and an empty `last`, without reference counting."""
         K = table.shape[1]
-        lengths = np.full(1, rows.shape[0], dtype=np.int64)
-        no_last = np.empty((0, K), dtype=table.dtype)
         for t in range(t0, t1):
             if t > 0:
                 vec_matmul_cols(x, trans, y, 0, K)
@@ -184,7 +217,7 @@ if HAVE_NUMBA:
             if combine:
                 product_normalised(gamma[0, t], x, gamma[0, t])
 
-    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
     def halves_backward(table, rows, trans_t, t0, t1, combine, gamma, beta, v, y):  # pragma: no cover
         """Backward steps t1 - 1 down to t0 of one sequence of T positions for the meet-in-the-middle posterior
         (`halves_forward` is the other thread): beta_{t-1} = trans @ (emit_t * beta_t), each normalised to sum
@@ -198,7 +231,7 @@ if HAVE_NUMBA:
             if combine:
                 product_normalised(gamma[0, t], gamma[0, t], beta)
             else:
-                gamma[0, t] = beta
+                copy_row(beta, gamma[0, t])
             if t == 0:
                 break
             e = table[rows[t]]

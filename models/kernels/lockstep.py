@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from latentlm.models.kernels.blas import HAVE_GEMM
-from latentlm.models.kernels.jit import FASTMATH, njit
+from latentlm.models.kernels.jit import BORROWED, FASTMATH, njit
 
 if HAVE_GEMM:
     from latentlm.models.kernels.blas import gemm_rows
@@ -41,11 +41,19 @@ if HAVE_GEMM:
         and, when `packed` is not empty, MKL's `compute` on `trans` packed there. O(B T K^2)."""
         K = table.shape[1]
         mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, False, ints)
-        active = m = mine.shape[0]
+        m = mine.shape[0]
         if m == 0:
             return
-        x = np.zeros((m, K), dtype=table.dtype)
-        y = np.zeros((m, K), dtype=table.dtype)
+        x, y = np.zeros((m, K), dtype=table.dtype), np.zeros((m, K), dtype=table.dtype)
+        _forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, log_cond, alphas, keep, last,
+                          mine, dims, coef, op, x, y)
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _forward_lockstep(gemm, compute, packed, init, table, rows, trans, lengths, log_cond, alphas, keep, last,
+                          mine, dims, coef, op, x, y):  # pragma: no cover - compiled
+        """`forward_lockstep` for its rows `mine` (non-empty), GEMM arguments and scratch x, y (m, K), without
+        reference counting."""
+        active = mine.shape[0]
         for t in range(lengths[mine[0]]):
             while active > 0 and lengths[mine[active - 1]] <= t:
                 active -= 1
@@ -64,17 +72,25 @@ if HAVE_GEMM:
         v @ trans^T over the rows that have started. Same arguments and outputs as `backward_groups`, but
         `mat` is trans itself when `mat_is_trans` (no transposed copy; the GEMM transposes), else trans^T;
         plus `gemm`, `compute` and `packed` as in `forward_lockstep` (packed: trans^T). O(B T K^2)."""
-        T, K = rows.shape[1], table.shape[1]
+        K = table.shape[1]
         mine, dims, coef, op = _lockstep_rows(order, first, stride, K, table.dtype, mat_is_trans, ints)
         m = mine.shape[0]
-        x = np.ones((m, K), dtype=table.dtype)
-        v = np.zeros((m, K), dtype=table.dtype)
+        _backward_lockstep(gemm, compute, packed, table, rows, mat, lengths, log_cond, out, to_gamma, mine, dims, coef,
+                           op, np.ones((m, K), dtype=table.dtype), np.zeros((m, K), dtype=table.dtype))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _backward_lockstep(gemm, compute, packed, table, rows, mat, lengths, log_cond, out, to_gamma, mine, dims, coef,
+                           op, x, v):  # pragma: no cover - compiled
+        """`backward_lockstep` for its rows `mine`, GEMM arguments and scratch x, v (m, K), without reference
+        counting."""
+        T = rows.shape[1]
+        m = mine.shape[0]
         active = 0  # rows with t < length: a prefix, growing as t falls
         for t in range(T - 1, -1, -1):
             while active < m and lengths[mine[active]] > t:
                 active += 1
             for i in range(active, m):
-                out[mine[i], t] = 0.0 if to_gamma else 1.0
+                out[mine[i], t, :] = 0.0 if to_gamma else 1.0
             for i in range(active):
                 b = mine[i]
                 backward_row(x[i], out[b, t], v[i], table[rows[b, t]], log_cond[b, t], to_gamma)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from latentlm.models.kernels import blas
-from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
 from latentlm.models.kernels.sum_product import emission_rows
 from latentlm.models.kernels.threads import run_split
 
@@ -121,7 +121,7 @@ if HAVE_NUMBA:
         u = uint64(j)
         return fmax(fmax(_max8(flat, rb, db, u), _max8(flat, ra, da, u)), best[j])
 
-    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
     def source_order(drow, centre, order, bounds, scores, counts, keys):  # pragma: no cover - compiled
         """Sources in decreasing delta, by buckets of BUCKET_WIDTH below the row's maximum (a counting sort,
         O(K), instead of an O(K log K) sort that costs as much as the product itself at K = 256): order (K,)
@@ -172,7 +172,7 @@ if HAVE_NUMBA:
             top = fmax(row[i], top)
         return top
 
-    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
     def maxplus_block(flat, K, ld, col_max, order, keys, bounds, scores, j0, w, val, scratch):  # pragma: no cover
         """Columns [j0, j0 + w) of one row of the (max, +) product: val[j] = max_i scores[i] + A[i, j], for A
         (K, K) given flat with row stride ld (`padded_rows`), sources in `order` with `keys`, `bounds` from
@@ -204,7 +204,7 @@ if HAVE_NUMBA:
         for j in range(w):
             val[j] = best[j]
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, **BORROWED)
     def block_argmax(flat, K, ld, order, scores, j0, w, val, arg):  # pragma: no cover - compiled
         """arg[j] for columns [j0, j0 + w) of a product `maxplus_block` formed (values val): the first source
         in `order` whose scores[i] + A[i, j] equals val[j] (the same float operations, so the equality is
@@ -217,7 +217,7 @@ if HAVE_NUMBA:
                     arg[j] = i
                     break
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, **BORROWED)
     def backpointer(scores, trans_t, j):  # pragma: no cover - compiled
         """argmax_i scores[i] + A[i, j] (the lowest i among ties; 0 if every term is -inf), with A[:, j] read
         as the contiguous row trans_t[j] of A transposed. O(K)."""
@@ -243,13 +243,17 @@ if HAVE_NUMBA:
         """The (max, +) product of every row of delta (B, K) with the matrix `padded` (K, ld)
         (`padded_rows`): val (B, K), arg (B, K) int64."""
         B, K = delta.shape
-        ld, flat = padded.shape[1], padded.reshape(-1)
-        scratch = np.empty((2, BLOCK), dtype=delta.dtype)
-        order = np.empty((B, K), dtype=np.int64)
-        keys = np.empty((B, K), dtype=np.int32)
-        bounds = np.empty((B, BUCKETS), dtype=delta.dtype)
-        scores = np.empty((B, K), dtype=delta.dtype)
-        counts = np.empty(COUNT_SLOTS, dtype=np.int64)
+        dt = delta.dtype
+        _maxplus_rows(delta, padded.reshape(-1), padded.shape[1], col_max, val, arg, np.empty((2, BLOCK), dtype=dt),
+                      np.empty((B, K), dtype=np.int64), np.empty((B, K), dtype=np.int32),
+                      np.empty((B, BUCKETS), dtype=dt), np.empty((B, K), dtype=dt),
+                      np.empty(COUNT_SLOTS, dtype=np.int64))
+
+    @njit(nogil=True, cache=True, **BORROWED)
+    def _maxplus_rows(delta, flat, ld, col_max, val, arg, scratch, order, keys, bounds, scores,  # pragma: no cover
+                      counts):
+        """`maxplus_rows` on the matrix as flat rows of stride ld, with its scratch, without reference counting."""
+        B, K = delta.shape
         for b in range(B):
             source_order(delta[b], False, order[b], bounds[b], scores[b], counts, keys[b])
         w = block_width(K, delta.itemsize)
@@ -272,22 +276,25 @@ if HAVE_NUMBA:
         backpointers); paths (B, T) int64 out (-1 at padding), scores (B,) float64 out. Scores are re-centred
         every step as the sources are ordered (the float64 offset carries the scale), so float32 keeps the
         differences that decide the path."""
-        B, T = ids.shape
         K = table.shape[1]
-        ld, flat = padded.shape[1], padded.reshape(-1)
         mine = rows[first::stride]
         m = mine.shape[0]
         if m == 0:
             return
         dt = table.dtype
-        delta = np.empty((m, K), dtype=dt)
-        nxt = np.empty((m, K), dtype=dt)
-        order = np.empty((m, K), dtype=np.int64)
-        keys = np.empty((m, K), dtype=np.int32)
-        bounds = np.empty((m, BUCKETS), dtype=dt)
-        counts = np.empty(COUNT_SLOTS, dtype=np.int64)
-        scratch = np.empty((2, BLOCK), dtype=dt)
-        offset = np.zeros(m)
+        _viterbi_lockstep(log_init, table, ids, padded.reshape(-1), padded.shape[1], col_max, trans_t, lengths, mine,
+                          history, paths, scores, np.empty((m, K), dtype=dt), np.empty((m, K), dtype=dt),
+                          np.empty((m, K), dtype=np.int64), np.empty((m, K), dtype=np.int32),
+                          np.empty((m, BUCKETS), dtype=dt), np.empty(COUNT_SLOTS, dtype=np.int64),
+                          np.empty((2, BLOCK), dtype=dt), np.zeros(m))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _viterbi_lockstep(log_init, table, ids, flat, ld, col_max, trans_t, lengths, mine, history, paths, scores,
+                          delta, nxt, order, keys, bounds, counts, scratch, offset):  # pragma: no cover - compiled
+        """`viterbi_lockstep` for its rows `mine` (non-empty), on the matrix as flat rows of stride ld, with its
+        scratch, without reference counting."""
+        K = table.shape[1]
+        m = mine.shape[0]
         w = block_width(K, table.itemsize)
         active = m
         for t in range(lengths[mine[0]]):
@@ -329,7 +336,7 @@ if HAVE_NUMBA:
                 state = backpointer(history[b, t - 1], trans_t, state)
                 paths[b, t - 1] = state
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, **BORROWED)
     def backtrack(last, step_tops, history, trans_t, path):  # pragma: no cover - compiled
         """The path of `viterbi_chunks` from its last (not re-centred) delta, the per-step maxima and the
         re-centred scores of every earlier step (L, K): path[:L] out. Returns the path's float64
@@ -358,15 +365,17 @@ if HAVE_NUMBA:
         (hi when it ran through). Emissions as table[ids[t]], the matrix as `padded` (K, ld) (`padded_rows`)
         with its column maxima col_max. O((hi - lo) K^2) worst case."""
         K = table.shape[1]
-        ld, flat = padded.shape[1], padded.reshape(-1)
         dt = table.dtype
-        order = np.empty(K, dtype=np.int64)
-        keys = np.empty(K, dtype=np.int32)
-        bounds = np.empty(BUCKETS, dtype=dt)
-        counts = np.empty(COUNT_SLOTS, dtype=np.int64)
-        scratch = np.empty((2, BLOCK), dtype=dt)
-        nxt = np.empty(K, dtype=dt)
-        fresh = np.empty(K, dtype=dt)
+        return _viterbi_steps(table, ids, padded.reshape(-1), padded.shape[1], col_max, delta, lo, hi, history, tops,
+                              verify, np.empty(K, dtype=np.int64), np.empty(K, dtype=np.int32),
+                              np.empty(BUCKETS, dtype=dt), np.empty(COUNT_SLOTS, dtype=np.int64),
+                              np.empty((2, BLOCK), dtype=dt), np.empty(K, dtype=dt), np.empty(K, dtype=dt))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _viterbi_steps(table, ids, flat, ld, col_max, delta, lo, hi, history, tops, verify,  # pragma: no cover
+                       order, keys, bounds, counts, scratch, nxt, fresh):
+        """`viterbi_steps` on the matrix as flat rows of stride ld, with its scratch, without reference counting."""
+        K = table.shape[1]
         w = block_width(K, table.itemsize)
         for t in range(lo, hi):
             scores = history[t - 1]
@@ -379,7 +388,8 @@ if HAVE_NUMBA:
                         break
                 if same:
                     return t
-                scores[:] = fresh
+                for i in range(K):
+                    scores[i] = fresh[i]
             else:
                 tops[t - 1] = source_order(delta, True, order, bounds, scores, counts, keys)
             for j0 in range(0, K, w):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
 
 ROWS = 4  # sequences per group: `matmul4` feeds ROWS x 4 fused multiply-adds from each streamed row
 
@@ -59,7 +59,7 @@ if HAVE_NUMBA:
                 o2[j] += a2 * q
                 o3[j] += a3 * q
 
-    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
     def rows_matmul(x, mat, out):  # pragma: no cover - compiled
         """out = x @ mat for x, out (N, K), mat (K, K), on the calling thread: ROWS rows at a time."""
         N = x.shape[0]
@@ -89,9 +89,15 @@ if HAVE_NUMBA:
             log_cond[b, t] = -np.inf
             xr[:] = 0.0
         if keep:
-            alphas[b, t] = xr
+            copy_row(xr, alphas[b, t])
         if t == lengths[b] - 1 and last.shape[0] == log_cond.shape[0]:
-            last[b] = xr
+            copy_row(xr, last[b])
+
+    @njit(nogil=True, inline="always", cache=True)
+    def copy_row(src, dst):  # pragma: no cover - compiled
+        """dst[:] = src as a loop (a slice assignment from an array needs numba's runtime; see `jit.BORROWED`)."""
+        for j in range(dst.shape[0]):
+            dst[j] = src[j]
 
     @njit(nogil=True, fastmath=FASTMATH, inline="always", cache=True)
     def backward_row(beta, o, v, e, lc, to_gamma):  # pragma: no cover - compiled
