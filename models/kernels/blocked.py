@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
 
 BIG = 1e280  # cap of beta and of emit * beta / c: sums of a few products stay finite, so 0 * overflow never
 # turns counts into NaN (a capped entry meets alpha * trans below 1e-280 in any count it enters)
@@ -76,9 +76,15 @@ if HAVE_NUMBA:
         (log of each step's scale; padding untouched), alphas (B, T, k) filtered marginals, gamma (B, T, k)
         posteriors and right (B, T, k) = emit_t beta_t / c_t (both 0 at padding), from which the expected
         transition counts are alpha_{t-1} (x) right_t times the step's block. O(B T k^2)."""
+        k = emit.shape[2]
+        _blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right, np.empty(k),
+                                  np.empty(k))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right, beta,
+                                  nxt):  # pragma: no cover - compiled
+        """`blocked_forward_backward` with its scratch beta, nxt (k,), without reference counting."""
         B, T, k = emit.shape
-        beta = np.empty(k)
-        nxt = np.empty(k)
         for b in range(B):
             L = lengths[b]
             c = 0.0
