@@ -43,6 +43,8 @@ V = 10_000
 
 
 PARK_S = 0.2  # seconds for BLAS worker threads to stop spinning after a call
+LONG_S = 0.5  # the long posteriors are timed over at least this long: with 2 calls (as before 2026-11-27) the
+# same code read 1.5-2.4x apart within one run
 
 
 def timed(fn: Callable[[], object], min_time: float = 1.0, max_reps: int = 15) -> float:
@@ -121,7 +123,7 @@ def ours(Z: int) -> dict[str, float]:
         "score/batch": 3200 / timed(lambda: m.score(b)),
         "score/long": 10_000 / timed(lambda: m.score(lg), 0, 5),
         "posterior/batch": 3200 / timed(lambda: m.posterior(b)),
-        "posterior/long": 10_000 / timed(lambda: m.posterior(lg), 0, 3),
+        "posterior/long": 10_000 / timed(lambda: m.posterior(lg), LONG_S),
         "viterbi/batch": 3200 / timed(lambda: m.viterbi(b), 0, 2),
         "viterbi/long": 10_000 / timed(lambda: m.viterbi(lg), 0, 1),
         "sample/64x50": 3200 / timed(lambda: m.sample(64, 50, g)),
@@ -131,11 +133,11 @@ def ours(Z: int) -> dict[str, float]:
     r["score/long@sequential"] = 10_000 / timed(lambda: score_on(m, lg, chunk_long=False), 0, 5)
     # one long posterior three ways: a batch of its own chunks, two threads meeting in the middle, one thread
     init, emit, trans = m.chain(lg)
-    r["posterior/long@chunked"] = 10_000 / timed(lambda: chain.posterior_chunked(init, emit, trans), 0, 3)
+    r["posterior/long@chunked"] = 10_000 / timed(lambda: chain.posterior_chunked(init, emit, trans), LONG_S)
     r["posterior/long@halves"] = 10_000 / timed(
-        lambda: sum_product.posterior_halves(init, emit.table, emit.rows, trans, 10_000), 0, 3)
+        lambda: sum_product.posterior_halves(init, emit.table, emit.rows, trans, 10_000), LONG_S)
     with one_thread():
-        r["posterior/long@sequential"] = 10_000 / timed(lambda: posterior_on(m, lg, chunk_long=False), 0, 3)
+        r["posterior/long@sequential"] = 10_000 / timed(lambda: posterior_on(m, lg, chunk_long=False), LONG_S)
     # baseline in the same process: one BLAS GEMM + elementwise ops per step
     plain = {"backend": "torch", "chunk_long": False}
     r["score/batch@plain"] = 3200 / timed(lambda: score_on(m, b, **plain))
