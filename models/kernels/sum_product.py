@@ -168,12 +168,13 @@ def posterior_halves(init: Tensor, table: Tensor, rows: Tensor | None, trans: Te
     n = int(length)
     log_cond = np.zeros((1, T_in), dtype=np.float64)
     # np.empty, not np.zeros (see `forward_cpu`): every position below n is written by the kernels
-    gamma = np.empty((1, T_in, K), dtype=e.dtype)
+    gamma = blas.aligned_empty((1, T_in, K), e.dtype)  # rows on cache lines where K allows
     gamma[0, n:] = 0.0
     if n > 0:
         a, a_t, r0, lc, g = as_array(trans), blas.transposed(trans), r[0, :n], log_cond[:, :n], gamma[:, :n]
-        x, beta = np.zeros(K, dtype=e.dtype), np.ones(K, dtype=e.dtype)
-        scratch = [np.empty(K, dtype=e.dtype) for _ in range(3)]
+        # the vectors each step reads and writes whole, on cache-line boundaries (`blas.aligned_empty`)
+        x, beta, *scratch = (blas.aligned_empty((K,), e.dtype) for _ in range(5))
+        x[:], beta[:] = 0.0, 1.0
         first = as_array(init[0])
         m = n // 2
 
