@@ -151,8 +151,8 @@ def packed_matrix(trans: Tensor, transpose: bool) -> np.ndarray:
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on an `align`-byte boundary. numpy's own
-    allocations may start 16 or 32 bytes past one, and then every 64-byte vector load of a row spans two cache
-    lines (a matrix-vector product at K = 256 ran 1.15x slower so on AMD EPYC Zen 5, AVX-512)."""
+    allocations may start 16, 32 or 48 bytes past one, and then every 64-byte vector load of a row spans two
+    cache lines (in the kernels up to 1.06x on AMD EPYC Zen 5: bench/results/kernel_refcounts.md)."""
     dtype = np.dtype(dtype)
     n = int(np.prod(shape))
     raw = np.empty(n * dtype.itemsize + align, dtype=np.uint8)
