@@ -192,8 +192,9 @@ class VLHMM(nn.Module):
 
 def rows_of(table: Tensor, ids: Tensor) -> Tensor:
     """table[ids] for a parameter table (n, ...) and row ids (m,), as `index_select`: its backward adds the
-    gradient rows into place (index_add), where advanced indexing's runs index_put with accumulation, 3.6x
-    slower for a 1,024 x 256 table on a 2-core AMD EPYC (a quarter of a millisecond per lookup per step)."""
+    gradient rows into place (index_add), where advanced indexing's runs index_put with accumulation, about
+    3.6x slower for a 1,024 x 256 table on a 2-core AMD EPYC (bench/results/training_throughput.md: 1.09-1.13x
+    on whole training steps)."""
     return table.index_select(0, ids)
 
 
