@@ -111,13 +111,18 @@ def posterior_on(m: DenseHMM, batch: Batch, **engine) -> torch.Tensor:
     return chain.posterior(init, emit, trans, batch.lengths, **engine)[0]
 
 
-def ours(Z: int) -> dict[str, float]:
+def model_and_batches(Z: int) -> tuple[DenseHMM, Batch, Batch]:
+    """The benchmark's random HMM of Z states, calibrated as `latentlm serve` does at load (LATENTLM_CALIBRATE,
+    on by default), with its 64 x 50 batch and its 10,000-token sequence."""
     t, c = random_hmm(Z, V, 0)
     m = DenseHMM.from_tensors(t, c)
-    m.calibrate()  # what `latentlm serve` does at load (LATENTLM_CALIBRATE, on by default)
+    m.calibrate()
     batch_ids, long_ids = data(Z)
-    b = Batch(batch_ids, torch.full((64,), 50))
-    lg = Batch(long_ids, torch.tensor([10_000]))
+    return m, Batch(batch_ids, torch.full((64,), 50)), Batch(long_ids, torch.tensor([10_000]))
+
+
+def ours(Z: int) -> dict[str, float]:
+    m, b, lg = model_and_batches(Z)
     g = torch.Generator().manual_seed(0)
     r = {
         "score/batch": 3200 / timed(lambda: m.score(b)),

@@ -22,12 +22,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import V, data, machine, timed  # noqa: E402
+from hmm_inference import machine, model_and_batches, timed  # noqa: E402
 
-from latentlm.models.base import Batch  # noqa: E402
-from latentlm.models.hmm import DenseHMM  # noqa: E402
 from latentlm.models.kernels import blas, sum_product  # noqa: E402
-from latentlm.models.synthetic import random_hmm  # noqa: E402
 
 SHIPPED = (blas.transposed, blas.padded_array)
 
@@ -54,12 +51,7 @@ def use(transposed, padded) -> None:
 
 def workloads(Z: int) -> tuple[int, dict[str, tuple[int, object]]]:
     """(the byte offset of numpy's transposed copy past a 64-byte boundary, {name: (tokens per call, call)})."""
-    t, c = random_hmm(Z, V, 0)
-    m = DenseHMM.from_tensors(t, c)
-    m.calibrate()
-    batch_ids, long_ids = data(Z)
-    b = Batch(batch_ids, torch.full((64,), 50))
-    lg = Batch(long_ids, torch.tensor([10_000]))
+    m, b, lg = model_and_batches(Z)
     init, emit, trans = m.chain(lg)
     calls = {"posterior/long (two threads)": (10_000, lambda: sum_product.posterior_halves(
                  init, emit.table, emit.rows, trans, 10_000)),

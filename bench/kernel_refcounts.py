@@ -26,13 +26,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import V, data, machine, timed  # noqa: E402
+from hmm_inference import machine, model_and_batches, timed  # noqa: E402
 
 from latentlm.models import chain  # noqa: E402
-from latentlm.models.base import Batch  # noqa: E402
-from latentlm.models.hmm import DenseHMM  # noqa: E402
 from latentlm.models.kernels import groups, lockstep, maxplus, rows  # noqa: E402
-from latentlm.models.synthetic import random_hmm  # noqa: E402
 
 MODULES = (groups, lockstep, maxplus, rows)
 
@@ -76,12 +73,7 @@ def swapped(clones: dict[types.ModuleType, dict[str, object]]):
 
 def workloads(Z: int) -> dict[str, tuple[int, object]]:
     """name -> (tokens per call, call) for one model of Z states."""
-    t, c = random_hmm(Z, V, 0)
-    m = DenseHMM.from_tensors(t, c)
-    m.calibrate()
-    batch_ids, long_ids = data(Z)
-    b = Batch(batch_ids, torch.full((64,), 50))
-    lg = Batch(long_ids, torch.tensor([10_000]))
+    m, b, lg = model_and_batches(Z)
     calls = {"score/batch": (3200, lambda: m.score(b)), "score/long": (10_000, lambda: m.score(lg)),
              "posterior/batch": (3200, lambda: m.posterior(b)), "posterior/long": (10_000, lambda: m.posterior(lg)),
              "viterbi/batch": (3200, lambda: m.viterbi(b)), "viterbi/long": (10_000, lambda: m.viterbi(lg))}
