@@ -163,8 +163,9 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
 def transposed(trans: Tensor) -> np.ndarray:
     """trans^T as a contiguous, 64-byte-aligned array (cached)."""
     def build() -> np.ndarray:
-        out = aligned_empty(tuple(trans.shape[::-1]), as_array(trans).dtype)
-        out[:] = trans.detach().numpy().T
+        mat = as_array(trans)
+        out = aligned_empty(mat.shape[::-1], mat.dtype)
+        out[:] = mat.T
         return out
 
     return _derived(trans, "T", build)
