@@ -17,7 +17,10 @@ name one; `available` says which this machine has).
 |            | Triton kernels + CUDA graphs (`models.triton_chain`)   |                                         |
 
 Every compiled engine needs a shared (K, K) matrix on CPU, float32/float64 throughout, no autograd and
-numba; "lockstep" also needs torch's BLAS to be callable (`kernels.blas.HAVE_GEMM`).
+numba; "lockstep" also needs torch's BLAS to be callable (`kernels.blas.HAVE_GEMM`). A blocked_hmm with more
+than one cluster has a matrix per step (a k x k block of its Z x Z matrix), so its `score` and `posterior`
+run their own compiled sweeps on CPU (`kernels.blocked`, reported as "groups": whole sequences in compiled
+code, no BLAS; threads by `blocked_threads`), and only "torch" elsewhere.
 Long sequences are, independently of the engine, scored as batches of chunks (`chunk_long`).
 The thresholds are module constants read at call time (tests lower them with `monkeypatch.setattr`).
 
@@ -58,6 +61,8 @@ VITERBI_CHUNK_MIN_STEPS = 256  # one sequence's Viterbi runs in chunks on severa
 #                                meeting per step) when each thread gets at least this many steps
 NATIVE_MAXPLUS_MIN_WORK = 1 << 16  # B K^2 (a (max, +) step) or T K^2 (one sequence) for compiled max-product
 LONG_MIN_TOKENS = 4096  # a sequence at least this long is scored as a batch of its own chunks
+BLOCKED_SPLIT_MIN_WORK = 1 << 18  # tokens x k^2 from which a blocked HMM's compiled sweep splits its rows over
+#                                  threads (a thread hand-off costs tens of microseconds)
 HALVES_MIN_WORK = 1 << 21  # one sequence's posterior on CPU runs its forward and backward on two threads meeting
 HALVES_STEP_COST = 4096  # in the middle (exact) once T (K^2 + HALVES_STEP_COST) reaches HALVES_MIN_WORK (below,
 #                          handing the halves to two threads costs more than it saves; a step's fixed cost is
@@ -235,6 +240,15 @@ def threads(engine: Backend, rows: int, T: int, K: int) -> int:
     if engine is Backend.LOCKSTEP:
         return max(1, min(n, rows // LOCKSTEP_MIN_ROWS))
     return n
+
+
+def blocked_threads(rows: int, tokens: int, k: int) -> int:
+    """Threads for a blocked HMM's compiled sweep (`kernels.blocked`; rows split by token count, no meeting):
+    torch's intra-op thread count at most, one per row at most, and one until tokens k^2 reaches
+    BLOCKED_SPLIT_MIN_WORK."""
+    if tokens * k * k < BLOCKED_SPLIT_MIN_WORK:
+        return 1
+    return max(1, min(torch.get_num_threads(), rows))
 
 
 def posterior_halves(engine: Backend, rows: int, T: int, K: int) -> bool:

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from latentlm.models import backend as dispatch
 from latentlm.models import chain, triton_chain
+from latentlm.models.backend import Backend
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
@@ -131,6 +133,46 @@ class BlockedHMM(ChainFamily):
     def state_ids(self, batch: Batch) -> Tensor:
         return self._clusters(batch).unsqueeze(-1) * self.k + torch.arange(self.k, device=self.device)
 
+    # -- compiled sweeps on CPU (`kernels.blocked`) ----------------------------------------------------
+    def _compiled(self) -> bool:
+        """Whether `score` and `posterior` run the compiled blocked sweeps: more than one cluster (one cluster
+        is a shared matrix: the chain engine's compiled engines), on CPU, float32/float64, numba, no autograd."""
+        return (self.M > 1 and blocked_kernels.HAVE_NUMBA and self.device.type == "cpu"
+                and self.dtype in (torch.float32, torch.float64) and not self._grad())
+
+    def score(self, batch: Batch, *, backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
+        """`ChainFamily.score`. With more than one cluster on CPU, "auto" and "groups" run the compiled sweep
+        (`kernels.blocked.score_cpu`: each step reads its k x k block where it lies, rows split over threads);
+        "torch" runs the chain engine's torch steps (a gathered (B, k, k) block per step)."""
+        if Backend(backend) in (Backend.AUTO, Backend.GROUPS) and self._compiled():
+            batch = self.to(batch)
+            clusters = self._clusters(batch)
+            init = self.start.view(self.M, self.k)[clusters[:, 0]]
+            log_cond = blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
+                                                 self._threads(batch))
+            return log_cond.double().sum(1), log_cond
+        return super().score(batch, backend=backend)
+
+    def posterior(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """`ChainFamily.posterior`; with more than one cluster on CPU by the compiled forward-backward sweep
+        (`kernels.blocked.posterior_cpu`)."""
+        if not self._compiled():
+            return super().posterior(batch)
+        batch = self.to(batch)
+        clusters = self._clusters(batch)
+        init = self.start.view(self.M, self.k)[clusters[:, 0]]
+        gamma, _ = blocked_kernels.posterior_cpu(init, self.emit[batch.ids], clusters, batch.lengths, self.trans,
+                                                 self._threads(batch))
+        return self.state_ids(batch), gamma
+
+    def _threads(self, batch: Batch) -> int:
+        return dispatch.blocked_threads(batch.ids.shape[0], int(batch.lengths.sum()), self.k)
+
+    def backends(self) -> dict[str, str]:
+        if not self._compiled():
+            return super().backends()
+        return {"score": Backend.GROUPS.value, "storage_dtype": str(self.dtype).removeprefix("torch.")}
+
     def viterbi(self, batch: Batch) -> tuple[Tensor, Tensor]:
         path, logp = super().viterbi(batch)
         batch = self.to(batch)
@@ -233,12 +275,10 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
         for sel, cols in _by_cluster(first, kk):  # prior @ trans in each row's first cluster: O(B Z' k')
             into_first[sel] = prior[sel] @ trans[:, cols]
         init = torch.where(has_prior[:, None], into_first.to(dtype), init)
+    threads = dispatch.blocked_threads(B, int(lengths.sum()), kk)
     if M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
-        log_cond = torch.zeros(B, T, dtype=dtype)
-        alphas, gamma, right = (torch.zeros(B, T, kk, dtype=dtype) for _ in range(3))
-        blocked_kernels.blocked_forward_backward(
-            *(x.contiguous().numpy() for x in (init, emit, clusters, lengths, trans)),
-            log_cond.numpy(), alphas.numpy(), gamma.numpy(), right.numpy())
+        log_cond, alphas, gamma, right = blocked_kernels.forward_backward_cpu(init, emit, clusters, lengths, trans,
+                                                                              threads)
     else:
         step: Trans = trans if M == 1 else BlockedHMM._block_fn(trans.view(M, kk, M, kk), clusters)
         step = step.to(dtype) if isinstance(step, Tensor) else (lambda t, f=step: f(t).to(dtype))
@@ -254,9 +294,7 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     if M == 1:
         trans_counts = (trans * (alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk))).to(trans.dtype)
     elif ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
-        trans_counts = torch.zeros_like(trans)
-        blocked_kernels.block_counts(*(x.contiguous().numpy() for x in (alphas, right, clusters, lengths, trans)),
-                                     M, trans_counts.numpy())
+        trans_counts = blocked_kernels.counts_cpu(alphas, right, clusters, lengths, trans, M, threads)
     else:
         trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
     start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)

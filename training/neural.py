@@ -18,6 +18,7 @@ the training-time validation perplexity is computed by the exported family's own
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM, expected_counts
 from latentlm.models.errors import LatentLMError
+from latentlm.models.kernels import cluster_emit
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
@@ -128,6 +130,7 @@ class VLHMM(nn.Module):
             torch.randn(V, h) * 0.1 if state_embedding == "factored"
             else torch.empty(V, h).uniform_(-1.0 / math.sqrt(h), 1.0 / math.sqrt(h)))
         self.cluster_sizes = torch.bincount(word_cluster, minlength=M).tolist()
+        self.cluster_offsets = torch.tensor([0, *itertools.accumulate(self.cluster_sizes)])  # (M + 1,), on CPU
 
     def state_axes(self) -> dict[str, int]:
         """The parameters indexed by state, each with its state axis (what `split_states` doubles)."""
@@ -164,15 +167,9 @@ class VLHMM(nn.Module):
         start, trans = self.start_and_trans_logits(states)
         # emission: per cluster, its words' logits against its own k' states, normalised over those words
         # unbind, not emit_states[m]: the backward of M selects would add M zero-filled (M, k', h) tensors
-        emit_states = self.emission_reprs(states).view(M, kk, -1).unbind(0)
-        words = self.word_emb_by_slot.split(self.cluster_sizes)
-        if self.word_bias_by_slot is None:
-            parts = [torch.log_softmax(w @ e.T, dim=0) for w, e in zip(words, emit_states, strict=True)]
-        else:
-            bias = self.word_bias_by_slot.split(self.cluster_sizes)
-            parts = [torch.log_softmax(torch.addmm(b[:, None], w, e.T), dim=0)
-                     for w, e, b in zip(words, emit_states, bias, strict=True)]
-        return torch.log_softmax(start, 0), torch.log_softmax(trans, -1), torch.cat(parts)  # emission by slot
+        emit = cluster_log_softmax(self.word_emb_by_slot, self.emission_reprs(states).view(M, kk, -1),
+                                   self.word_bias_by_slot, self.cluster_sizes, self.cluster_offsets)
+        return torch.log_softmax(start, 0), torch.log_softmax(trans, -1), emit  # emission by slot
 
     def export_tensors(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
         """Cached `blocked_hmm` tensors (float64-normalised on the parameters' device, float32 on `device`:
@@ -188,6 +185,56 @@ class VLHMM(nn.Module):
         out = {"start": start / start.sum(), "trans": trans / trans.sum(1, keepdim=True), "emit": emit,
                "word_cluster": self.word_cluster, "state_vectors": state_vectors}
         return {k: (v.float() if v.is_floating_point() else v.long()).to(device) for k, v in out.items()}
+
+
+CLUSTER_EMIT_MAX_K = 16  # states per cluster up to which `cluster_log_softmax` runs the compiled passes
+
+
+def cluster_log_softmax(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int], offsets: Tensor
+                        ) -> Tensor:
+    """Log-emission table (V, k) by slot: each word's logits against its own cluster's k states, normalised
+    over the cluster's words (`kernels.cluster_emit`'s docstring has the formula). words (V, h) in cluster
+    order, states (M, k, h), bias (V,) or None, sizes (M,) words per cluster, offsets (M + 1,) their running
+    sum. On CPU with numba (float32/float64, up to CLUSTER_EMIT_MAX_K states per cluster) one compiled pass
+    each way (`ClusterLogSoftmax`); else, and as its reference, a GEMM and a log-softmax per cluster.
+    O(V k h)."""
+    if (cluster_emit.HAVE_NUMBA and words.device.type == "cpu" and states.device.type == "cpu"
+            and words.dtype in (torch.float32, torch.float64) and states.dtype == words.dtype
+            and (bias is None or bias.dtype == words.dtype) and states.shape[1] <= CLUSTER_EMIT_MAX_K):
+        return ClusterLogSoftmax.apply(words, states, bias, offsets)
+    return cluster_log_softmax_reference(words, states, bias, sizes)
+
+
+def cluster_log_softmax_reference(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
+    """`cluster_log_softmax` as PyTorch ops: per cluster a GEMM and a log-softmax, then one cat (any device)."""
+    per_cluster = words.split(sizes)
+    if bias is None:
+        parts = [torch.log_softmax(w @ e.T, dim=0) for w, e in zip(per_cluster, states.unbind(0), strict=True)]
+    else:
+        # unbind, not states[m]: the backward of M selects would add M zero-filled (M, k, h) tensors
+        parts = [torch.log_softmax(torch.addmm(b[:, None], w, e.T), dim=0)
+                 for w, e, b in zip(per_cluster, states.unbind(0), bias.split(sizes), strict=True)]
+    return torch.cat(parts)
+
+
+class ClusterLogSoftmax(torch.autograd.Function):
+    """`cluster_log_softmax` by the compiled passes of `kernels.cluster_emit`, on torch's thread count:
+    apply(words (V, h), states (M, k, h), bias (V,) or None, offsets (M + 1,)) -> (V, k)."""
+
+    @staticmethod
+    def forward(ctx, words: Tensor, states: Tensor, bias: Tensor | None, offsets: Tensor) -> Tensor:
+        states = states.contiguous()
+        out = cluster_emit.forward_cpu(words, states, bias, offsets, torch.get_num_threads())
+        ctx.save_for_backward(words, states, out)
+        ctx.offsets, ctx.has_bias = offsets, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:
+        words, states, out = ctx.saved_tensors
+        d_words, d_states, d_bias = cluster_emit.backward_cpu(grad.contiguous(), out, words, states, ctx.offsets,
+                                                              torch.get_num_threads())
+        return d_words, d_states, (d_bias if ctx.has_bias else None), None
 
 
 def rows_of(table: Tensor, ids: Tensor) -> Tensor:

@@ -12,7 +12,10 @@ By concern:
 - `blas`: the ctypes bindings to the BLAS libraries (torch's MKL, numpy's OpenBLAS: `PROVIDERS`) and the cache of
   matrices derived from a model's (packed, transposed);
 - `threads`: the helper thread pool and the spin-wait primitives of two-thread kernels;
-- `sum_product`: tensor-level drivers of `groups` / `lockstep`.
+- `sum_product`: tensor-level drivers of `groups` / `lockstep`;
+- `blocked`: a blocked (emission-constrained) HMM's sweeps, reading each step's block where it lies (score,
+  posteriors, the training E-step's counts), with their drivers;
+- `cluster_emit`: per-cluster normalised emission logits and their gradient (a VL-HMM's training step).
 Which kernel runs for a call, and every threshold behind that choice, is `models.backend`'s business;
 these modules take the decision (engine, threads, packing) as arguments.
 """
@@ -22,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from latentlm.models.kernels import blas, groups, maxplus, sum_product
+from latentlm.models.kernels import blas, blocked, groups, maxplus, sum_product
 from latentlm.models.kernels import rows as row_ops
 from latentlm.models.kernels.jit import HAVE_NUMBA
 
@@ -65,4 +68,7 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
     for threads in (1, 2):  # a batch, and one sequence split over two threads
         maxplus.viterbi_cpu(init.log(), emit.log(), None, log_trans, lengths, threads)
         maxplus.viterbi_cpu(init[:1].log(), emit[:1].log(), None, log_trans, lengths[:1], threads)
+    clusters = torch.zeros(B, T, dtype=torch.long)  # a blocked HMM's sweeps: one cluster of K states
+    blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans, 1)
+    blocked.posterior_cpu(init, emit, clusters, lengths, trans, 1)
     _WARM.add(dtype)

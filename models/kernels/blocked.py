@@ -1,15 +1,23 @@
-"""Expected counts of a blocked (emission-constrained) HMM in one compiled sweep: forward, backward and the
-transition / emission / start counts, reading each step's k x k block of the transition matrix where it
-lies (no gathered (B, k, k) copies). This is the training E-step of `blocked_hmm` (the gradient of
-log p(x) with respect to each log-potential is its expected count); `models.blocked_hmm.expected_counts`
-holds the PyTorch reference and calls this on CPU.
+"""Compiled sweeps of a blocked (emission-constrained) HMM, reading each step's k x k block of the
+transition matrix where it lies (no gathered (B, k, k) copies):
+
+* `blocked_score`: the scaled forward, log p(x_t | x_<t) only: `BlockedHMM.score` on CPU (the service's
+  scoring and training's validation);
+* `blocked_forward_backward` and `block_counts`: forward, backward and the transition / emission / start
+  counts: the training E-step of `blocked_hmm` (the gradient of log p(x) with respect to each log-potential
+  is its expected count) and `BlockedHMM.posterior` on CPU. `models.blocked_hmm.expected_counts` holds the
+  PyTorch reference.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
+from torch import Tensor
 
+from latentlm.models.kernels.blas import as_array
 from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.threads import run_split, spans
 
 BIG = 1e280  # cap of beta and of emit * beta / c: sums of a few products stay finite, so 0 * overflow never
 # turns counts into NaN (a capped entry meets alpha * trans below 1e-280 in any count it enters)
@@ -67,9 +75,56 @@ if HAVE_NUMBA:
             out[i] = c
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond):  # pragma: no cover - compiled
+        """Scaled forward of a blocked HMM with k states per cluster, log_cond only (float32 or float64).
+
+        init (B, k): distribution of position 0 within its cluster; emit_table (V, k): p(w | state i of w's
+        cluster), read by row for each token (no gathered (B, T, k) copy); ids, clusters (B, T) int64;
+        lengths (B,) int64; trans (Z, Z). Writes log_cond[b, t] = log p(x_t | x_<t) for t < lengths[b]
+        (-inf from an impossible position on; padding untouched). The scale of each step is summed in
+        float64. O(B T k^2), O(k) memory."""
+        _blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond, np.empty_like(init[0]),
+                       np.empty_like(init[0]))
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond, alpha, nxt
+                       ):  # pragma: no cover - compiled
+        """`blocked_score` with its scratch alpha, nxt (k,), without reference counting."""
+        B = ids.shape[0]
+        k = alpha.shape[0]
+        for b in range(B):
+            L = lengths[b]
+            row = emit_table[ids[b, 0]]
+            c = 0.0
+            for j in range(k):
+                a = init[b, j] * row[j]
+                alpha[j] = a
+                c += a
+            t = 0
+            while t < L:
+                if not c > 0.0:  # impossible from here on (p = 0; NaN cannot arise from probabilities)
+                    for s in range(t, L):
+                        log_cond[b, s] = -np.inf
+                    break
+                log_cond[b, t] = np.log(c)
+                inv = 1.0 / c
+                for j in range(k):
+                    alpha[j] *= inv
+                t += 1
+                if t < L:
+                    _block_step(alpha, trans, clusters[b, t - 1] * k, clusters[b, t] * k, nxt)
+                    row = emit_table[ids[b, t]]
+                    c = 0.0
+                    for j in range(k):
+                        v = nxt[j] * row[j]
+                        alpha[j] = v
+                        c += v
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right
                                  ):  # pragma: no cover - compiled
-        """Forward-backward of a blocked HMM with k states per cluster (float64 arrays).
+        """Forward-backward of a blocked HMM with k states per cluster (float32 or float64 arrays, one dtype;
+        the backward's scratch in float64).
 
         init (B, k): distribution of position 0 within its cluster; emit (B, T, k) emission likelihoods
         (padding ignored); clusters (B, T) int64; lengths (B,) int64; trans (Z, Z). Writes log_cond (B, T)
@@ -128,12 +183,13 @@ if HAVE_NUMBA:
                     right[b, t, j] = 0.0
 
     @njit(nogil=True, cache=True)
-    def block_counts(alphas, right, clusters, lengths, trans, M, out):  # pragma: no cover - compiled
+    def block_counts(alphas, right, clusters, lengths, trans, M, out, part, parts):  # pragma: no cover - compiled
         """Expected transition counts of `blocked_forward_backward`'s outputs into out (Z, Z) (zeros on
         entry, trans's dtype): for each (cluster, cluster) block the batch steps through, (the sum over
         those steps t >= 1 of alpha_{t-1} (x) right_t, in float64) * the block. Steps are grouped by block
-        (a stable sort of the block ids), so each block is written once. O(B T k^2), no (B T, k, k)
-        buffer."""
+        (a stable sort of the block ids), so each block is written once; this call writes the blocks
+        part, part + parts, ... of that order (`parts` threads share the blocks, never one block).
+        O(B T k^2), no (B T, k, k) buffer."""
         B, T, k = alphas.shape
         n = 0
         for b in range(B):
@@ -149,8 +205,14 @@ if HAVE_NUMBA:
         order = np.argsort(keys, kind="mergesort")
         acc = np.empty((k, k))
         s = 0
+        group = -1
         while s < n:
             pair = keys[order[s]]
+            group += 1
+            if group % parts != part:  # another thread's block
+                while s < n and keys[order[s]] == pair:
+                    s += 1
+                continue
             acc[:] = 0.0
             while s < n and keys[order[s]] == pair:
                 b, t = divmod(where[order[s]], T)
@@ -163,3 +225,69 @@ if HAVE_NUMBA:
             for i in range(k):
                 for j in range(k):
                     out[r0 + i, c0 + j] = acc[i, j] * trans[r0 + i, c0 + j]
+
+
+# -- drivers: tensors in, tensors out, rows split over threads ---------------------------------------------
+def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,
+              threads: int) -> Tensor:
+    """log_cond (B, T) in emit_table's dtype (0 at padding, -inf from an impossible position on) of
+    `blocked_score` over init (B, k), emit_table (V, k), ids and clusters (B, T), lengths (B,) and trans
+    (Z, Z), the rows split over `threads` threads. O(B T k^2)."""
+    log_cond = torch.zeros(ids.shape, dtype=emit_table.dtype)
+    first, rows, cl, lens = (as_array(x) for x in (init, ids, clusters, lengths))
+    table, mat, out = as_array(emit_table), as_array(trans), log_cond.numpy()
+    ranges = spans(lens, threads)
+
+    def part(i: int) -> None:
+        lo, hi = ranges[i]
+        blocked_score(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out[lo:hi])
+
+    run_split(part, len(ranges))
+    return log_cond
+
+
+def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,
+                         threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(log_cond (B, T), alphas, gamma, right (B, T, k)) of `blocked_forward_backward` over init (B, k), emit
+    (B, T, k) (the tokens' emission rows, in the dtype of the DP), clusters (B, T), lengths (B,) and trans
+    (Z, Z), the rows split over `threads` threads. log_cond is 0 at padding, gamma and right too; alphas
+    there are undefined. O(B T k^2)."""
+    B, T, k = emit.shape
+    log_cond = torch.zeros(B, T, dtype=emit.dtype)
+    alphas, gamma, right = (torch.empty(B, T, k, dtype=emit.dtype) for _ in range(3))
+    first, em, cl, lens, mat = (as_array(x) for x in (init, emit, clusters, lengths, trans))
+    outs = [x.numpy() for x in (log_cond, alphas, gamma, right)]
+    ranges = spans(lens, threads)
+
+    def part(i: int) -> None:
+        lo, hi = ranges[i]
+        blocked_forward_backward(first[lo:hi], em[lo:hi], cl[lo:hi], lens[lo:hi], mat, *(x[lo:hi] for x in outs))
+
+    run_split(part, len(ranges))
+    return log_cond, alphas, gamma, right
+
+
+def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, M: int,
+               threads: int) -> Tensor:
+    """Expected transition counts (Z, Z) in trans's dtype from `forward_backward_cpu`'s alphas and right
+    (`block_counts`), the blocks shared among `threads` threads."""
+    out = torch.zeros_like(trans)
+    args = [as_array(x) for x in (alphas, right, clusters, lengths, trans)]
+    parts = max(1, threads)
+    run_split(lambda i: block_counts(*args, M, out.numpy(), i, parts), parts)
+    return out
+
+
+def posterior_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, threads: int
+                  ) -> tuple[Tensor, Tensor]:
+    """(posteriors (B, T, k), log_cond (B, T)) of `forward_backward_cpu`, in emit's dtype. Padding:
+    posteriors 0, log_cond 0. An impossible sequence: log_cond -inf from its impossible position on and
+    posteriors 0 (as the chain engine's). O(B T k^2)."""
+    T = emit.shape[1]
+    log_cond, _, posteriors, _ = forward_backward_cpu(init, emit, clusters, lengths, trans, threads)
+    valid = torch.arange(T)[None, :] < lengths[:, None]
+    dead = ~(log_cond > -np.inf) & valid  # -inf, or NaN after the 0 / 0 that follows it
+    if bool(dead.any()):
+        log_cond.masked_fill_((dead.cumsum(1) > 0) & valid, -np.inf)
+        posteriors[dead.any(1)] = 0.0
+    return posteriors, log_cond

@@ -2,7 +2,8 @@
 two compiled threads use to meet every step (release/acquire step counters, `sched_yield`).
 
 `run_split(fn, threads)` runs fn(k) for k < threads, k = 0 on the calling thread and the others on the
-pool; the kernels themselves release the GIL (`nogil=True`), so the threads run in parallel.
+pool; the kernels themselves release the GIL (`nogil=True`), so the threads run in parallel. `spans` cuts
+independent items into contiguous ranges of equal weight, one per thread.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 from latentlm.models.kernels.jit import HAVE_NUMBA, njit
 
@@ -35,6 +38,20 @@ def run_split(fn: Callable[[int], object], threads: int) -> None:
     fn(0)
     for f in futures:
         f.result()
+
+
+def spans(weights: np.ndarray, parts: int) -> list[tuple[int, int]]:
+    """Contiguous, non-empty ranges [lo, hi) covering every item of `weights` (n,) (tokens per row, words per
+    cluster), at most `parts` of them, each with about the same total weight: independent items split over
+    threads that never wait for each other. O(n)."""
+    n = len(weights)
+    total = np.cumsum(weights)
+    cuts = [0]
+    for i in range(1, max(1, min(parts, n))):
+        cut = int(np.searchsorted(total, total[-1] * i / parts, side="right"))
+        cuts.append(min(max(cut, cuts[-1] + 1), n))
+    cuts.append(n)
+    return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True) if hi > lo]
 
 
 SPINS_BEFORE_YIELD = 2000  # polls of the other thread's counter before giving up the core once

@@ -143,6 +143,24 @@ def test_compiled_sweep_equals_pytorch_path(monkeypatch, with_prior):
     assert torch.allclose(compiled.trans.sum().double(), n_trans.double(), rtol=1e-5)
 
 
+@pytest.mark.skipif(not blocked_kernels.HAVE_NUMBA, reason="numba unavailable: only the PyTorch path exists")
+def test_compiled_sweep_split_over_threads_gives_the_same_bits(monkeypatch):
+    """The rows (forward-backward) and the blocks (counts) shared among 3 threads: bit for bit one thread's."""
+    from latentlm.models import backend as dispatch
+
+    M, kk, V, B, T = 3, 4, 30, 11, 13
+    ls, lt, le, wc = random_model(M, kk, V, seed=5)
+    ids, lengths = batch(V, B, T, seed=6)
+    prior = a_prior(B, M * kk, 7)
+    runs = []
+    for n in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        monkeypatch.setattr(dispatch, "BLOCKED_SPLIT_MIN_WORK", 0)
+        runs.append(blocked_hmm.expected_counts(ls.float(), lt.float(), le.float(), wc, M, ids, lengths, prior))
+    for field in ("start", "trans", "emit", "log_lik", "last"):
+        assert torch.equal(getattr(runs[0], field), getattr(runs[1], field)), field
+
+
 def test_near_one_hot_transitions_stay_finite_and_exact():
     """Transition logits of std 40 make most of each k x k block underflow to 0 in float32 (what made a
     128-cluster x 8-state run diverge at its second step); the float32 matrix is retried in float64."""

@@ -1,0 +1,89 @@
+"""A blocked HMM's (VL-HMM's) scoring and posteriors on CPU: the compiled sweeps that `BlockedHMM.score` and
+`.posterior` run by default (`kernels.blocked`: each step reads its k x k block of the Z x Z matrix where it
+lies, rows split over threads) against the chain engine's torch steps they replaced (`backend="torch"`, a
+gathered (B, k, k) block and a batched product per step), in one process, interleaved.
+
+    python bench/blocked_sweeps.py [--shapes 128x8,128x32,128x64] [--rounds 3] [--out FILE]
+
+Random blocked HMMs (`models.synthetic`, V = 10,000 words in M clusters of k states each), float32. Two
+batches: "ptb-like" (256 sentences of 5-45 tokens, about PTB's validation sentences as training's checks and
+`latentlm eval` score them) and "64 x 50". Both paths give the same numbers (tests/models/test_blocked_kernels.py);
+only speed differs. Results are appended to --out (default bench/results/blocked_sweeps.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hmm_inference import machine, timed  # noqa: E402
+
+from latentlm.models.base import Batch, ChainFamily  # noqa: E402
+from latentlm.models.blocked_hmm import BlockedHMM  # noqa: E402
+from latentlm.models.synthetic import random_blocked_hmm  # noqa: E402
+
+V = 10_000
+
+
+def batches(seed: int = 0) -> dict[str, Batch]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(5, 46, (256,), generator=g).tolist()
+    ptb_like = Batch.from_lists([torch.randint(V, (n,), generator=g).tolist() for n in lengths])
+    return {"ptb-like (256 x 5-45)": ptb_like,
+            "64 x 50": Batch(torch.randint(V, (64, 50), generator=g), torch.full((64,), 50))}
+
+
+def calls(m: BlockedHMM, b: Batch) -> dict[str, dict[str, object]]:
+    """{operation: {path: call}}."""
+    return {"score": {"compiled": lambda: m.score(b), "torch steps": lambda: m.score(b, backend="torch")},
+            "posterior": {"compiled": lambda: m.posterior(b), "torch steps": lambda: ChainFamily.posterior(m, b)}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="128x8,128x32,128x64", help="M x k of each model")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "blocked_sweeps.md")
+    args = ap.parse_args()
+    info = machine()
+    lines = []
+    for shape in args.shapes.split(","):
+        M, k = (int(x) for x in shape.split("x"))
+        t, c = random_blocked_hmm(M, k, V, seed=0)
+        m = BlockedHMM.from_tensors(t, c, dtype=torch.float32)
+        for bname, b in batches().items():
+            tokens = int(b.lengths.sum())
+            for op, paths in calls(m, b).items():
+                got: dict[str, list[float]] = {p: [] for p in paths}
+                for r in range(args.rounds):  # the order alternates between rounds
+                    for p in list(paths)[:: 1 if r % 2 == 0 else -1]:
+                        got[p].append(tokens / timed(paths[p], 0.5, 15))  # type: ignore[arg-type]
+                fast, slow = (float(np.median(got[p])) for p in ("compiled", "torch steps"))
+                lines.append(f"| {M} x {k} = {M * k:,} | {bname} | {op} | {fast:,.0f} | {slow:,.0f} | "
+                             f"{fast / slow:.1f}x |")
+                print(lines[-1], flush=True)
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    text = [f"\n## {when}: {info['cpu']} ({info['vector']}), {info['cores']} cores, torch threads "
+            f"{torch.get_num_threads()}", "",
+            f"Command: `python bench/blocked_sweeps.py --shapes {args.shapes} --rounds {args.rounds}`. Tokens/s, "
+            f"median of {args.rounds} interleaved rounds (alternating which path goes first), each round the "
+            "median call over at least 0.5 s.", "",
+            "| M x k = Z | batch | operation | compiled sweep (default) | torch steps | compiled / torch |",
+            "|---|---|---|---|---|---|", *lines, ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if not args.out.exists():
+        args.out.write_text("# Blocked HMM sweeps on CPU: compiled (default) against torch steps\n\n"
+                            "Made by `bench/blocked_sweeps.py`; every run is appended, with its machine.\n")
+    with args.out.open("a") as f:
+        f.write("\n".join(text))
+    print(f"appended to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

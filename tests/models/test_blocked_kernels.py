@@ -1,0 +1,120 @@
+"""The compiled blocked-HMM sweeps (`kernels.blocked`: `BlockedHMM.score` and `.posterior` on CPU) against the
+chain engine's torch steps, on random shapes, lengths, dtypes and thread counts, and on impossible sequences.
+(Brute-force enumeration of the same family, which now runs these sweeps: tests/models/test_hmm_families.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from latentlm.models import backend as dispatch
+from latentlm.models.base import Batch, ChainFamily
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.kernels import blocked as blocked_kernels
+from latentlm.models.kernels.threads import spans
+from latentlm.models.synthetic import random_blocked_hmm
+
+pytestmark = pytest.mark.skipif(not blocked_kernels.HAVE_NUMBA, reason="numba unavailable: only the torch steps")
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-11}
+
+
+def model(M: int, k: int, V: int, seed: int, dtype: torch.dtype, conc: float = 1.0) -> BlockedHMM:
+    t, c = random_blocked_hmm(M, k, V, seed, concentration=conc)
+    return BlockedHMM.from_tensors(t, c, dtype=dtype)
+
+
+def torch_steps(m: BlockedHMM, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    """(log p(x), log_cond, posteriors) by the chain engine's torch steps (the reference)."""
+    logp, cond = m.score(batch, backend="torch")
+    _, probs = ChainFamily.posterior(m, batch)
+    return logp, cond, probs
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_compiled_sweeps_equal_torch_steps(data):
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
+    M, k = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 5))
+    V = data.draw(st.integers(M, 9))
+    m = model(M, k, V, data.draw(st.integers(0, 10_000)), dtype, data.draw(st.sampled_from([0.3, 1.0])))
+    assert m._compiled()
+    seqs = data.draw(st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=12), min_size=1, max_size=6))
+    batch = Batch.from_lists(seqs)
+    logp, cond = m.score(batch)
+    _, probs = m.posterior(batch)
+    ref_logp, ref_cond, ref_probs = torch_steps(m, batch)
+    tol = TOL[dtype]
+    assert cond.dtype == dtype and probs.dtype == dtype
+    assert torch.allclose(cond, ref_cond, rtol=tol, atol=tol)
+    assert torch.allclose(logp, ref_logp, rtol=tol, atol=tol)
+    assert torch.allclose(probs, ref_probs, rtol=tol, atol=tol)
+    for i, x in enumerate(seqs):  # padding is 0, and each row is what it is alone
+        assert (cond[i, len(x):] == 0).all() and (probs[i, len(x):] == 0).all()
+        one, _ = m.score(Batch.from_lists([x]))
+        assert math.isclose(one[0].item(), logp[i].item(), rel_tol=tol, abs_tol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_split_over_threads_give_the_same_bits(monkeypatch, dtype):
+    m = model(5, 4, 40, 7, dtype)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(40, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (23,), generator=g)]
+    batch = Batch.from_lists(seqs)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one_thread = (m.score(batch)[1], m.posterior(batch)[1])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    monkeypatch.setattr(dispatch, "BLOCKED_SPLIT_MIN_WORK", 0)
+    assert m._threads(batch) == 3
+    three = (m.score(batch)[1], m.posterior(batch)[1])
+    assert torch.equal(one_thread[0], three[0]) and torch.equal(one_thread[1], three[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_impossible_sequence_is_minus_inf_from_its_impossible_step(dtype):
+    """Cluster 0 can never be followed by cluster 1: log_cond is -inf from that position on and the
+    sequence's posteriors are 0, as on the torch steps; the other rows are untouched."""
+    t, c = random_blocked_hmm(2, 3, 6, 3)
+    wc = t["word_cluster"]
+    trans = t["trans"].clone()
+    trans[:3, 3:] = 0.0
+    t["trans"] = trans / trans.sum(1, keepdim=True)
+    m = BlockedHMM.from_tensors(t, c, dtype=dtype)
+    w0, w1 = (int((wc == cl).nonzero()[0]) for cl in (0, 1))
+    seqs = [[w1, w0, w0, w1, w0], [w1, w1, w0], [w0, w1]]
+    batch = Batch.from_lists(seqs)
+    logp, cond = m.score(batch)
+    _, probs = m.posterior(batch)
+    ref_logp, ref_cond, ref_probs = torch_steps(m, batch)
+    assert torch.isneginf(cond[0, 3:]).all() and torch.isfinite(cond[0, :3]).all() and cond[2, 1] == -math.inf
+    assert torch.equal(torch.isneginf(cond), torch.isneginf(ref_cond))
+    assert torch.isneginf(logp[0]) and torch.isneginf(logp[2]) and torch.isfinite(logp[1])
+    assert (probs[0] == 0).all() and (probs[2] == 0).all() and torch.allclose(probs, ref_probs, atol=TOL[dtype])
+    finite = torch.isfinite(ref_cond)
+    assert torch.allclose(cond[finite], ref_cond[finite], rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_backend_choice_and_what_models_report():
+    m = model(3, 2, 8, 0, torch.float32)
+    assert m.backends()["score"] == "groups"
+    batch = Batch.from_lists([[1, 2, 3], [4]])
+    assert torch.allclose(m.score(batch, backend="groups")[1], m.score(batch, backend="torch")[1], atol=1e-6)
+    with pytest.raises(ValueError, match="lockstep"):
+        m.score(batch, backend="lockstep")
+    one_cluster = model(1, 4, 8, 0, torch.float32)
+    assert not one_cluster._compiled()  # a shared matrix: the chain engine's own compiled engines
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=20), threads=st.integers(1, 5))
+def test_spans_cover_every_row_once(lengths, threads):
+    ranges = spans(np.array(lengths, dtype=np.int64), threads)
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(lengths)
+    assert all(lo < hi for lo, hi in ranges) and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert len(ranges) <= min(threads, len(lengths))

@@ -1,0 +1,80 @@
+"""The compiled per-cluster emission log-softmax of a VL-HMM (`training.neural.ClusterLogSoftmax`,
+`models.kernels.cluster_emit`): values and gradients against the PyTorch loop it replaces and against
+finite differences (gradcheck), on random cluster layouts, with and without the word bias, on 1 and 3 threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from latentlm.models.kernels import cluster_emit
+from latentlm.training.neural import ClusterLogSoftmax, cluster_log_softmax, cluster_log_softmax_reference
+
+pytestmark = pytest.mark.skipif(not cluster_emit.HAVE_NUMBA, reason="numba unavailable: only the PyTorch loop")
+
+
+def inputs(sizes: list[int], k: int, h: int, bias: bool, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    V, M = sum(sizes), len(sizes)
+    words = torch.randn(V, h, generator=g, dtype=dtype).requires_grad_()
+    states = torch.randn(M, k, h, generator=g, dtype=dtype).requires_grad_()
+    b = torch.randn(V, generator=g, dtype=dtype).requires_grad_() if bias else None
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    return words, states, b, offsets
+
+
+def grads(fn, words, states, bias, upstream):
+    out = fn()
+    params = [words, states] + ([bias] if bias is not None else [])
+    return out, torch.autograd.grad(out, params, upstream)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), k=st.integers(1, 6), h=st.integers(1, 19),
+       bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 1000))
+def test_values_and_gradients_equal_the_pytorch_loop(sizes, k, h, bias, dtype, seed):
+    words, states, b, offsets = inputs(sizes, k, h, bias, dtype, seed)
+    upstream = torch.randn(sum(sizes), k, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
+    out, got = grads(lambda: cluster_log_softmax(words, states, b, sizes, offsets), words, states, b, upstream)
+    ref, want = grads(lambda: cluster_log_softmax_reference(words, states, b, sizes), words, states, b, upstream)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert out.dtype == dtype and torch.allclose(out, ref, rtol=tol, atol=tol)
+    for g1, g2 in zip(got, want, strict=True):
+        assert torch.allclose(g1, g2, rtol=tol, atol=tol * 10)
+    for m in range(len(sizes)):  # each state's column is a distribution over its cluster's words
+        block = out[offsets[m] : offsets[m + 1]].double().exp().sum(0)
+        assert torch.allclose(block, torch.ones_like(block), atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gradcheck(bias):
+    words, states, b, offsets = inputs([3, 1, 4, 2], 3, 5, bias, torch.float64, seed=4)
+    assert torch.autograd.gradcheck(lambda w, s, *bb: ClusterLogSoftmax.apply(w, s, bb[0] if bb else None, offsets),
+                                    (words, states, *([b] if bias else [])), eps=1e-6, atol=1e-8)
+
+
+def test_threads_give_the_same_bits(monkeypatch):
+    sizes = [5, 30, 2, 17, 9, 1, 40]
+    words, states, b, offsets = inputs(sizes, 4, 16, True, torch.float32, seed=2)
+    upstream = torch.randn(sum(sizes), 4, generator=torch.Generator().manual_seed(3))
+    runs = []
+    for n in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
+        runs.append(grads(lambda: cluster_log_softmax(words, states, b, sizes, offsets), words, states, b, upstream))
+    (o1, g1), (o3, g3) = runs
+    assert torch.equal(o1, o3) and all(torch.equal(x, y) for x, y in zip(g1, g3, strict=True))
+
+
+def test_the_reference_runs_where_the_compiled_pass_cannot(monkeypatch):
+    """Beyond CLUSTER_EMIT_MAX_K states per cluster (and off CPU) the PyTorch loop runs: same values."""
+    import latentlm.training.neural as neural
+
+    words, states, b, offsets = inputs([2, 3], 4, 6, True, torch.float64)
+    fast = cluster_log_softmax(words, states, b, [2, 3], offsets)
+    monkeypatch.setattr(neural, "CLUSTER_EMIT_MAX_K", 3)
+    slow = cluster_log_softmax(words, states, b, [2, 3], offsets)
+    assert slow.grad_fn is not None and "ClusterLogSoftmax" not in type(slow.grad_fn).__name__
+    assert "ClusterLogSoftmax" in type(fast.grad_fn).__name__
+    assert torch.allclose(fast, slow, atol=1e-12)
