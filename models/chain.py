@@ -171,8 +171,11 @@ def _forward_with_long(init: Tensor, emit: Emit, trans: Tensor, lengths: Tensor,
 
 
 def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep_alphas: bool,
-                   out_last: Tensor | None, backend: Backend | str) -> tuple[Tensor, Tensor | None]:
-    """`forward` by the step-by-step recursion on the engine `backend` picks for it, never chunked."""
+                   out_last: Tensor | None, backend: Backend | str, out_alphas: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor | None]:
+    """`forward` by the step-by-step recursion on the engine `backend` picks for it, never chunked. With
+    `keep_alphas` and `out_alphas` (B, T, K) contiguous, the filtered marginals are written there (by the
+    compiled engines directly; the torch engine copies them) and it is returned."""
     B, T, K = emit.shape
     engine = dispatch.sum_product(backend, emit, trans, init, rows=B, marginals=keep_alphas,
                                   last=out_last is not None)
@@ -180,7 +183,8 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
         return sum_product.forward_cpu(init, *_table_rows(emit), trans, lengths, engine=engine,
                                        keep_alphas=keep_alphas, threads=dispatch.threads(engine, B, T, K),
                                        out_last=out_last, pack=dispatch.packs(engine, emit.dtype, K, keep_alphas),
-                                       provider=dispatch.provider(K, emit.dtype, keep_alphas))
+                                       provider=dispatch.provider(K, emit.dtype, keep_alphas),
+                                       out_alphas=out_alphas)
     emit = dense(emit)
     emit_t = _pad_emit(emit, lengths)  # (T, B, K)
     scales = emit.new_empty(T, B, 1)
@@ -210,6 +214,8 @@ def _forward_steps(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, keep
         if keep_alphas:  # 0, not NaN, from the impossible step on (as the compiled engines)
             alphas.masked_fill_(dead.T.unsqueeze(-1), 0.0)
     log_cond = log_scales.masked_fill(~mask, 0.0)
+    if keep_alphas and out_alphas is not None:
+        return log_cond, out_alphas.copy_(alphas.transpose(0, 1))
     return log_cond, (alphas.transpose(0, 1) if keep_alphas else None)
 
 
@@ -301,7 +307,7 @@ def forward_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | No
     T, _, C, L, window, engine = _chunk_plan(emit, trans, chunks, window, backend)
     if C < 2:
         return _forward_sequential(init, emit, trans, T, backend)
-    return _chunked_forward(init, emit, trans, C, L, window, keep=False, backend=backend, engine=engine)[0]
+    return _chunked_forward(init, emit, trans, C, L, window, backend=backend, engine=engine)
 
 
 def _chunk_bounds(T: int, C: int, L: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -310,11 +316,11 @@ def _chunk_bounds(T: int, C: int, L: int, device: torch.device) -> tuple[Tensor,
     return starts, torch.cat([starts[1:], torch.tensor([T], device=device)])
 
 
-def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, window: int, *, keep: bool,
-                     backend: Backend | str, engine: Backend) -> tuple[Tensor, Tensor | None]:
+def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, window: int, *,
+                     backend: Backend | str, engine: Backend) -> Tensor:
     """Steps 1-4 above for one sequence in C chunks of L (the first longer): log_cond (1, T) (-inf from an
-    impossible position on) and, with `keep`, the filtered marginals (1, T, K). Each batch runs on the engine
-    `backend` picks for it; `engine` (the chunk batches') decides where the few-row products run."""
+    impossible position on). Each batch runs on the engine `backend` picks for it; `engine` (the chunk
+    batches') decides where the few-row products run."""
     T, K = emit.shape[1], trans.shape[0]
     device, dtype = trans.device, emit.dtype
     starts, ends = _chunk_bounds(T, C, L, device)
@@ -324,32 +330,28 @@ def _chunked_forward(init: Tensor, emit: Emit, trans: Tensor, C: int, L: int, wi
     head_last, tail_last, met_last = trans.new_empty(C, K), trans.new_empty(C, K), trans.new_empty(C - 1, K)
     guess_init = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
     guess_init[0] = init[0]
-    head = _forward_steps(guess_init, _positions(emit, starts, window), trans, win, keep, head_last, backend)
+    head = _forward_steps(guess_init, _positions(emit, starts, window), trans, win, False, head_last, backend)[0]
     tail = _forward_steps(_times(head_last, trans, engine), _positions(emit, starts + window, int(lens[0]) - window),
-                          trans, lens - window, keep, tail_last, backend)
+                          trans, lens - window, False, tail_last, backend)[0]
     # 2. restarts of chunks 1.. from the exact prior of their first position
     prior = _times(tail_last[:-1], trans, engine)
-    restart = _forward_steps(prior, _positions(emit, starts[1:], window), trans, win[1:], keep, met_last, backend)
+    restart = _forward_steps(prior, _positions(emit, starts[1:], window), trans, win[1:], False, met_last,
+                             backend)[0]
     met = (projective_distance(met_last, head_last[1:]) <= meet_tolerance(dtype)).tolist()
     # 3. assemble: the restart's head, then the guess's tail, chunk by chunk until one has not met
-    outs = [torch.empty(1, T, dtype=dtype, device=device)] + ([torch.empty(1, T, K, dtype=dtype, device=device)]
-                                                             if keep else [])
-    for out, first in zip(outs, head, strict=False):
-        out[0, :window] = first[0]
+    out = torch.empty(1, T, dtype=dtype, device=device)
+    out[0, :window] = head[0]
     for c in range(C):
         s, e = int(starts[c]), int(ends[c])
         if c > 0 and not met[c - 1]:  # 4. the rest step by step from this chunk's exact prior
-            rest = _forward_steps(prior[c - 1 : c], _positions(emit, starts[c : c + 1], T - s), trans,
-                                  torch.tensor([T - s], device=device), keep, None, backend)
-            for out, part in zip(outs, rest, strict=False):
-                out[0, s:] = part[0]
+            out[0, s:] = _forward_steps(prior[c - 1 : c], _positions(emit, starts[c : c + 1], T - s), trans,
+                                        torch.tensor([T - s], device=device), False, None, backend)[0][0]
             break
-        for out, h, t in zip(outs, restart, tail, strict=False):
-            if c > 0:
-                out[0, s : s + window] = h[c - 1]
-            out[0, s + window : e] = t[c, : e - s - window]
-    dead = torch.isneginf(outs[0]).cumsum(1) > 0  # an impossible position makes every later one -inf
-    return outs[0].masked_fill(dead, -math.inf), (outs[1] if keep else None)
+        if c > 0:
+            out[0, s : s + window] = restart[c - 1]
+        out[0, s + window : e] = tail[c, : e - s - window]
+    dead = torch.isneginf(out).cumsum(1) > 0  # an impossible position makes every later one -inf
+    return out.masked_fill(dead, -math.inf)
 
 
 def _forward_sequential(init: Tensor, emit: Emit, trans: Tensor, T: int, backend: Backend | str = Backend.AUTO
@@ -359,20 +361,21 @@ def _forward_sequential(init: Tensor, emit: Emit, trans: Tensor, T: int, backend
 
 
 def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alphas: Tensor | None = None,
-             backend: Backend | str = Backend.AUTO) -> Tensor:
+             backend: Backend | str = Backend.AUTO, out: Tensor | None = None) -> Tensor:
     """Scaled backward pass matching `forward`'s scales: beta_t such that alpha_t * beta_t = p(z_t | x).
 
-    Returns the betas (B, T, K), 1 at each sequence's last position and at padding. With `alphas` (the
-    filtered marginals (B, T, K) from `forward`), returns instead the posteriors p(z_t | x) (0 at padding),
-    written into `alphas` in place step by step: no (B, T, K) beta tensor is kept. O(B T K^2). `backend`
-    picks the engine ("single" has no backward)."""
+    Returns the betas (B, T, K), 1 at each sequence's last position and at padding (written into `out`
+    (B, T, K) contiguous where given: by the compiled engines directly, the torch engine copies). With
+    `alphas` (the filtered marginals (B, T, K) from `forward`), returns instead the posteriors p(z_t | x)
+    (0 at padding), written into `alphas` in place step by step: no (B, T, K) beta tensor is kept.
+    O(B T K^2). `backend` picks the engine ("single" has no backward)."""
     B, T, K = emit.shape
     engine = dispatch.sum_product(backend, emit, trans, rows=B, marginals=True)
     if engine is not Backend.TORCH:
         return sum_product.backward_cpu(*_table_rows(emit), trans, lengths, log_cond, engine=engine,
                                         threads=dispatch.threads(engine, B, T, K), alphas=alphas,
                                         pack=dispatch.packs(engine, emit.dtype, K, True),
-                                        provider=dispatch.provider(K, emit.dtype, True))
+                                        provider=dispatch.provider(K, emit.dtype, True), out=out)
     emit = dense(emit)
     # emission divided by that step's scale, so one step is: mul, GEMM, reset rows that have not started
     # (an impossible position's scale is 0: its inverse is taken as 0, so every beta before it is 0 and an
@@ -385,7 +388,7 @@ def backward(emit: Emit, trans: Trans, lengths: Tensor, log_cond: Tensor, *, alp
         for t in range(T - 2, -1, -1):
             beta = _step_back(betas[t + 1] * emit_scaled[t + 1], trans, t + 1, betas[t])
             beta.masked_fill_(not_started[t], 1.0)
-        return betas.transpose(0, 1)
+        return betas.transpose(0, 1) if out is None else out.copy_(betas.transpose(0, 1))
     gamma = alphas.transpose(0, 1)  # (T, B, K); a view of forward's own (T, B, K) storage
     beta, scaled = emit.new_ones(B, K), emit.new_empty(B, K)
     spare = [emit.new_empty(B, K), emit.new_empty(B, K)]
@@ -452,51 +455,87 @@ def posterior(init: Tensor, emit: Emit, trans: Trans, lengths: Tensor, *, backen
 def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | None = None,
                       window: int | None = None, backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
     """`posterior` of one sequence (init (1, K), emit (1, T, K), trans (K, K) shared) as a batch of chunks in
-    both directions: the forward of `forward_chunked`, keeping the filtered marginals; then the backward the
-    same way from each chunk's end (guess: beta = 1; restart: the chunk's last `window` positions from the
-    exact beta, pushed back from the next chunk's guess through one extra position whose emission row is
-    that chunk's first emission times its beta; kept where the restart meets the guess in Hilbert's metric).
+    both directions. The first r = T mod C positions run exactly; C chunks of L then tile the rest, so every
+    chunk batch writes its marginals straight into one (T, K) buffer per direction (no copies):
+    1. forward guess: chunk 0 from its exact prior, the others from the uniform distribution; restarts of
+       chunks 1.. for their first `window` positions from the exact prior (the previous chunk's last
+       filtered marginal pushed through `trans`), kept where they meet the guess in Hilbert's metric (as in
+       `forward_chunked`);
+    2. backward guess from each chunk's end (beta = 1 there); restarts of each chunk's last `window`
+       positions from the exact beta, pushed back from the next chunk's first beta through one extra
+       position whose emission row is that position's emission times its beta; kept where they meet;
+    3. the prefix's betas from chunk 0's first.
     Every marginal is alpha_t beta_t normalised, so each side's scale does not matter and each is off by at
-    most the distances left at the boundaries (see the comment above `forward_chunked`). Chunks that do not
-    meet fall back to the step-by-step recursion. O(T K^2 + C window K^2) work; about 4 T K floats of
-    memory at the peak, against T K for the step-by-step posterior. Each batch runs on the engine `backend`
-    picks for it."""
+    most the distances left at the boundaries (see the comment above `forward_chunked`). From the first
+    chunk that does not meet, each direction falls back to the step-by-step recursion. O(T K^2 + C window
+    K^2) work; 2 T K floats of memory (alphas and betas), against T K for the step-by-step posterior. Each
+    batch runs on the engine `backend` picks for it."""
     T, K, C, L, window, engine = _chunk_plan(emit, trans, chunks, window, backend)
     device, dtype = trans.device, emit.dtype
     if C < 2:
         return posterior(init, emit, trans, torch.tensor([T], device=device), backend=backend, chunk_long=False)
-    log_cond, alphas = _chunked_forward(init, emit, trans, C, L, window, keep=True, backend=backend, engine=engine)
-    assert alphas is not None
-    if bool(torch.isneginf(log_cond).any()):  # an impossible sequence has no posterior: zeros, as step by step
-        return torch.zeros_like(alphas), log_cond
-    starts, ends = _chunk_bounds(T, C, L, device)
-    lens = ends - starts
-    # backward: guessed from each chunk's end (beta = 1 there), then exact restarts of each chunk's last window
-    width = int(lens.max())
-    lc_rows = _take(log_cond[0], (starts[:, None] + torch.arange(width, device=device)).clamp_(max=T - 1))
-    guess = backward(_positions(emit, starts, width), trans, lens, lc_rows, backend=backend)  # (C, width, K)
-    first_emit = dense(_positions(emit, starts[1:], 1))[:, 0]  # (C - 1, K): each next chunk's first emission
-    virtual = (first_emit * guess[1:, 0])[:, None]  # its emission row times its guessed beta
-    tail_start = ends[:-1] - window
-    re_emit = torch.cat([dense(_positions(emit, tail_start, window)), virtual], 1)  # (C - 1, window + 1, K)
-    re_lc = torch.cat([_take(log_cond[0], tail_start[:, None] + torch.arange(window, device=device)),
-                       log_cond[0, starts[1:]][:, None]], 1)
-    restart = backward(re_emit, trans, torch.full((C - 1,), window + 1, device=device), re_lc, backend=backend)
-    met_b = (projective_distance(restart[:, 0], guess[torch.arange(C - 1), lens[:-1] - window])
-             <= meet_tolerance(dtype)).tolist()
-    betas = torch.empty(1, T, K, dtype=dtype, device=device)
-    s_last = int(starts[C - 1])
-    betas[0, s_last:] = guess[C - 1, : T - s_last]
-    for c in range(C - 2, -1, -1):
-        s, e = int(starts[c]), int(ends[c])
-        if not met_b[c]:  # positions [0, e) step by step from the exact beta at e - 1
-            rows = torch.cat([dense(_positions(emit, starts[:1], e)), virtual[c][None]], 1)
-            lc = torch.cat([log_cond[:, :e], log_cond[:, e : e + 1]], 1)
-            betas[0, :e] = backward(rows, trans, torch.tensor([e + 1], device=device), lc, backend=backend)[0, :e]
+    lookup = emit if isinstance(emit, RowLookup) else RowLookup(emit[0], torch.arange(T, device=device)[None])
+    table, rows = lookup.table, lookup.rows[0, :T]
+    r = T - C * L
+
+    def at(idx: Tensor) -> RowLookup:  # the emissions at positions idx (B, W)
+        return RowLookup(table, rows[idx])
+
+    positions = torch.arange(T, device=device)
+    chunk_rows = RowLookup(table, rows[r:].reshape(C, L))
+    full = torch.full((C,), L, device=device)
+    alphas, betas = (torch.empty(1, T, K, dtype=dtype, device=device) for _ in range(2))
+    alpha_view, beta_view = alphas[0, r:].view(C, L, K), betas[0, r:].view(C, L, K)
+    log_cond = torch.empty(1, T, dtype=dtype, device=device)
+    # 1. forward: the prefix exactly, then the guessed chunks in place, then the restarts
+    first = init
+    if r:
+        log_cond[:, :r] = _forward_steps(init, at(positions[None, :r]), trans, torch.tensor([r], device=device),
+                                         True, None, backend, out_alphas=alphas[:, :r])[0]
+        first = _times(alphas[:, r - 1], trans, engine)
+    inits = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
+    inits[0] = first[0]
+    lc = _forward_steps(inits, chunk_rows, trans, full, True, None, backend, out_alphas=alpha_view)[0].contiguous()
+    prior = _times(alpha_view[:-1, L - 1], trans, engine)
+    re_lc, re_alphas = _forward_steps(prior, RowLookup(table, chunk_rows.rows[1:, :window]), trans,
+                                      torch.full((C - 1,), window, device=device), True, None, backend)
+    met = (projective_distance(re_alphas[:, -1], alpha_view[1:, window - 1]) <= meet_tolerance(dtype)).tolist()
+    for c in range(1, C):
+        if not met[c - 1]:  # the rest step by step from this chunk's exact prior
+            s = r + c * L
+            rest, _ = _forward_steps(prior[c - 1 : c], at(positions[None, s:]), trans,
+                                     torch.tensor([T - s], device=device), True, None, backend,
+                                     out_alphas=alphas[:, s:])
+            lc.view(-1)[c * L :] = rest[0]
             break
-        betas[0, s : e - window] = guess[c, : e - s - window]
-        betas[0, e - window : e] = restart[c, :window]
-    del guess, restart
+        alpha_view[c, :window] = re_alphas[c - 1]
+        lc[c, :window] = re_lc[c - 1]
+    log_cond[0, r:] = lc.view(-1)
+    dead = torch.isneginf(log_cond).cumsum(1) > 0  # an impossible position makes every later one -inf
+    if bool(dead.any()):  # an impossible sequence has no posterior: zeros, as step by step
+        return torch.zeros_like(alphas), log_cond.masked_fill(dead, -math.inf)
+    # 2. backward: the guessed chunks in place, then exact restarts of each chunk's last window
+    lc_view = log_cond[0, r:].view(C, L)
+    backward(chunk_rows, trans, full, lc_view, backend=backend, out=beta_view)
+    nexts = r + L * torch.arange(1, C, device=device)  # first positions of chunks 1..
+    virtual = dense(at(nexts[:, None]))[:, 0] * beta_view[1:, 0]  # (C - 1, K): emission row times its beta
+    re_emit = torch.cat([dense(RowLookup(table, chunk_rows.rows[:-1, L - window :])), virtual[:, None]], 1)
+    re_lc = torch.cat([lc_view[:-1, L - window :], lc_view[1:, :1]], 1)
+    restart = backward(re_emit, trans, torch.full((C - 1,), window + 1, device=device), re_lc, backend=backend)
+    met_b = (projective_distance(restart[:, 0], beta_view[:-1, L - window]) <= meet_tolerance(dtype)).tolist()
+    exact_from = r  # the betas are exact from this position on; the positions before it follow from it
+    for c in range(C - 2, -1, -1):
+        if not met_b[c]:
+            exact_from = r + (c + 1) * L
+            break
+        beta_view[c, L - window :] = restart[c, :window]
+    # 3. positions [0, exact_from) step by step from the exact beta there (the prefix, or a fallback)
+    if exact_from:
+        e = exact_from
+        tail = dense(at(positions[None, e : e + 1]))[0, 0] * betas[0, e]
+        rows_e = torch.cat([dense(at(positions[None, :e])), tail[None, None]], 1)
+        betas[:, :e] = backward(rows_e, trans, torch.tensor([e + 1], device=device), log_cond[:, : e + 1],
+                                backend=backend)[:, :e]
     gamma = alphas.mul_(betas)
     return gamma.div_(gamma.sum(-1, keepdim=True).clamp_min_(torch.finfo(dtype).tiny)), log_cond
 

@@ -78,13 +78,14 @@ def _backward_operands(trans: Tensor, pack: bool) -> tuple[np.ndarray | None, np
 
 def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, *, engine: str,
                 keep_alphas: bool, threads: int, out_last: Tensor | None = None, pack: bool = False,
-                provider: str = "") -> tuple[Tensor, Tensor | None]:
+                provider: str = "", out_alphas: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """Scaled forward on CPU in compiled code: init (B, K), emissions table[rows[b, t]] (table (N, K), rows
     (B, T); or a dense (B, T, K) table with rows None), trans (K, K), lengths (B,) -> log_cond (B, T) in
     the table's dtype (0 at padding) and, with `keep_alphas`, filtered marginals (B, T, K) (0 at padding).
     With `out_last` (B, K), also writes there each sequence's filtered marginal at its last position.
     `engine` "single" (B = 1, neither output), "groups" or "lockstep"; `pack`: lockstep on trans packed
-    once (float32, `blas.HAVE_PACK`); `provider`: the BLAS of the lockstep GEMMs ("" the default). O(B T K^2)."""
+    once (float32, `blas.HAVE_PACK`); `provider`: the BLAS of the lockstep GEMMs ("" the default);
+    `out_alphas` (B, T, K) contiguous: where the marginals are written (and returned). O(B T K^2)."""
     e, r = emission_rows(table, rows)
     a, L = as_array(trans), lengths.numpy().astype(np.int64)
     B, T = r.shape
@@ -98,7 +99,8 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
     else:
         # np.empty, not np.zeros: calloc maps fresh zero pages on every call, and first-touch page faults
         # then cost more than the recursion (in a VM, ~20 ms for 13 MB); malloc reuses the freed heap
-        alphas = np.empty((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype)
+        alphas = (_output(out_alphas, (B, T, K), e.dtype) if keep_alphas and out_alphas is not None
+                  else np.empty((B, T, K) if keep_alphas else (1, 1, K), dtype=e.dtype))
         last = np.zeros((B, K) if out_last is not None else (0, K), dtype=e.dtype)
         args = (as_array(init), e, r, a, L, _length_order(L), log_cond, alphas, keep_alphas, last)
         if engine == "lockstep":
@@ -112,7 +114,17 @@ def forward_cpu(init: Tensor, table: Tensor, rows: Tensor | None, trans: Tensor,
             for b in np.flatnonzero(L < T):
                 alphas[b, L[b]:] = 0.0
     out = torch.from_numpy(log_cond).to(table.dtype)
+    if keep_alphas and out_alphas is not None:
+        return out, out_alphas
     return out, (torch.from_numpy(alphas) if keep_alphas else None)
+
+
+def _output(x: Tensor, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A caller's output tensor as the numpy view the kernels write through (never a copy)."""
+    a = x.detach().numpy()
+    if a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+        raise ValueError(f"output buffer: expected a C-contiguous {shape} {dtype} array, got {a.shape} {a.dtype}")
+    return a
 
 
 def _forward_one(init: np.ndarray, table: np.ndarray, rows: np.ndarray, trans: np.ndarray, log_cond: np.ndarray,
@@ -193,26 +205,34 @@ def posterior_halves(init: Tensor, table: Tensor, rows: Tensor | None, trans: Te
 
 def backward_cpu(table: Tensor, rows: Tensor | None, trans: Tensor, lengths: Tensor, log_cond: Tensor, *,
                  engine: str, threads: int, alphas: Tensor | None = None, pack: bool = False,
-                 provider: str = "") -> Tensor:
+                 provider: str = "", out: Tensor | None = None) -> Tensor:
     """Scaled backward on CPU in compiled code, with `forward_cpu`'s scales `log_cond` (B, T) and its
     emission arguments; `engine` "groups" or "lockstep", `pack` as in `forward_cpu`.
 
-    Without `alphas`: the betas (B, T, K) (1 at the last position and at padding). With `alphas` (as
+    Without `alphas`: the betas (B, T, K) (1 at the last position and at padding; written into `out`, contiguous,
+    where given, and it is returned). With `alphas` (as
     returned by `forward_cpu`): the posteriors p(z_t | x) (B, T, K), written into `alphas` in place (0 at
     padding), so a posterior needs one (B, T, K) tensor, not three. O(B T K^2)."""
     e, r = emission_rows(table, rows)
     B, T = r.shape
     L = lengths.numpy().astype(np.int64)
     lc = np.ascontiguousarray(log_cond.detach().double().numpy())
-    out = np.empty((B, T, e.shape[1]), dtype=e.dtype) if alphas is None else alphas.numpy()
+    if alphas is not None:
+        dest = alphas.numpy()
+    elif out is not None:
+        dest = _output(out, (B, T, e.shape[1]), e.dtype)
+    else:
+        dest = np.empty((B, T, e.shape[1]), dtype=e.dtype)
     if engine == "lockstep":
         packed_b, mat_b, mat_is_trans = _backward_operands(trans, pack)
-        args = (e, r, mat_b, L, _length_order(L), lc, out, alphas is not None, mat_is_trans)
+        args = (e, r, mat_b, L, _length_order(L), lc, dest, alphas is not None, mat_is_trans)
         run_lockstep(lockstep.backward_lockstep, args, e.dtype, threads, packed_b, provider)
     else:
         run_groups(groups.backward_groups, B,
-                   (e, r, blas.transposed(trans), L, _length_order(L), lc, out, alphas is not None), threads)
-    return alphas if alphas is not None else torch.from_numpy(out)
+                   (e, r, blas.transposed(trans), L, _length_order(L), lc, dest, alphas is not None), threads)
+    if alphas is not None:
+        return alphas
+    return out if out is not None else torch.from_numpy(dest)
 
 
 def rows_times(x: Tensor, trans: Tensor) -> Tensor:
