@@ -536,6 +536,9 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
         rows_e = torch.cat([dense(at(positions[None, :e])), tail[None, None]], 1)
         betas[:, :e] = backward(rows_e, trans, torch.tensor([e + 1], device=device), log_cond[:, : e + 1],
                                 backend=backend)[:, :e]
+    if engine is not Backend.TORCH:  # compiled: one pass on the threads the chunk batches had
+        sum_product.posteriors_from(alphas[0], betas[0], torch.get_num_threads())
+        return alphas, log_cond
     gamma = alphas.mul_(betas)
     return gamma.div_(gamma.sum(-1, keepdim=True).clamp_min_(torch.finfo(dtype).tiny)), log_cond
 

@@ -142,6 +142,13 @@ if HAVE_NUMBA:
         else:
             out[:] = 0.0
 
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def products_normalised(a, b, lo, hi):  # pragma: no cover - compiled
+        """a[i] = a[i] * b[i] / sum(a[i] * b[i]) (0 where the sum is 0) for rows lo .. hi - 1 of a, b (N, K):
+        posteriors from alphas and betas of any scale, in one pass."""
+        for i in range(lo, hi):
+            product_normalised(a[i], a[i], b[i])
+
     @njit(nogil=True, fastmath=FASTMATH, inline="always", cache=True)
     def vec_matmul_cols(x, mat, out, j0, j1):  # pragma: no cover - compiled
         """out[j0:j1] = (x @ mat)[j0:j1] for x (K,), mat (K, K): eight source rows per sweep of a row slice
