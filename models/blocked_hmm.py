@@ -148,8 +148,8 @@ class BlockedHMM(ChainFamily):
             batch = self.to(batch)
             clusters = self._clusters(batch)
             init = self.start.view(self.M, self.k)[clusters[:, 0]]
-            log_cond = blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
-                                                 self._threads(batch))
+            log_cond, _ = blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
+                                                    self._threads(batch))
             return log_cond.double().sum(1), log_cond
         return super().score(batch, backend=backend)
 
@@ -164,6 +164,20 @@ class BlockedHMM(ChainFamily):
         gamma, _ = blocked_kernels.posterior_cpu(init, self.emit[batch.ids], clusters, batch.lengths, self.trans,
                                                  self._threads(batch))
         return self.state_ids(batch), gamma
+
+    def filtered_last(self, batch: Batch) -> Tensor:
+        """p(z_T | x) at each sequence's last position, over its last token's cluster's states (B, k) (0 for an
+        impossible sequence): the state a BPTT stream carries past it. O(B T k^2)."""
+        batch = self.to(batch)
+        clusters = self._clusters(batch)
+        init = self.start.view(self.M, self.k)[clusters[:, 0]]
+        if self._compiled():
+            return blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
+                                             self._threads(batch), want_last=True)[1]  # type: ignore[return-value]
+        _, emit, trans = self.chain(batch)
+        last = torch.zeros(len(batch.lengths), self.k, dtype=self.dtype, device=self.device)
+        chain.forward(init, emit, trans, batch.lengths, out_last=last)
+        return last
 
     def _threads(self, batch: Batch) -> int:
         return dispatch.blocked_threads(batch.ids.shape[0], int(batch.lengths.sum()), self.k)

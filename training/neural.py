@@ -471,9 +471,7 @@ def fix_start_for_streams(model: VLHMM, tensors: dict[str, Tensor], seqs: list[l
         return tensors
     acc = torch.zeros(impl.num_states, dtype=torch.float64, device=device)
     for b in common.bucket_batches(sample, 256, device=device):
-        init, emit, trans = impl.chain(b)
-        _, alphas = chain.forward(init, emit, trans, b.lengths, keep_alphas=True)
-        last = chain.filtered_last(alphas, b.lengths).double()  # (B, k) in <eos>'s cluster
+        last = impl.filtered_last(b).double()  # (B, k) in <eos>'s cluster
         ids = impl.state_ids(b)[torch.arange(len(b.lengths)), b.lengths - 1]
         acc.index_add_(0, ids.reshape(-1), last.reshape(-1))
     start = (acc / acc.sum()) @ tensors["trans"].double()

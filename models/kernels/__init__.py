@@ -69,6 +69,7 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
         maxplus.viterbi_cpu(init.log(), emit.log(), None, log_trans, lengths, threads)
         maxplus.viterbi_cpu(init[:1].log(), emit[:1].log(), None, log_trans, lengths[:1], threads)
     clusters = torch.zeros(B, T, dtype=torch.long)  # a blocked HMM's sweeps: one cluster of K states
-    blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans, 1)
+    for want_last in (False, True):
+        blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans, 1, want_last)
     blocked.posterior_cpu(init, emit, clusters, lengths, trans, 1)
     _WARM.add(dtype)

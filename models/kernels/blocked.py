@@ -75,23 +75,26 @@ if HAVE_NUMBA:
             out[i] = c
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond):  # pragma: no cover - compiled
+    def blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond, last
+                      ):  # pragma: no cover - compiled
         """Scaled forward of a blocked HMM with k states per cluster, log_cond only (float32 or float64).
 
         init (B, k): distribution of position 0 within its cluster; emit_table (V, k): p(w | state i of w's
         cluster), read by row for each token (no gathered (B, T, k) copy); ids, clusters (B, T) int64;
         lengths (B,) int64; trans (Z, Z). Writes log_cond[b, t] = log p(x_t | x_<t) for t < lengths[b]
-        (-inf from an impossible position on; padding untouched). The scale of each step is summed in
-        float64. O(B T k^2), O(k) memory."""
-        _blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond, np.empty_like(init[0]),
+        (-inf from an impossible position on; padding untouched) and, unless `last` is (0, k), last[b] =
+        the filtered marginal at the last position (over its token's cluster; 0 for an impossible
+        sequence). The scale of each step is summed in float64. O(B T k^2), O(k) memory."""
+        _blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond, last, np.empty_like(init[0]),
                        np.empty_like(init[0]))
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
-    def _blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond, alpha, nxt
+    def _blocked_score(init, emit_table, ids, clusters, lengths, trans, log_cond, last, alpha, nxt
                        ):  # pragma: no cover - compiled
         """`blocked_score` with its scratch alpha, nxt (k,), without reference counting."""
         B = ids.shape[0]
         k = alpha.shape[0]
+        keep_last = last.shape[0] > 0
         for b in range(B):
             L = lengths[b]
             row = emit_table[ids[b, 0]]
@@ -105,6 +108,8 @@ if HAVE_NUMBA:
                 if not c > 0.0:  # impossible from here on (p = 0; NaN cannot arise from probabilities)
                     for s in range(t, L):
                         log_cond[b, s] = -np.inf
+                    for j in range(k):
+                        alpha[j] = 0.0
                     break
                 log_cond[b, t] = np.log(c)
                 inv = 1.0 / c
@@ -119,6 +124,9 @@ if HAVE_NUMBA:
                         v = nxt[j] * row[j]
                         alpha[j] = v
                         c += v
+            if keep_last:
+                for j in range(k):
+                    last[b, j] = alpha[j]
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right
@@ -229,21 +237,24 @@ if HAVE_NUMBA:
 
 # -- drivers: tensors in, tensors out, rows split over threads ---------------------------------------------
 def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,
-              threads: int) -> Tensor:
-    """log_cond (B, T) in emit_table's dtype (0 at padding, -inf from an impossible position on) of
-    `blocked_score` over init (B, k), emit_table (V, k), ids and clusters (B, T), lengths (B,) and trans
-    (Z, Z), the rows split over `threads` threads. O(B T k^2)."""
+              threads: int, want_last: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(log_cond (B, T) in emit_table's dtype (0 at padding, -inf from an impossible position on), and with
+    `want_last` each row's filtered marginal at its last position (B, k)) of `blocked_score` over init
+    (B, k), emit_table (V, k), ids and clusters (B, T), lengths (B,) and trans (Z, Z), the rows split over
+    `threads` threads. O(B T k^2)."""
+    B, k = init.shape
     log_cond = torch.zeros(ids.shape, dtype=emit_table.dtype)
+    last = torch.zeros(B if want_last else 0, k, dtype=emit_table.dtype)
     first, rows, cl, lens = (as_array(x) for x in (init, ids, clusters, lengths))
-    table, mat, out = as_array(emit_table), as_array(trans), log_cond.numpy()
+    table, mat, out, out_last = as_array(emit_table), as_array(trans), log_cond.numpy(), last.numpy()
+
+    def part(lo: int, hi: int) -> None:
+        blocked_score(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out[lo:hi],
+                      out_last[lo:hi] if want_last else out_last)
+
     ranges = spans(lens, threads)
-
-    def part(i: int) -> None:
-        lo, hi = ranges[i]
-        blocked_score(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out[lo:hi])
-
-    run_split(part, len(ranges))
-    return log_cond
+    run_split(lambda i: part(*ranges[i]), len(ranges))
+    return log_cond, (last if want_last else None)
 
 
 def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,

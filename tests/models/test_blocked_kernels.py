@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from latentlm.models import backend as dispatch
+from latentlm.models import chain
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.kernels import blocked as blocked_kernels
@@ -118,3 +119,27 @@ def test_spans_cover_every_row_once(lengths, threads):
     assert ranges[0][0] == 0 and ranges[-1][1] == len(lengths)
     assert all(lo < hi for lo, hi in ranges) and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
     assert len(ranges) <= min(threads, len(lengths))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_filtered_last_equals_the_chain_engine(dtype):
+    """`BlockedHMM.filtered_last` (what a BPTT-trained model's sentence start is built from) against the chain
+    engine's `out_last` on the torch steps; an impossible sequence gives zeros on both."""
+    t, c = random_blocked_hmm(3, 4, 12, 5)
+    trans = t["trans"].clone()
+    trans[:4, 4:8] = 0.0  # cluster 0 is never followed by cluster 1
+    t["trans"] = trans / trans.sum(1, keepdim=True)
+    m = BlockedHMM.from_tensors(t, c, dtype=dtype)
+    wc = t["word_cluster"]
+    w0, w1 = (int((wc == cl).nonzero()[0]) for cl in (0, 1))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(12, (int(n),), generator=g).tolist() for n in (1, 7, 3, 12)] + [[w0, w1, w0]]
+    batch = Batch.from_lists(seqs)
+    got = m.filtered_last(batch)
+    init, emit, trans_at = m.chain(batch)
+    want = torch.zeros_like(got)
+    chain.forward(init, emit, trans_at, batch.lengths, out_last=want, backend="torch")
+    assert torch.allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert (got[-1] == 0).all()
+    sums = got.double().sum(1)
+    assert bool((((sums - 1).abs() < 1e-5) | (sums == 0)).all())
