@@ -98,7 +98,9 @@ def flops(family: str, Z: int, c: int, h: int, keep: float, emb: str) -> float:
         return 3.0 * fwd
     Zp = int(Z * keep)
     kk = Zp // c
-    mlp_layers = 6 if emb == "factored" else 3  # ResBlock = 2 linears, per role
+    # ResBlocks (2 linears each) built per step: factored 3 compose + 3 role MLPs; independent the "out" and
+    # "emit" roles (a BPTT step whose rows all carry a state builds no start distribution: `blocked_loss`)
+    mlp_layers = 6 if emb == "factored" else 2
     fwd = 2 * (Zp * Zp * h + V * kk * h + mlp_layers * 2 * Zp * h * h)
     return 3.0 * fwd
 
@@ -121,6 +123,7 @@ def blocked_step(batch: Batch, Z: int, c: int, h: int, drop: float, emb: str, g:
         nll, carry[0] = neural.blocked_loss(model, batch, active, carry[0], want_last=True)
         opt.zero_grad()
         (nll / (B * T)).backward()
+        neural.fill_missing_grads(model)  # as the trainer: parameters a step did not use get zeros
         opt.step()
 
     return step, model, keep

@@ -143,33 +143,40 @@ class VLHMM(nn.Module):
         e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         return self.mlp["emit"](self.compose["emit"](e))
 
-    def start_and_trans_logits(self, states: Tensor) -> tuple[Tensor, Tensor]:
-        """Start logits (n,) and transition logits (n, n) among global state ids `states` (n,)."""
+    def start_and_trans_logits(self, states: Tensor, with_start: bool = True) -> tuple[Tensor | None, Tensor]:
+        """Start logits (n,) (None without `with_start`) and transition logits (n, n) among global state ids
+        `states` (n,)."""
         if self.state_embedding == "independent":
-            start = self.start_out(self.mlp["start"](rows_of(self.state_emb[0], states))).squeeze(-1)
+            start = (self.start_out(self.mlp["start"](rows_of(self.state_emb[0], states))).squeeze(-1)
+                     if with_start else None)
             return start, self.mlp["out"](rows_of(self.state_emb[1], states)) @ rows_of(self.next_state, states).T
         e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         h_out, h_in = (self.mlp[r](self.compose[r](e)) for r in ("out", "in"))
-        return h_in @ self.start_vec, h_out @ h_in.T
+        return (h_in @ self.start_vec if with_start else None), h_out @ h_in.T
 
     def matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(log start (Z',), log trans (Z', Z'), log emit (V, k') by word id)."""
         ls, lt, le = self.slot_matrices(active)
+        assert ls is not None
         return ls, lt, le[self.word_slot]
 
-    def slot_matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        """`matrices` with the emission rows by slot (cluster order): what training uses (no gather)."""
+    def slot_matrices(self, active: Tensor | None = None, with_start: bool = True
+                      ) -> tuple[Tensor | None, Tensor, Tensor]:
+        """`matrices` with the emission rows by slot (cluster order): what training uses (no gather). Without
+        `with_start` the start distribution is not built (None): a BPTT step whose rows all continue a
+        carried state never reads it (for the independent embeddings that skips a role's whole MLP)."""
         M, k = self.M, self.k
         if active is None:
             active = torch.arange(k, device=self.word_cluster.device).expand(M, k)
         kk = active.shape[1]
         states = (torch.arange(M, device=active.device)[:, None] * k + active).reshape(-1)  # (M kk,)
-        start, trans = self.start_and_trans_logits(states)
+        start, trans = self.start_and_trans_logits(states, with_start)
         # emission: per cluster, its words' logits against its own k' states, normalised over those words
         # unbind, not emit_states[m]: the backward of M selects would add M zero-filled (M, k', h) tensors
         emit = cluster_log_softmax(self.word_emb_by_slot, self.emission_reprs(states).view(M, kk, -1),
                                    self.word_bias_by_slot, self.cluster_sizes, self.cluster_offsets)
-        return torch.log_softmax(start, 0), torch.log_softmax(trans, -1), emit  # emission by slot
+        log_start = torch.log_softmax(start, 0) if start is not None else None
+        return log_start, torch.log_softmax(trans, -1), emit  # emission by slot
 
     def export_tensors(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
         """Cached `blocked_hmm` tensors (float64-normalised on the parameters' device, float32 on `device`:
@@ -370,13 +377,17 @@ def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Tensor | Non
     filtered posterior at each row's last position over all states (B, M, k) for BPTT. `carry` (B, M, k)
     from the previous chunk is the distribution of the state before position 0 (restricted to the active
     states; rows left with no mass start from the start distribution)."""
-    ls, lt, le = model.slot_matrices(active)
     B = batch.ids.shape[0]
     rows = torch.arange(B, device=batch.ids.device)
     prior = None
     if carry is not None:
         c = carry.gather(2, active.unsqueeze(0).expand(B, -1, -1)).reshape(B, -1)  # (B, M k')
         prior = c / c.sum(1, keepdim=True).clamp_min(1e-30)
+    # the start distribution is read only by rows with no carried state: where there are none it is not built
+    # (its parameters then get no gradient; `fill_missing_grads` gives them the zeros a built one would)
+    ls, lt, le = model.slot_matrices(active, with_start=prior is None or not bool((prior.sum(1) > 0).all()))
+    if ls is None:
+        ls = lt.new_zeros(lt.shape[0])  # never read: every row starts from its carried state
     nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[batch.ids],
                                    batch.lengths, prior)
     last = None
@@ -564,6 +575,7 @@ def train(ns: argparse.Namespace) -> Path:
                         param="lr")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                fill_missing_grads(model)
                 if ns.lr_anneal:
                     used = budget_used(ns, pos.step, epoch + bi / len(batches), time.perf_counter() - t0)
                     set_lr(opt, anneal_factor(used, ns.lr_anneal))
@@ -624,6 +636,15 @@ def train(ns: argparse.Namespace) -> Path:
     extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
     return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
                          extra_files=extra_files)
+
+
+def fill_missing_grads(model: nn.Module) -> None:
+    """Give every parameter the step did not use a zero gradient, as if it had been used: AdamW then moves it
+    by its moments exactly as when the unused part was built and back-propagated zeros (a parameter with no
+    gradient it would skip), so leaving out a part no row reads changes nothing in the trajectory."""
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 def budget_used(ns: argparse.Namespace, step: int, epochs_done: float, seconds: float) -> float:

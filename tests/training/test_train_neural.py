@@ -233,3 +233,36 @@ def test_lr_anneal_outside_0_1_is_refused(tmp_path, value):
 
     with pytest.raises(InputError, match="--lr-anneal: must be a fraction from 0 to 1"):
         resolve_settings(train_args(tmp_path, "rank_hmm", lr_anneal=value))
+
+
+@pytest.mark.parametrize("state_embedding", ["factored", "independent"])
+def test_a_step_whose_rows_all_carry_a_state_skips_the_start_and_changes_nothing(state_embedding):
+    """BPTT: where every row continues a carried state the start distribution is never read, so `blocked_loss`
+    does not build it; with `fill_missing_grads` the gradients and the AdamW step are those of building it."""
+    V, M, k, B = 24, 3, 4, 3
+    wc = torch.arange(V) % M
+    b = Batch.from_lists([[0, 4, 8, 2], [5, 1, 7, 3], [2, 2, 6, 9]])
+    active = neural.sample_state_dropout(M, k, 3, torch.Generator().manual_seed(2))
+    carry = torch.zeros(B, M, k)
+    carry[:, 1] = torch.rand(B, k, generator=torch.Generator().manual_seed(3)) + 0.1  # mass on every state
+    runs = []
+    for build_start in (False, True):
+        torch.manual_seed(0)
+        m = neural.VLHMM(V, wc, M, k, 8, state_embedding)
+        opt = neural.make_optimizer(m, 0.01, True)
+        real = m.slot_matrices
+        if build_start:  # the path before: the start distribution built (and back-propagated) every step
+            m.slot_matrices = lambda active, with_start=True, real=real: real(active, True)
+        nll, _ = neural.blocked_loss(m, b, active, carry)
+        nll.backward()
+        neural.fill_missing_grads(m)
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        opt.step()
+        runs.append((float(nll), grads, {n: p.detach().clone() for n, p in m.named_parameters()}))
+    (nll0, g0, p0), (nll1, g1, p1) = runs
+    assert nll0 == nll1
+    for n in g0:
+        assert torch.equal(g0[n], g1[n]), n
+        assert torch.equal(p0[n], p1[n]), n
+    unused = [n for n in g0 if "start" in n]
+    assert unused and all(not g0[n].any() for n in unused)
