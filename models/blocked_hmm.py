@@ -103,8 +103,7 @@ class BlockedHMM(ChainFamily):
         return self.word_cluster[batch.ids]
 
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
-        clusters = self._clusters(batch)
-        init = self.start.view(self.M, self.k)[clusters[:, 0]]
+        init, clusters = self._first(batch)
         if self.M == 1:  # no emission constraint: one shared matrix (GEMM steps, compiled engines)
             return init, RowLookup(self.emit, batch.ids), self.trans
         return init, RowLookup(self.emit, batch.ids), self._block_fn(self.trans_blocks, clusters)
@@ -145,11 +144,7 @@ class BlockedHMM(ChainFamily):
         (`kernels.blocked.score_cpu`: each step reads its k x k block where it lies, rows split over threads);
         "torch" runs the chain engine's torch steps (a gathered (B, k, k) block per step)."""
         if Backend(backend) in (Backend.AUTO, Backend.GROUPS) and self._compiled():
-            batch = self.to(batch)
-            clusters = self._clusters(batch)
-            init = self.start.view(self.M, self.k)[clusters[:, 0]]
-            log_cond, _ = blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
-                                                    self._threads(batch))
+            log_cond, _ = self._sweep(self.to(batch), want_last=False)
             return log_cond.double().sum(1), log_cond
         return super().score(batch, backend=backend)
 
@@ -159,8 +154,7 @@ class BlockedHMM(ChainFamily):
         if not self._compiled():
             return super().posterior(batch)
         batch = self.to(batch)
-        clusters = self._clusters(batch)
-        init = self.start.view(self.M, self.k)[clusters[:, 0]]
+        init, clusters = self._first(batch)
         gamma, _ = blocked_kernels.posterior_cpu(init, self.emit[batch.ids], clusters, batch.lengths, self.trans,
                                                  self._threads(batch))
         return self.state_ids(batch), gamma
@@ -169,15 +163,22 @@ class BlockedHMM(ChainFamily):
         """p(z_T | x) at each sequence's last position, over its last token's cluster's states (B, k) (0 for an
         impossible sequence): the state a BPTT stream carries past it. O(B T k^2)."""
         batch = self.to(batch)
-        clusters = self._clusters(batch)
-        init = self.start.view(self.M, self.k)[clusters[:, 0]]
         if self._compiled():
-            return blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
-                                             self._threads(batch), want_last=True)[1]  # type: ignore[return-value]
-        _, emit, trans = self.chain(batch)
+            return self._sweep(batch, want_last=True)[1]  # type: ignore[return-value]
+        init, emit, trans = self.chain(batch)
         last = torch.zeros(len(batch.lengths), self.k, dtype=self.dtype, device=self.device)
         chain.forward(init, emit, trans, batch.lengths, out_last=last)
         return last
+
+    def _first(self, batch: Batch) -> tuple[Tensor, Tensor]:
+        """(init (B, k): the start distribution over each sequence's first cluster, clusters (B, T))."""
+        clusters = self._clusters(batch)
+        return self.start.view(self.M, self.k)[clusters[:, 0]], clusters
+
+    def _sweep(self, batch: Batch, want_last: bool) -> tuple[Tensor, Tensor | None]:
+        init, clusters = self._first(batch)
+        return blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
+                                         self._threads(batch), want_last)
 
     def _threads(self, batch: Batch) -> int:
         return dispatch.blocked_threads(batch.ids.shape[0], int(batch.lengths.sum()), self.k)
