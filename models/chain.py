@@ -478,10 +478,9 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     table, rows = lookup.table, lookup.rows[0, :T]
     r = T - C * L
 
-    def at(idx: Tensor) -> RowLookup:  # the emissions at positions idx (B, W)
-        return RowLookup(table, rows[idx])
+    def span(lo: int, hi: int) -> RowLookup:  # the emissions at positions [lo, hi), as a batch of one
+        return RowLookup(table, rows[None, lo:hi])
 
-    positions = torch.arange(T, device=device)
     chunk_rows = RowLookup(table, rows[r:].reshape(C, L))
     full = torch.full((C,), L, device=device)
     alphas, betas = (torch.empty(1, T, K, dtype=dtype, device=device) for _ in range(2))
@@ -490,8 +489,8 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     # 1. forward: the prefix exactly, then the guessed chunks in place, then the restarts
     first = init
     if r:
-        log_cond[:, :r] = _forward_steps(init, at(positions[None, :r]), trans, torch.tensor([r], device=device),
-                                         True, None, backend, out_alphas=alphas[:, :r])[0]
+        log_cond[:, :r] = _forward_steps(init, span(0, r), trans, torch.tensor([r], device=device), True, None,
+                                         backend, out_alphas=alphas[:, :r])[0]
         first = _times(alphas[:, r - 1], trans, engine)
     inits = torch.full((C, K), 1.0 / K, dtype=dtype, device=device)
     inits[0] = first[0]
@@ -503,9 +502,8 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     for c in range(1, C):
         if not met[c - 1]:  # the rest step by step from this chunk's exact prior
             s = r + c * L
-            rest, _ = _forward_steps(prior[c - 1 : c], at(positions[None, s:]), trans,
-                                     torch.tensor([T - s], device=device), True, None, backend,
-                                     out_alphas=alphas[:, s:])
+            rest, _ = _forward_steps(prior[c - 1 : c], span(s, T), trans, torch.tensor([T - s], device=device),
+                                     True, None, backend, out_alphas=alphas[:, s:])
             lc.view(-1)[c * L :] = rest[0]
             break
         alpha_view[c, :window] = re_alphas[c - 1]
@@ -518,7 +516,7 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     lc_view = log_cond[0, r:].view(C, L)
     backward(chunk_rows, trans, full, lc_view, backend=backend, out=beta_view)
     nexts = r + L * torch.arange(1, C, device=device)  # first positions of chunks 1..
-    virtual = dense(at(nexts[:, None]))[:, 0] * beta_view[1:, 0]  # (C - 1, K): emission row times its beta
+    virtual = table[rows[nexts]] * beta_view[1:, 0]  # (C - 1, K): each next chunk's first emission times its beta
     re_emit = torch.cat([dense(RowLookup(table, chunk_rows.rows[:-1, L - window :])), virtual[:, None]], 1)
     re_lc = torch.cat([lc_view[:-1, L - window :], lc_view[1:, :1]], 1)
     restart = backward(re_emit, trans, torch.full((C - 1,), window + 1, device=device), re_lc, backend=backend)
@@ -532,8 +530,8 @@ def posterior_chunked(init: Tensor, emit: Emit, trans: Tensor, *, chunks: int | 
     # 3. positions [0, exact_from) step by step from the exact beta there (the prefix, or a fallback)
     if exact_from:
         e = exact_from
-        tail = dense(at(positions[None, e : e + 1]))[0, 0] * betas[0, e]
-        rows_e = torch.cat([dense(at(positions[None, :e])), tail[None, None]], 1)
+        tail = table[rows[e]] * betas[0, e]
+        rows_e = torch.cat([dense(span(0, e)), tail[None, None]], 1)
         betas[:, :e] = backward(rows_e, trans, torch.tensor([e + 1], device=device), log_cond[:, : e + 1],
                                 backend=backend)[:, :e]
     if engine is not Backend.TORCH:  # compiled: one pass on the threads the chunk batches had
