@@ -242,3 +242,19 @@ def test_posterior_chunks_long_sequences_in_a_batch(monkeypatch):
                                                    trans, n)
         torch.testing.assert_close(gamma[b : b + 1, :n], ref_gamma, rtol=1e-9, atol=1e-12)
         assert (gamma[b, n:] == 0).all() and (cond[b, n:] == 0).all()
+
+
+@pytest.mark.parametrize("engine", ["auto", "torch"])
+@pytest.mark.parametrize("T,chunks", [(1003, 7), (998, 4), (700, 6), (960, 5)])
+def test_chunked_posterior_with_a_prefix_and_many_chunks(monkeypatch, engine, T, chunks):
+    """T mod C positions before C equal chunks (run exactly, then carried into chunk 0 and the backward's
+    last step), on the compiled engines and on torch ops (what a GPU runs)."""
+    monkeypatch.setattr(chain, "CHUNK_MIN_LEN", 32)
+    init, table, rows, trans = mixing_chain(T, 12, 9, T)
+    emit = chain.RowLookup(table, rows)
+    gamma, cond = chain.posterior_chunked(init, emit, trans, chunks=chunks, window=8, backend=engine)
+    ref_gamma, ref_cond = sequential_posterior(init, emit, trans, T)
+    assert_close_logprob(cond, ref_cond, chunks, torch.float64)
+    torch.testing.assert_close(gamma, ref_gamma, rtol=1e-9, atol=1e-12)
+    dense_gamma, _ = chain.posterior_chunked(init, table[rows], trans, chunks=chunks, window=8, backend=engine)
+    torch.testing.assert_close(dense_gamma, gamma, rtol=1e-12, atol=1e-14)
