@@ -1,5 +1,5 @@
-"""A blocked HMM's (VL-HMM's) scoring and posteriors on CPU: the compiled sweeps that `BlockedHMM.score` and
-`.posterior` run by default (`kernels.blocked`: each step reads its k x k block of the Z x Z matrix where it
+"""A blocked HMM's (VL-HMM's) scoring, posteriors and Viterbi on CPU: the compiled sweeps that
+`BlockedHMM.score`, `.posterior` and `.viterbi` run by default (`kernels.blocked`: each step reads its k x k block of the Z x Z matrix where it
 lies, rows split over threads) against the chain engine's torch steps they replaced (`backend="torch"`, a
 gathered (B, k, k) block and a batched product per step), in one process, interleaved.
 
@@ -42,7 +42,8 @@ def batches(seed: int = 0) -> dict[str, Batch]:
 def calls(m: BlockedHMM, b: Batch) -> dict[str, dict[str, object]]:
     """{operation: {path: call}}."""
     return {"score": {"compiled": lambda: m.score(b), "torch steps": lambda: m.score(b, backend="torch")},
-            "posterior": {"compiled": lambda: m.posterior(b), "torch steps": lambda: ChainFamily.posterior(m, b)}}
+            "posterior": {"compiled": lambda: m.posterior(b), "torch steps": lambda: ChainFamily.posterior(m, b)},
+            "viterbi": {"compiled": lambda: m.viterbi(b), "torch steps": lambda: ChainFamily.viterbi(m, b)}}
 
 
 def main() -> None:

@@ -134,7 +134,7 @@ class BlockedHMM(ChainFamily):
 
     # -- compiled sweeps on CPU (`kernels.blocked`) ----------------------------------------------------
     def _compiled(self) -> bool:
-        """Whether `score` and `posterior` run the compiled blocked sweeps: more than one cluster (one cluster
+        """Whether `score`, `posterior`, `viterbi` and `filtered_last` run the compiled blocked sweeps: more than one cluster (one cluster
         is a shared matrix: the chain engine's compiled engines), on CPU, float32/float64, numba, no autograd."""
         return (self.M > 1 and blocked_kernels.HAVE_NUMBA and self.device.type == "cpu"
                 and self.dtype in (torch.float32, torch.float64) and not self._grad())
@@ -189,8 +189,17 @@ class BlockedHMM(ChainFamily):
         return {"score": Backend.GROUPS.value, "storage_dtype": str(self.dtype).removeprefix("torch.")}
 
     def viterbi(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        path, logp = super().viterbi(batch)
+        """`ChainFamily.viterbi` with global state ids; with more than one cluster on CPU by the compiled
+        sweep (`kernels.blocked.viterbi_cpu`)."""
         batch = self.to(batch)
+        if self._compiled():
+            log_start, log_blocks, log_emit = self._logs
+            clusters = self._clusters(batch)
+            path, logp = blocked_kernels.viterbi_cpu(log_start[clusters[:, 0]], log_emit, batch.ids, clusters,
+                                                     batch.lengths, log_blocks.view(self.num_states, -1),
+                                                     self._threads(batch))
+        else:
+            path, logp = super().viterbi(batch)
         glob = self._clusters(batch) * self.k + path
         return torch.where(path >= 0, glob, path), logp
 

@@ -72,4 +72,5 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
     for want_last in (False, True):
         blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans, 1, want_last)
     blocked.posterior_cpu(init, emit, clusters, lengths, trans, 1)
+    blocked.viterbi_cpu(init.log(), emit[0].log(), ids, clusters, lengths, log_trans, 1)
     _WARM.add(dtype)

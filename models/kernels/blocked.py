@@ -1,8 +1,9 @@
 """Compiled sweeps of a blocked (emission-constrained) HMM, reading each step's k x k block of the
 transition matrix where it lies (no gathered (B, k, k) copies):
 
-* `blocked_score`: the scaled forward, log p(x_t | x_<t) only: `BlockedHMM.score` on CPU (the service's
-  scoring and training's validation);
+* `blocked_score`: the scaled forward, log p(x_t | x_<t) and optionally the last filtered marginal:
+  `BlockedHMM.score` and `.filtered_last` on CPU (the service's scoring, training's validation);
+* `blocked_viterbi`: the max-product and its backtrace: `BlockedHMM.viterbi` on CPU;
 * `blocked_forward_backward` and `block_counts`: forward, backward and the transition / emission / start
   counts: the training E-step of `blocked_hmm` (the gradient of log p(x) with respect to each log-potential
   is its expected count) and `BlockedHMM.posterior` on CPU. `models.blocked_hmm.expected_counts` holds the
@@ -127,6 +128,56 @@ if HAVE_NUMBA:
             if keep_last:
                 for j in range(k):
                     last[b, j] = alpha[j]
+
+    @njit(nogil=True, cache=True)
+    def blocked_viterbi(log_init, log_table, ids, clusters, lengths, log_trans, path, score
+                        ):  # pragma: no cover - compiled
+        """Max-product of a blocked HMM with k states per cluster, in log space (float32 or float64 data,
+        scores in float64). log_init (B, k), log_table (V, k) read by row for each token, ids and clusters
+        (B, T) int64, lengths (B,) int64, log_trans (Z, Z). Writes path[b, t] (the best state within each
+        position's cluster, for t < lengths[b]; padding untouched) and score[b] = log p(x, z*) (-inf for an
+        impossible sequence). Ties go to the lowest state. O(B T k^2) time, O(T k) backpointers."""
+        k = log_init.shape[1]
+        _blocked_viterbi(log_init, log_table, ids, clusters, lengths, log_trans, path, score,
+                         np.empty((ids.shape[1], k), dtype=np.int32), np.empty(k), np.empty(k))
+
+    @njit(nogil=True, cache=True, **BORROWED)
+    def _blocked_viterbi(log_init, log_table, ids, clusters, lengths, log_trans, path, score, back, delta, nxt
+                         ):  # pragma: no cover - compiled
+        """`blocked_viterbi` with its scratch back (T, k), delta and nxt (k,) float64."""
+        k = delta.shape[0]
+        for b in range(ids.shape[0]):
+            L = lengths[b]
+            row = log_table[ids[b, 0]]
+            for j in range(k):
+                delta[j] = log_init[b, j] + row[j]
+            for t in range(1, L):
+                cp, cn = clusters[b, t - 1] * k, clusters[b, t] * k
+                for j in range(k):
+                    nxt[j] = -np.inf
+                    back[t, j] = 0
+                for i in range(k):  # row i of the block, contiguous: one candidate per next state
+                    d = delta[i]
+                    seg = log_trans[cp + i, cn : cn + k]
+                    for j in range(k):
+                        v = d + seg[j]
+                        if v > nxt[j]:
+                            nxt[j] = v
+                            back[t, j] = i
+                row = log_table[ids[b, t]]
+                for j in range(k):
+                    delta[j] = nxt[j] + row[j]
+            best = -np.inf
+            arg = 0
+            for j in range(k):
+                if delta[j] > best:
+                    best = delta[j]
+                    arg = j
+            score[b] = best
+            path[b, L - 1] = arg
+            for t in range(L - 1, 0, -1):
+                arg = back[t, arg]
+                path[b, t - 1] = arg
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right
@@ -255,6 +306,25 @@ def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, l
     ranges = spans(lens, threads)
     run_split(lambda i: part(*ranges[i]), len(ranges))
     return log_cond, (last if want_last else None)
+
+
+def viterbi_cpu(log_init: Tensor, log_table: Tensor, ids: Tensor, clusters: Tensor, lengths: Tensor,
+                log_trans: Tensor, threads: int) -> tuple[Tensor, Tensor]:
+    """(path (B, T) int64 within each position's cluster, -1 at padding; log p(x, z*) (B,) float64) of
+    `blocked_viterbi`, the rows split over `threads` threads. O(B T k^2)."""
+    B, T = ids.shape
+    path = torch.full((B, T), -1, dtype=torch.long)
+    score = torch.empty(B, dtype=torch.float64)
+    first, rows, cl, lens = (as_array(x) for x in (log_init, ids, clusters, lengths))
+    table, mat, out_path, out_score = as_array(log_table), as_array(log_trans), path.numpy(), score.numpy()
+    ranges = spans(lens, threads)
+
+    def part(lo: int, hi: int) -> None:
+        blocked_viterbi(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out_path[lo:hi],
+                        out_score[lo:hi])
+
+    run_split(lambda i: part(*ranges[i]), len(ranges))
+    return path, score
 
 
 def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,

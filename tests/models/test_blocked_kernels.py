@@ -1,5 +1,5 @@
-"""The compiled blocked-HMM sweeps (`kernels.blocked`: `BlockedHMM.score` and `.posterior` on CPU) against the
-chain engine's torch steps, on random shapes, lengths, dtypes and thread counts, and on impossible sequences.
+"""The compiled blocked-HMM sweeps (`kernels.blocked`: `BlockedHMM.score`, `.posterior`, `.viterbi` and
+`.filtered_last` on CPU) against the chain engine's torch steps, on random shapes, lengths, dtypes and thread counts, and on impossible sequences.
 (Brute-force enumeration of the same family, which now runs these sweeps: tests/models/test_hmm_families.py.)"""
 
 from __future__ import annotations
@@ -50,8 +50,14 @@ def test_compiled_sweeps_equal_torch_steps(data):
     batch = Batch.from_lists(seqs)
     logp, cond = m.score(batch)
     _, probs = m.posterior(batch)
+    path, vlogp = m.viterbi(batch)
     ref_logp, ref_cond, ref_probs = torch_steps(m, batch)
+    ref_path, ref_vlogp = ChainFamily.viterbi(m, batch)
+    ref_path = torch.where(ref_path >= 0, m._clusters(batch) * m.k + ref_path, ref_path)
     tol = TOL[dtype]
+    assert torch.allclose(vlogp, ref_vlogp, rtol=tol, atol=tol * 10)
+    if dtype == torch.float64:  # (float32's rounding may break a near-tie either way: both paths are best)
+        assert torch.equal(path, ref_path)
     assert cond.dtype == dtype and probs.dtype == dtype
     assert torch.allclose(cond, ref_cond, rtol=tol, atol=tol)
     assert torch.allclose(logp, ref_logp, rtol=tol, atol=tol)
@@ -69,12 +75,12 @@ def test_rows_split_over_threads_give_the_same_bits(monkeypatch, dtype):
     seqs = [torch.randint(40, (int(n),), generator=g).tolist() for n in torch.randint(1, 60, (23,), generator=g)]
     batch = Batch.from_lists(seqs)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    one_thread = (m.score(batch)[1], m.posterior(batch)[1])
+    one_thread = (m.score(batch)[1], m.posterior(batch)[1], *m.viterbi(batch))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     monkeypatch.setattr(dispatch, "BLOCKED_SPLIT_MIN_WORK", 0)
     assert m._threads(batch) == 3
-    three = (m.score(batch)[1], m.posterior(batch)[1])
-    assert torch.equal(one_thread[0], three[0]) and torch.equal(one_thread[1], three[1])
+    three = (m.score(batch)[1], m.posterior(batch)[1], *m.viterbi(batch))
+    assert all(torch.equal(a, b) for a, b in zip(one_thread, three, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
