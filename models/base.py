@@ -165,12 +165,19 @@ class ChainFamily(ChainOps, Family):
         """(transition table over states, emission table per state, slot->token map (Z, W) or None)."""
         raise NotImplementedError
 
+    def filtered_last(self, batch: Batch) -> Tensor:
+        """p(z_T | x) at each sequence's last position (B, K) over its reduced states (`state_ids`), 0 for an
+        impossible sequence. O(B T K^2)."""
+        batch = self.to(batch)
+        init, emit, trans = self.chain(batch)
+        last = torch.zeros(len(batch.lengths), emit.shape[-1], dtype=self.dtype, device=self.device)
+        chain.forward(init, emit, trans, batch.lengths, out_last=last)
+        return last
+
     def predictive(self, prefix: list[int]) -> Tensor:
         """p(z_{T+1} | prefix) over model states (Z,)."""
         batch = Batch.from_lists([prefix], self.device)
-        init, emit, trans = self.chain(batch)
-        _, alphas = chain.forward(init, emit, trans, batch.lengths, keep_alphas=True)
-        last = alphas[0, -1]
+        last = self.filtered_last(batch)[0]
         ids = self.state_ids(batch)[0, -1]
         full = torch.zeros(self.num_states, dtype=self.dtype, device=self.device)
         full[ids] = last

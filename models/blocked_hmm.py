@@ -160,15 +160,11 @@ class BlockedHMM(ChainFamily):
         return self.state_ids(batch), gamma
 
     def filtered_last(self, batch: Batch) -> Tensor:
-        """p(z_T | x) at each sequence's last position, over its last token's cluster's states (B, k) (0 for an
-        impossible sequence): the state a BPTT stream carries past it. O(B T k^2)."""
-        batch = self.to(batch)
-        if self._compiled():
-            return self._sweep(batch, want_last=True)[1]  # type: ignore[return-value]
-        init, emit, trans = self.chain(batch)
-        last = torch.zeros(len(batch.lengths), self.k, dtype=self.dtype, device=self.device)
-        chain.forward(init, emit, trans, batch.lengths, out_last=last)
-        return last
+        """`ChainFamily.filtered_last` over the last token's cluster's states (B, k) (the state a BPTT stream
+        carries past it; `predictive` builds on it); on CPU by the compiled sweep."""
+        if not self._compiled():
+            return super().filtered_last(batch)
+        return self._sweep(self.to(batch), want_last=True)[1]  # type: ignore[return-value]
 
     def _first(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """(init (B, k): the start distribution over each sequence's first cluster, clusters (B, T))."""
