@@ -188,7 +188,9 @@ def test_describe_reports_the_score_backend(monkeypatch):
     assert {k: rank_backend[k] for k in ("score", "storage_dtype")} == {
         "score": Backend.LOCKSTEP.value if dispatch.available("lockstep") else "groups", "storage_dtype": "float32"}
     assert rank_backend["calibrated"] is False  # nothing measured yet (`calibrate()`, done by the service at load)
-    assert blocked.describe()["backend"] == {"score": "torch", "storage_dtype": "float32"}  # per-step blocks
+    # per-step blocks: the compiled blocked sweeps (reported as "groups"), or torch ops without numba
+    assert blocked.describe()["backend"] == {"score": "groups" if dispatch.available("groups") else "torch",
+                                             "storage_dtype": "float32"}
     assert dense.describe()["backend"]["score"] in ("lockstep", "groups")
     assert rank.describe()["rank"] == 16 and blocked.describe()["num_clusters"] == 4
     # on a GPU with triton: the fused path, in its storage dtype
