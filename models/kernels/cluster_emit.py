@@ -87,12 +87,12 @@ if HAVE_NUMBA:
                 for t in range(h):
                     dw[t] = 0.0
                 for j in range(k):
-                    d = d_logit[j]
+                    dj = d_logit[j]  # in the data's dtype, so the two loops below stay in it
                     e = states[m, j]
                     ds = d_states[m, j]
                     for t in range(h):
-                        dw[t] += d * e[t]
-                        ds[t] += d * w[t]
+                        dw[t] += dj * e[t]
+                        ds[t] += dj * w[t]
 
 
 # -- drivers ------------------------------------------------------------------------------------------------
