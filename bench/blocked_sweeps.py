@@ -18,11 +18,10 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import machine, timed  # noqa: E402
+from hmm_inference import append_section, interleaved, machine  # noqa: E402
 
 from latentlm.models.base import Batch, ChainFamily  # noqa: E402
 from latentlm.models.blocked_hmm import BlockedHMM  # noqa: E402
@@ -61,11 +60,8 @@ def main() -> None:
         for bname, b in batches().items():
             tokens = int(b.lengths.sum())
             for op, paths in calls(m, b).items():
-                got: dict[str, list[float]] = {p: [] for p in paths}
-                for r in range(args.rounds):  # the order alternates between rounds
-                    for p in list(paths)[:: 1 if r % 2 == 0 else -1]:
-                        got[p].append(tokens / timed(paths[p], 0.5, 15))  # type: ignore[arg-type]
-                fast, slow = (float(np.median(got[p])) for p in ("compiled", "torch steps"))
+                sec = interleaved(paths, args.rounds)  # type: ignore[arg-type]
+                fast, slow = (tokens / sec[p] for p in ("compiled", "torch steps"))
                 lines.append(f"| {M} x {k} = {M * k:,} | {bname} | {op} | {fast:,.0f} | {slow:,.0f} | "
                              f"{fast / slow:.1f}x |")
                 print(lines[-1], flush=True)
@@ -77,13 +73,8 @@ def main() -> None:
             "median call over at least 0.5 s.", "",
             "| M x k = Z | batch | operation | compiled sweep (default) | torch steps | compiled / torch |",
             "|---|---|---|---|---|---|", *lines, ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if not args.out.exists():
-        args.out.write_text("# Blocked HMM sweeps on CPU: compiled (default) against torch steps\n\n"
-                            "Made by `bench/blocked_sweeps.py`; every run is appended, with its machine.\n")
-    with args.out.open("a") as f:
-        f.write("\n".join(text))
-    print(f"appended to {args.out}")
+    append_section(args.out, "Blocked HMM sweeps on CPU (`bench/blocked_sweeps.py`): compiled against torch steps",
+                   text)
 
 
 if __name__ == "__main__":

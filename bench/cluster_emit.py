@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import machine, timed  # noqa: E402
+from hmm_inference import append_section, interleaved, machine  # noqa: E402
 
 from latentlm.training.neural import ClusterLogSoftmax, cluster_log_softmax_reference  # noqa: E402
 
@@ -66,11 +66,8 @@ def main() -> None:
                                      words, states, bias, upstream),
                  "torch loop": step_fn(lambda w, s, b: cluster_log_softmax_reference(w, s, b, sizes),
                                        words, states, bias, upstream)}
-        got: dict[str, list[float]] = {p: [] for p in paths}
-        for r in range(args.rounds):  # the order alternates between rounds
-            for p in list(paths)[:: 1 if r % 2 == 0 else -1]:
-                got[p].append(timed(paths[p], 0.5, 30))
-        fast, slow = (float(np.median(got[p])) * 1e3 for p in ("compiled", "torch loop"))
+        sec = interleaved(paths, args.rounds, 0.5, 30)
+        fast, slow = (sec[p] * 1e3 for p in ("compiled", "torch loop"))
         gflop = 6 * V * k * H / 1e9  # forward 2 V k h, backward 4 V k h
         lines.append(f"| {M} | {k} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x | {gflop / fast * 1e3:.0f} | "
                      f"{gflop / slow * 1e3:.0f} |")
@@ -83,12 +80,8 @@ def main() -> None:
             "path goes first).", "",
             "| clusters M | states per cluster k | compiled ms | torch loop ms | torch / compiled | compiled GFLOP/s "
             "| torch GFLOP/s |", "|---|---|---|---|---|---|---|", *lines, ""]
-    if not args.out.exists():
-        args.out.write_text("# A VL-HMM's per-cluster emission log-softmax, forward + backward\n\n"
-                            "Made by `bench/cluster_emit.py`; every run is appended, with its machine.\n")
-    with args.out.open("a") as f:
-        f.write("\n".join(text))
-    print(f"appended to {args.out}")
+    append_section(args.out, "A VL-HMM's per-cluster emission log-softmax, forward + backward "
+                   "(`bench/cluster_emit.py`)", text)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,27 @@ def timed(fn: Callable[[], object], min_time: float = 1.0, max_reps: int = 15) -
     return float(np.median(times))
 
 
+def interleaved(calls: dict[str, Callable[[], object]], rounds: int, min_time: float = 0.5,
+                max_reps: int = 15) -> dict[str, float]:
+    """Median seconds per call of each of `calls` over `rounds` rounds, every call `timed` once per round and
+    the order reversed every other round (whichever runs first gets a colder machine)."""
+    got: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(rounds):
+        for name in list(calls)[:: 1 if r % 2 == 0 else -1]:
+            got[name].append(timed(calls[name], min_time, max_reps))
+    return {name: float(np.median(t)) for name, t in got.items()}
+
+
+def append_section(out: Path, title: str, lines: list[str]) -> None:
+    """Append a results section to `out`, creating the file under `title` (every run is kept)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        out.write_text(f"# {title}\n\nEvery run is appended, with its machine.\n")
+    with out.open("a") as f:
+        f.write("\n".join(lines))
+    print(f"appended to {out}")
+
+
 def matmul_peaks() -> dict[str, float]:
     """float32 GEMM peak (flop/s, 2048^3) of each BLAS this process calls: torch's (MKL on x86 wheels) and
     numpy's (its bundled OpenBLAS)."""

@@ -18,11 +18,11 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import LONG_S, machine, matmul_peaks, model_and_batches, one_thread, posterior_on, timed  # noqa: E402
+from hmm_inference import (  # noqa: E402
+    LONG_S, append_section, interleaved, machine, matmul_peaks, model_and_batches, one_thread, posterior_on, timed)
 
 from latentlm.models import backend, chain  # noqa: E402
 from latentlm.models.kernels import sum_product  # noqa: E402
@@ -44,15 +44,12 @@ def main() -> None:
         n = lg.ids.shape[1]
         paths = {"chunked": lambda: chain.posterior_chunked(init, emit, trans),
                  "halves": lambda: sum_product.posterior_halves(init, emit.table, emit.rows, trans, n)}
-        got: dict[str, list[float]] = {p: [] for p in paths}
-        for r in range(args.rounds):  # the order alternates between rounds
-            for p in list(paths)[:: 1 if r % 2 == 0 else -1]:
-                got[p].append(n / timed(paths[p], LONG_S))
+        sec = interleaved(paths, args.rounds, LONG_S)
         with one_thread():
             seq = n / timed(lambda: posterior_on(m, lg, chunk_long=False), LONG_S)
         ref = sum_product.posterior_halves(init, emit.table, emit.rows, trans, n)[0]
         err = float((chain.posterior_chunked(init, emit, trans)[0] - ref).abs().max())
-        chunked, halves = (float(np.median(got[p])) for p in ("chunked", "halves"))
+        chunked, halves = (n / sec[p] for p in ("chunked", "halves"))
         limit = peak / (4 * Z * Z)
         auto = "chunked" if Z > backend.HALVES_MAX_K else "halves"
         lines.append(f"| {Z} | {chunked:,.0f} ({chunked / limit:.0%}) | {halves:,.0f} ({halves / limit:.0%}) | "
@@ -68,12 +65,8 @@ def main() -> None:
             "difference between the chunked and the exact posteriors. \"auto\": what `m.posterior` runs for it.", "",
             "| Z | chunked | halves (exact) | one thread, step by step | chunked / halves | max \\|diff\\| | auto |",
             "|---|---|---|---|---|---|---|", *lines, ""]
-    if not args.out.exists():
-        args.out.write_text("# One long sequence's posterior on CPU: chunks, two meeting threads, one thread\n\n"
-                            "Made by `bench/long_posterior.py`; every run is appended, with its machine.\n")
-    with args.out.open("a") as f:
-        f.write("\n".join(text))
-    print(f"appended to {args.out}")
+    append_section(args.out, "One long sequence's posterior on CPU (`bench/long_posterior.py`): chunks, two "
+                   "meeting threads, one thread", text)
 
 
 if __name__ == "__main__":
