@@ -153,17 +153,19 @@ if HAVE_NUMBA:
                 delta[j] = log_init[b, j] + row[j]
             for t in range(1, L):
                 cp, cn = clusters[b, t - 1] * k, clusters[b, t] * k
+                bt = back[t]
                 for j in range(k):
                     nxt[j] = -np.inf
-                    back[t, j] = 0
+                    bt[j] = 0
                 for i in range(k):  # row i of the block, contiguous: one candidate per next state
                     d = delta[i]
+                    src = np.int32(i)
                     seg = log_trans[cp + i, cn : cn + k]
-                    for j in range(k):
+                    for j in range(k):  # branch-free selects (vectorisable); a tie keeps the lower state
                         v = d + seg[j]
-                        if v > nxt[j]:
-                            nxt[j] = v
-                            back[t, j] = i
+                        take = v > nxt[j]
+                        nxt[j] = v if take else nxt[j]
+                        bt[j] = src if take else bt[j]
                 row = log_table[ids[b, t]]
                 for j in range(k):
                     delta[j] = nxt[j] + row[j]
