@@ -181,7 +181,7 @@ if HAVE_NUMBA:
                 arg = back[t, arg]
                 path[b, t - 1] = arg
 
-    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, error_model="numpy")
     def blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right
                                  ):  # pragma: no cover - compiled
         """Forward-backward of a blocked HMM with k states per cluster (float32 or float64 arrays, one dtype;
@@ -196,10 +196,12 @@ if HAVE_NUMBA:
         _blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right, np.empty(k),
                                   np.empty(k))
 
-    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, error_model="numpy", **BORROWED)
     def _blocked_forward_backward(init, emit, clusters, lengths, trans, log_cond, alphas, gamma, right, beta,
                                   nxt):  # pragma: no cover - compiled
-        """`blocked_forward_backward` with its scratch beta, nxt (k,), without reference counting."""
+        """`blocked_forward_backward` with its scratch beta, nxt (k,), without reference counting. A zero scale
+        (an impossible sequence) divides by zero as numpy does (inf / NaN from there on; `posterior_cpu` turns
+        that row into zeros, training retries the batch in float64)."""
         B, T, k = emit.shape
         for b in range(B):
             L = lengths[b]
