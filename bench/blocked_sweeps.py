@@ -1,6 +1,6 @@
 """A blocked HMM's (VL-HMM's) scoring, posteriors and Viterbi on CPU: the compiled sweeps that
-`BlockedHMM.score`, `.posterior` and `.viterbi` run by default (`kernels.blocked`: each step reads its k x k block of the Z x Z matrix where it
-lies, rows split over threads) against the chain engine's torch steps they replaced (`backend="torch"`, a
+`BlockedHMM.score`, `.posterior` and `.viterbi` run by default (`kernels.blocked`: each step reads its k x k
+block of the Z x Z matrix where it lies, rows split over threads) against the chain engine's torch steps they replaced (`backend="torch"`, a
 gathered (B, k, k) block and a batched product per step), in one process, interleaved.
 
     python bench/blocked_sweeps.py [--shapes 128x8,128x32,128x64] [--rounds 3] [--out FILE]

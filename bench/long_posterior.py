@@ -22,10 +22,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hmm_inference import (  # noqa: E402
-    LONG_S, append_section, interleaved, machine, matmul_peaks, model_and_batches, one_thread, posterior_on, timed)
+    LONG_S,
+    append_section,
+    interleaved,
+    machine,
+    matmul_peaks,
+    model_and_batches,
+    one_thread,
+    posterior_on,
+    timed,
+)
 
 from latentlm.models import backend, chain  # noqa: E402
 from latentlm.models.kernels import sum_product  # noqa: E402
+
+
+def measure(Z: int, rounds: int, peak: float) -> str:
+    """One table row: the three ways on Z states, the chunked result's distance to the exact one."""
+    m, _, lg = model_and_batches(Z)
+    init, emit, trans = m.chain(lg)
+    n = lg.ids.shape[1]
+    sec = interleaved({"chunked": lambda: chain.posterior_chunked(init, emit, trans),
+                       "halves": lambda: sum_product.posterior_halves(init, emit.table, emit.rows, trans, n)},
+                      rounds, LONG_S)
+    with one_thread():
+        seq = n / timed(lambda: posterior_on(m, lg, chunk_long=False), LONG_S)
+    ref = sum_product.posterior_halves(init, emit.table, emit.rows, trans, n)[0]
+    err = float((chain.posterior_chunked(init, emit, trans)[0] - ref).abs().max())
+    chunked, halves = (n / sec[p] for p in ("chunked", "halves"))
+    limit = peak / (4 * Z * Z)
+    auto = "chunked" if Z > backend.HALVES_MAX_K else "halves"
+    return (f"| {Z} | {chunked:,.0f} ({chunked / limit:.0%}) | {halves:,.0f} ({halves / limit:.0%}) | "
+            f"{seq:,.0f} ({seq / limit:.0%}) | {chunked / halves:.2f}x | {err:.1e} | {auto} |")
 
 
 def main() -> None:
@@ -39,21 +67,7 @@ def main() -> None:
     peak = max(peaks.values())
     lines = []
     for Z in (int(s) for s in args.sizes.split(",")):
-        m, _, lg = model_and_batches(Z)
-        init, emit, trans = m.chain(lg)
-        n = lg.ids.shape[1]
-        paths = {"chunked": lambda: chain.posterior_chunked(init, emit, trans),
-                 "halves": lambda: sum_product.posterior_halves(init, emit.table, emit.rows, trans, n)}
-        sec = interleaved(paths, args.rounds, LONG_S)
-        with one_thread():
-            seq = n / timed(lambda: posterior_on(m, lg, chunk_long=False), LONG_S)
-        ref = sum_product.posterior_halves(init, emit.table, emit.rows, trans, n)[0]
-        err = float((chain.posterior_chunked(init, emit, trans)[0] - ref).abs().max())
-        chunked, halves = (n / sec[p] for p in ("chunked", "halves"))
-        limit = peak / (4 * Z * Z)
-        auto = "chunked" if Z > backend.HALVES_MAX_K else "halves"
-        lines.append(f"| {Z} | {chunked:,.0f} ({chunked / limit:.0%}) | {halves:,.0f} ({halves / limit:.0%}) | "
-                     f"{seq:,.0f} ({seq / limit:.0%}) | {chunked / halves:.2f}x | {err:.1e} | {auto} |")
+        lines.append(measure(Z, args.rounds, peak))
         print(lines[-1], flush=True)
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = [f"\n## {when}: {info['cpu']} ({info['vector']}), {info['cores']} cores, torch threads "

@@ -134,8 +134,9 @@ class BlockedHMM(ChainFamily):
 
     # -- compiled sweeps on CPU (`kernels.blocked`) ----------------------------------------------------
     def _compiled(self) -> bool:
-        """Whether `score`, `posterior`, `viterbi` and `filtered_last` run the compiled blocked sweeps: more than one cluster (one cluster
-        is a shared matrix: the chain engine's compiled engines), on CPU, float32/float64, numba, no autograd."""
+        """Whether `score`, `posterior`, `viterbi` and `filtered_last` run the compiled blocked sweeps: more than
+        one cluster (one cluster is a shared matrix: the chain engine's compiled engines), on CPU,
+        float32/float64, numba, no autograd."""
         return (self.M > 1 and blocked_kernels.HAVE_NUMBA and self.device.type == "cpu"
                 and self.dtype in (torch.float32, torch.float64) and not self._grad())
 

@@ -104,7 +104,7 @@ def _ranges(offsets: np.ndarray, threads: int) -> list[tuple[int, int]]:
 def forward_cpu(words: Tensor, states: Tensor, bias: Tensor | None, offsets: Tensor, threads: int) -> Tensor:
     """out (V, k) (see the module's docstring) for words (V, h) in cluster order, states (M, k, h), bias (V,)
     or None, offsets (M + 1,) int64 (cluster m's words are rows offsets[m] .. offsets[m+1]), on CPU."""
-    V, (M, k, _) = words.shape[0], states.shape
+    V, k = words.shape[0], states.shape[1]
     out = torch.empty(V, k, dtype=words.dtype)
     w, s, off, o = as_array(words), as_array(states), as_array(offsets), out.numpy()
     b = as_array(bias) if bias is not None else np.empty(0, dtype=w.dtype)

@@ -258,7 +258,7 @@ def test_a_step_whose_rows_all_carry_a_state_skips_the_start_and_changes_nothing
         neural.fill_missing_grads(m)
         grads = {n: p.grad.clone() for n, p in m.named_parameters()}
         opt.step()
-        runs.append((float(nll), grads, {n: p.detach().clone() for n, p in m.named_parameters()}))
+        runs.append((float(nll.detach()), grads, {n: p.detach().clone() for n, p in m.named_parameters()}))
     (nll0, g0, p0), (nll1, g1, p1) = runs
     assert nll0 == nll1
     for n in g0:
