@@ -67,8 +67,10 @@ HALVES_MIN_WORK = 1 << 21  # one sequence's posterior on CPU runs its forward an
 HALVES_STEP_COST = 4096  # in the middle (exact) once T (K^2 + HALVES_STEP_COST) reaches HALVES_MIN_WORK (below,
 #                          handing the halves to two threads costs more than it saves; a step's fixed cost is
 #                          about 4,096 multiply-adds; bench/results/posterior_halves.md)
-HALVES_MAX_K = 512  # a long sequence (LONG_MIN_TOKENS+) runs so up to this many states, beyond it as a batch of
-#                     chunks (the matrix outgrows a core's cache: a matrix-vector product per step streams it)
+HALVES_MAX_K = 128  # a long sequence (LONG_MIN_TOKENS+) runs so up to this many states, beyond it as a batch of
+#                     chunks: each halves step is a matrix-vector product bound by streaming the matrix, while the
+#                     chunk batches pass it once for many rows (since the chunked posterior writes in place:
+#                     1.31x at 256 states, 1.63x at 512, 0.92x at 128; bench/results/long_posterior.md)
 CHUNK_MIN_STATES = 128  # on CPU: below this a step is too short to be bound by streaming the matrix
 CHUNK_ROWS_PER_THREAD = 8  # chunks per thread on the compiled engines (twice that for K > GROUPS_MAX_K)
 MAX_CHUNKS = 64  # chunks (rows of the per-step GEMM) on the torch engine (GPU)

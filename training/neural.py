@@ -194,7 +194,8 @@ class VLHMM(nn.Module):
         return {k: (v.float() if v.is_floating_point() else v.long()).to(device) for k, v in out.items()}
 
 
-CLUSTER_EMIT_MAX_K = 16  # states per cluster up to which `cluster_log_softmax` runs the compiled passes
+CLUSTER_EMIT_MAX_K = 64  # states per cluster up to which `cluster_log_softmax` runs the compiled passes (1.6-6x the
+#                         PyTorch loop at 4-64, parity at 128: bench/results/cluster_emit.md)
 
 
 def cluster_log_softmax(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int], offsets: Tensor
