@@ -1,7 +1,8 @@
 """A blocked HMM's (VL-HMM's) scoring, posteriors and Viterbi on CPU: the compiled sweeps that
 `BlockedHMM.score`, `.posterior` and `.viterbi` run by default (`kernels.blocked`: each step reads its k x k
-block of the Z x Z matrix where it lies, rows split over threads) against the chain engine's torch steps they replaced (`backend="torch"`, a
-gathered (B, k, k) block and a batched product per step), in one process, interleaved.
+block of the Z x Z matrix where it lies, rows split over threads) against the chain engine's torch steps they
+replaced (`backend="torch"`, a gathered (B, k, k) block and a batched product per step), in one process,
+interleaved.
 
     python bench/blocked_sweeps.py [--shapes 128x8,128x32,128x64] [--rounds 3] [--out FILE]
 
@@ -14,14 +15,13 @@ only speed differs. Results are appended to --out (default bench/results/blocked
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import append_section, interleaved, machine  # noqa: E402
+from hmm_inference import append_section, interleaved, machine, run_heading, shown  # noqa: E402
 
 from latentlm.models.base import Batch, ChainFamily  # noqa: E402
 from latentlm.models.blocked_hmm import BlockedHMM  # noqa: E402
@@ -62,12 +62,9 @@ def main() -> None:
             for op, paths in calls(m, b).items():
                 sec = interleaved(paths, args.rounds)  # type: ignore[arg-type]
                 fast, slow = (tokens / sec[p] for p in ("compiled", "torch steps"))
-                lines.append(f"| {M} x {k} = {M * k:,} | {bname} | {op} | {fast:,.0f} | {slow:,.0f} | "
+                shown(lines, f"| {M} x {k} = {M * k:,} | {bname} | {op} | {fast:,.0f} | {slow:,.0f} | "
                              f"{fast / slow:.1f}x |")
-                print(lines[-1], flush=True)
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = [f"\n## {when}: {info['cpu']} ({info['vector']}), {info['cores']} cores, torch threads "
-            f"{torch.get_num_threads()}", "",
+    text = [*run_heading(info),
             f"Command: `python bench/blocked_sweeps.py --shapes {args.shapes} --rounds {args.rounds}`. Tokens/s, "
             f"median of {args.rounds} interleaved rounds (alternating which path goes first), each round the "
             "median call over at least 0.5 s.", "",

@@ -14,7 +14,6 @@ configs); k is the number of states per cluster a step builds (after state dropo
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import append_section, interleaved, machine  # noqa: E402
+from hmm_inference import append_section, interleaved, machine, run_heading, shown  # noqa: E402
 
 from latentlm.training.neural import ClusterLogSoftmax, cluster_log_softmax_reference  # noqa: E402
 
@@ -69,12 +68,9 @@ def main() -> None:
         sec = interleaved(paths, args.rounds, 0.5, 30)
         fast, slow = (sec[p] * 1e3 for p in ("compiled", "torch loop"))
         gflop = 6 * V * k * H / 1e9  # forward 2 V k h, backward 4 V k h
-        lines.append(f"| {M} | {k} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x | {gflop / fast * 1e3:.0f} | "
+        shown(lines, f"| {M} | {k} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x | {gflop / fast * 1e3:.0f} | "
                      f"{gflop / slow * 1e3:.0f} |")
-        print(lines[-1], flush=True)
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = [f"\n## {when}: {info['cpu']} ({info['vector']}), {info['cores']} cores, torch threads "
-            f"{torch.get_num_threads()}", "",
+    text = [*run_heading(info),
             f"Command: `python bench/cluster_emit.py --clusters {M} --ks {args.ks} --rounds {args.rounds}`. "
             f"Milliseconds per forward + backward, median of {args.rounds} interleaved rounds (alternating which "
             "path goes first).", "",

@@ -74,6 +74,28 @@ def interleaved(calls: dict[str, Callable[[], object]], rounds: int, min_time: f
     return {name: float(np.median(t)) for name, t in got.items()}
 
 
+def size_args(doc: str, sizes: str, out: str) -> argparse.Namespace:
+    """The command line of the one-table benches: --sizes (comma-separated), --rounds, --out (results file)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--sizes", default=sizes)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / out)
+    return ap.parse_args()
+
+
+def shown(lines: list[str], row: str) -> None:
+    """Add a table row to `lines` and print it as it comes."""
+    lines.append(row)
+    print(row, flush=True)
+
+
+def run_heading(info: dict[str, str]) -> list[str]:
+    """A results section's heading: when, the CPU (`machine()`), its cores and torch's thread count."""
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return [f"\n## {when}: {info['cpu']} ({info['vector']}), {info['cores']} cores, torch threads "
+            f"{torch.get_num_threads()}", ""]
+
+
 def append_section(out: Path, title: str, lines: list[str]) -> None:
     """Append a results section to `out`, creating the file under `title` (every run is kept)."""
     out.parent.mkdir(parents=True, exist_ok=True)

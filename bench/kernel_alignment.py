@@ -13,7 +13,6 @@ bench/results/kernel_refcounts.md, next to the reference-counting A/B).
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hmm_inference import machine, model_and_batches, timed  # noqa: E402
+from hmm_inference import machine, model_and_batches, size_args, timed  # noqa: E402
 
 from latentlm.models.kernels import blas, sum_product  # noqa: E402
 
@@ -60,11 +59,7 @@ def workloads(Z: int) -> tuple[int, dict[str, tuple[int, object]]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="256,1024")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kernel_refcounts.md")
-    args = ap.parse_args()
+    args = size_args(__doc__, "256,1024", "kernel_refcounts.md")
     info = machine()
     lines = []
     for Z in (int(s) for s in args.sizes.split(",")):

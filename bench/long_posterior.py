@@ -13,12 +13,8 @@ bench/results/long_posterior.md).
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hmm_inference import (  # noqa: E402
@@ -30,6 +26,9 @@ from hmm_inference import (  # noqa: E402
     model_and_batches,
     one_thread,
     posterior_on,
+    run_heading,
+    shown,
+    size_args,
     timed,
 )
 
@@ -57,21 +56,14 @@ def measure(Z: int, rounds: int, peak: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="128,256,512,1024")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "long_posterior.md")
-    args = ap.parse_args()
+    args = size_args(__doc__, "128,256,512,1024", "long_posterior.md")
     info = machine()
     peaks = matmul_peaks()
     peak = max(peaks.values())
     lines = []
     for Z in (int(s) for s in args.sizes.split(",")):
-        lines.append(measure(Z, args.rounds, peak))
-        print(lines[-1], flush=True)
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = [f"\n## {when}: {info['cpu']} ({info['vector']}), {info['cores']} cores, torch threads "
-            f"{torch.get_num_threads()}", "",
+        shown(lines, measure(Z, args.rounds, peak))
+    text = [*run_heading(info),
             f"Command: `python bench/long_posterior.py --sizes {args.sizes} --rounds {args.rounds}`. One 10,000-token "
             f"sequence; tokens/s (median of {args.rounds} interleaved rounds, alternating which path goes first; "
             f"each round the median call over at least {LONG_S} s) and % of the limit (GEMM peaks this run: "
