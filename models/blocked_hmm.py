@@ -144,7 +144,7 @@ class BlockedHMM(ChainFamily):
         """`ChainFamily.score`. With more than one cluster on CPU, "auto" and "groups" run the compiled sweep
         (`kernels.blocked.score_cpu`: each step reads its k x k block where it lies, rows split over threads);
         "torch" runs the chain engine's torch steps (a gathered (B, k, k) block per step)."""
-        if Backend(backend) in (Backend.AUTO, Backend.GROUPS) and self._compiled():
+        if self.score_backend(backend, batch.ids.shape[1]) in (Backend.AUTO, Backend.GROUPS) and self._compiled():
             log_cond, _ = self._sweep(self.to(batch), want_last=False)
             return log_cond.double().sum(1), log_cond
         return super().score(batch, backend=backend)
@@ -189,12 +189,15 @@ class BlockedHMM(ChainFamily):
         """`ChainFamily.viterbi` with global state ids; with more than one cluster on CPU by the compiled
         sweep (`kernels.blocked.viterbi_cpu`)."""
         batch = self.to(batch)
-        if self._compiled():
-            log_start, log_blocks, log_emit = self._logs
-            clusters = self._clusters(batch)
-            path, logp = blocked_kernels.viterbi_cpu(log_start[clusters[:, 0]], log_emit, batch.ids, clusters,
-                                                     batch.lengths, log_blocks.view(self.num_states, -1),
-                                                     self._threads(batch))
+        if self._compiled():  # the emissions as `log_chain` gives them (a subclass may add to them)
+            log_init, log_emit, _ = self.log_chain(batch)
+            if isinstance(log_emit, RowLookup):
+                table, rows = log_emit.table, log_emit.rows
+            else:  # dense (B, T, k): its B T rows in order
+                B, T, k = log_emit.shape
+                table, rows = log_emit.reshape(B * T, k), torch.arange(B * T).view(B, T)
+            path, logp = blocked_kernels.viterbi_cpu(log_init, table, rows, self._clusters(batch), batch.lengths,
+                                                     self._logs[1].view(self.num_states, -1), self._threads(batch))
         else:
             path, logp = super().viterbi(batch)
         glob = self._clusters(batch) * self.k + path
