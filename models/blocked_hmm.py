@@ -189,6 +189,7 @@ class BlockedHMM(ChainFamily):
         """`ChainFamily.viterbi` with global state ids; with more than one cluster on CPU by the compiled
         sweep (`kernels.blocked.viterbi_cpu`)."""
         batch = self.to(batch)
+        clusters = self._clusters(batch)
         if self._compiled():  # the emissions as `log_chain` gives them (a subclass may add to them)
             log_init, log_emit, _ = self.log_chain(batch)
             if isinstance(log_emit, RowLookup):
@@ -196,11 +197,11 @@ class BlockedHMM(ChainFamily):
             else:  # dense (B, T, k): its B T rows in order
                 B, T, k = log_emit.shape
                 table, rows = log_emit.reshape(B * T, k), torch.arange(B * T).view(B, T)
-            path, logp = blocked_kernels.viterbi_cpu(log_init, table, rows, self._clusters(batch), batch.lengths,
+            path, logp = blocked_kernels.viterbi_cpu(log_init, table, rows, clusters, batch.lengths,
                                                      self._logs[1].view(self.num_states, -1), self._threads(batch))
         else:
             path, logp = super().viterbi(batch)
-        glob = self._clusters(batch) * self.k + path
+        glob = clusters * self.k + path
         return torch.where(path >= 0, glob, path), logp
 
     # -- sampling -----------------------------------------------------------------------------------
@@ -299,10 +300,9 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
         for sel, cols in _by_cluster(first, kk):  # prior @ trans in each row's first cluster: O(B Z' k')
             into_first[sel] = prior[sel] @ trans[:, cols]
         init = torch.where(has_prior[:, None], into_first.to(dtype), init)
-    threads = dispatch.blocked_threads(B, int(lengths.sum()), kk)
     if M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
-        log_cond, alphas, gamma, right = blocked_kernels.forward_backward_cpu(init, emit, clusters, lengths, trans,
-                                                                              threads)
+        log_cond, alphas, gamma, right = blocked_kernels.forward_backward_cpu(
+            init, emit, clusters, lengths, trans, dispatch.blocked_threads(B, int(lengths.sum()), kk))
     else:
         step: Trans = trans if M == 1 else BlockedHMM._block_fn(trans.view(M, kk, M, kk), clusters)
         step = step.to(dtype) if isinstance(step, Tensor) else (lambda t, f=step: f(t).to(dtype))
@@ -318,7 +318,9 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     if M == 1:
         trans_counts = (trans * (alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk))).to(trans.dtype)
     elif ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
-        trans_counts = blocked_kernels.counts_cpu(alphas, right, clusters, lengths, trans, M, threads)
+        trans_counts = torch.zeros_like(trans)
+        blocked_kernels.block_counts(*(x.contiguous().numpy() for x in (alphas, right, clusters, lengths, trans)),
+                                     M, trans_counts.numpy())
     else:
         trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
     start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)

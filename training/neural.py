@@ -130,7 +130,6 @@ class VLHMM(nn.Module):
             torch.randn(V, h) * 0.1 if state_embedding == "factored"
             else torch.empty(V, h).uniform_(-1.0 / math.sqrt(h), 1.0 / math.sqrt(h)))
         self.cluster_sizes = torch.bincount(word_cluster, minlength=M).tolist()
-        self.cluster_offsets = torch.tensor([0, *itertools.accumulate(self.cluster_sizes)])  # (M + 1,), on CPU
 
     def state_axes(self) -> dict[str, int]:
         """The parameters indexed by state, each with its state axis (what `split_states` doubles)."""
@@ -174,7 +173,7 @@ class VLHMM(nn.Module):
         # emission: per cluster, its words' logits against its own k' states, normalised over those words
         # unbind, not emit_states[m]: the backward of M selects would add M zero-filled (M, k', h) tensors
         emit = cluster_log_softmax(self.word_emb_by_slot, self.emission_reprs(states).view(M, kk, -1),
-                                   self.word_bias_by_slot, self.cluster_sizes, self.cluster_offsets)
+                                   self.word_bias_by_slot, self.cluster_sizes)
         log_start = torch.log_softmax(start, 0) if start is not None else None
         return log_start, torch.log_softmax(trans, -1), emit  # emission by slot
 
@@ -198,18 +197,16 @@ CLUSTER_EMIT_MAX_K = 64  # states per cluster up to which `cluster_log_softmax` 
 #                         PyTorch loop at 4-64, parity at 128: bench/results/cluster_emit.md)
 
 
-def cluster_log_softmax(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int], offsets: Tensor
-                        ) -> Tensor:
+def cluster_log_softmax(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
     """Log-emission table (V, k) by slot: each word's logits against its own cluster's k states, normalised
     over the cluster's words (`kernels.cluster_emit`'s docstring has the formula). words (V, h) in cluster
-    order, states (M, k, h), bias (V,) or None, sizes (M,) words per cluster, offsets (M + 1,) their running
-    sum. On CPU with numba (float32/float64, up to CLUSTER_EMIT_MAX_K states per cluster) one compiled pass
-    each way (`ClusterLogSoftmax`); else, and as its reference, a GEMM and a log-softmax per cluster.
-    O(V k h)."""
+    order, states (M, k, h), bias (V,) or None, sizes (M,) words per cluster. On CPU with numba
+    (float32/float64, up to CLUSTER_EMIT_MAX_K states per cluster) one compiled pass each way
+    (`ClusterLogSoftmax`); else, and as its reference, a GEMM and a log-softmax per cluster. O(V k h)."""
     if (cluster_emit.HAVE_NUMBA and words.device.type == "cpu" and states.device.type == "cpu"
             and words.dtype in (torch.float32, torch.float64) and states.dtype == words.dtype
             and (bias is None or bias.dtype == words.dtype) and states.shape[1] <= CLUSTER_EMIT_MAX_K):
-        return ClusterLogSoftmax.apply(words, states, bias, offsets)
+        return ClusterLogSoftmax.apply(words, states, bias, torch.tensor([0, *itertools.accumulate(sizes)]))
     return cluster_log_softmax_reference(words, states, bias, sizes)
 
 

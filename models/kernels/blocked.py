@@ -18,7 +18,7 @@ from torch import Tensor
 
 from latentlm.models.kernels.blas import as_array
 from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
-from latentlm.models.kernels.threads import run_split, spans
+from latentlm.models.kernels.threads import run_ranges
 
 BIG = 1e280  # cap of beta and of emit * beta / c: sums of a few products stay finite, so 0 * overflow never
 # turns counts into NaN (a capped entry meets alpha * trans below 1e-280 in any count it enters)
@@ -246,13 +246,12 @@ if HAVE_NUMBA:
                     right[b, t, j] = 0.0
 
     @njit(nogil=True, cache=True)
-    def block_counts(alphas, right, clusters, lengths, trans, M, out, part, parts):  # pragma: no cover - compiled
+    def block_counts(alphas, right, clusters, lengths, trans, M, out):  # pragma: no cover - compiled
         """Expected transition counts of `blocked_forward_backward`'s outputs into out (Z, Z) (zeros on
         entry, trans's dtype): for each (cluster, cluster) block the batch steps through, (the sum over
         those steps t >= 1 of alpha_{t-1} (x) right_t, in float64) * the block. Steps are grouped by block
-        (a stable sort of the block ids), so each block is written once; this call writes the blocks
-        part, part + parts, ... of that order (`parts` threads share the blocks, never one block).
-        O(B T k^2), no (B T, k, k) buffer."""
+        (a stable sort of the block ids), so each block is written once. O(B T k^2), no (B T, k, k)
+        buffer."""
         B, T, k = alphas.shape
         n = 0
         for b in range(B):
@@ -268,14 +267,8 @@ if HAVE_NUMBA:
         order = np.argsort(keys, kind="mergesort")
         acc = np.empty((k, k))
         s = 0
-        group = -1
         while s < n:
             pair = keys[order[s]]
-            group += 1
-            if group % parts != part:  # another thread's block
-                while s < n and keys[order[s]] == pair:
-                    s += 1
-                continue
             acc[:] = 0.0
             while s < n and keys[order[s]] == pair:
                 b, t = divmod(where[order[s]], T)
@@ -307,8 +300,7 @@ def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, l
         blocked_score(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out[lo:hi],
                       out_last[lo:hi] if want_last else out_last)
 
-    ranges = spans(lens, threads)
-    run_split(lambda i: part(*ranges[i]), len(ranges))
+    run_ranges(lens, threads, part)
     return log_cond, (last if want_last else None)
 
 
@@ -321,13 +313,12 @@ def viterbi_cpu(log_init: Tensor, log_table: Tensor, ids: Tensor, clusters: Tens
     score = torch.empty(B, dtype=torch.float64)
     first, rows, cl, lens = (as_array(x) for x in (log_init, ids, clusters, lengths))
     table, mat, out_path, out_score = as_array(log_table), as_array(log_trans), path.numpy(), score.numpy()
-    ranges = spans(lens, threads)
 
     def part(lo: int, hi: int) -> None:
         blocked_viterbi(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out_path[lo:hi],
                         out_score[lo:hi])
 
-    run_split(lambda i: part(*ranges[i]), len(ranges))
+    run_ranges(lens, threads, part)
     return path, score
 
 
@@ -342,25 +333,9 @@ def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: 
     alphas, gamma, right = (torch.empty(B, T, k, dtype=emit.dtype) for _ in range(3))
     first, em, cl, lens, mat = (as_array(x) for x in (init, emit, clusters, lengths, trans))
     outs = [x.numpy() for x in (log_cond, alphas, gamma, right)]
-    ranges = spans(lens, threads)
-
-    def part(i: int) -> None:
-        lo, hi = ranges[i]
-        blocked_forward_backward(first[lo:hi], em[lo:hi], cl[lo:hi], lens[lo:hi], mat, *(x[lo:hi] for x in outs))
-
-    run_split(part, len(ranges))
+    run_ranges(lens, threads, lambda lo, hi: blocked_forward_backward(
+        first[lo:hi], em[lo:hi], cl[lo:hi], lens[lo:hi], mat, *(x[lo:hi] for x in outs)))
     return log_cond, alphas, gamma, right
-
-
-def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, M: int,
-               threads: int) -> Tensor:
-    """Expected transition counts (Z, Z) in trans's dtype from `forward_backward_cpu`'s alphas and right
-    (`block_counts`), the blocks shared among `threads` threads."""
-    out = torch.zeros_like(trans)
-    args = [as_array(x) for x in (alphas, right, clusters, lengths, trans)]
-    parts = max(1, threads)
-    run_split(lambda i: block_counts(*args, M, out.numpy(), i, parts), parts)
-    return out
 
 
 def posterior_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, threads: int

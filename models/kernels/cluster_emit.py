@@ -27,7 +27,7 @@ from torch import Tensor
 
 from latentlm.models.kernels.blas import as_array
 from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
-from latentlm.models.kernels.threads import run_split, spans
+from latentlm.models.kernels.threads import run_ranges
 
 if HAVE_NUMBA:
 
@@ -95,12 +95,7 @@ if HAVE_NUMBA:
                         ds[t] += dj * w[t]
 
 
-# -- drivers ------------------------------------------------------------------------------------------------
-def _ranges(offsets: np.ndarray, threads: int) -> list[tuple[int, int]]:
-    """Contiguous cluster ranges of about equal word counts, one per thread."""
-    return spans(np.diff(offsets), threads)
-
-
+# -- drivers (threads take contiguous cluster ranges of about equal word counts) -----------------------------
 def forward_cpu(words: Tensor, states: Tensor, bias: Tensor | None, offsets: Tensor, threads: int) -> Tensor:
     """out (V, k) (see the module's docstring) for words (V, h) in cluster order, states (M, k, h), bias (V,)
     or None, offsets (M + 1,) int64 (cluster m's words are rows offsets[m] .. offsets[m+1]), on CPU."""
@@ -109,8 +104,7 @@ def forward_cpu(words: Tensor, states: Tensor, bias: Tensor | None, offsets: Ten
     w, s, off, o = as_array(words), as_array(states), as_array(offsets), out.numpy()
     b = as_array(bias) if bias is not None else np.empty(0, dtype=w.dtype)
     zero = np.zeros(1, dtype=w.dtype)
-    ranges = _ranges(off, threads)
-    run_split(lambda i: _forward(w, s, b, off, o, ranges[i][0], ranges[i][1], zero), len(ranges))
+    run_ranges(np.diff(off), threads, lambda lo, hi: _forward(w, s, b, off, o, lo, hi, zero))
     return out
 
 
@@ -123,10 +117,6 @@ def backward_cpu(grad: Tensor, out: Tensor, words: Tensor, states: Tensor, offse
     g, o, w, s, off = (as_array(x) for x in (grad, out, words, states, offsets))
     dw, ds, db = d_words.numpy(), d_states.numpy(), d_bias.numpy()
     k = s.shape[1]
-    ranges = _ranges(off, threads)
-
-    def part(i: int) -> None:
-        _backward(g, o, w, s, off, dw, ds, db, ranges[i][0], ranges[i][1], np.empty(k), np.empty(k, dtype=w.dtype))
-
-    run_split(part, len(ranges))
+    run_ranges(np.diff(off), threads, lambda lo, hi: _backward(g, o, w, s, off, dw, ds, db, lo, hi, np.empty(k),
+                                                                 np.empty(k, dtype=w.dtype)))
     return d_words, d_states, d_bias

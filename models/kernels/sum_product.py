@@ -20,7 +20,7 @@ from latentlm.models.kernels import blas, groups, lockstep
 from latentlm.models.kernels import rows as row_ops
 from latentlm.models.kernels.blas import as_array
 from latentlm.models.kernels.rows import ROWS
-from latentlm.models.kernels.threads import run_split, spans
+from latentlm.models.kernels.threads import run_ranges, run_split
 
 
 def emission_rows(table: Tensor, rows: Tensor | None) -> tuple[np.ndarray, np.ndarray]:
@@ -239,8 +239,7 @@ def posteriors_from(alphas: Tensor, betas: Tensor, threads: int) -> Tensor:
     """alphas (N, K) contiguous <- alphas * betas normalised per row (0 where a row's sum is 0), in place and
     returned: one pass over both (torch ops take three), the rows split over `threads` threads. O(N K)."""
     a, b = _output(alphas, tuple(alphas.shape), as_array(betas).dtype), as_array(betas)
-    ranges = spans(np.ones(len(a)), threads)
-    run_split(lambda i: row_ops.products_normalised(a, b, *ranges[i]), len(ranges))
+    run_ranges(np.ones(len(a)), threads, lambda lo, hi: row_ops.products_normalised(a, b, lo, hi))
     return alphas
 
 

@@ -3,7 +3,7 @@ two compiled threads use to meet every step (release/acquire step counters, `sch
 
 `run_split(fn, threads)` runs fn(k) for k < threads, k = 0 on the calling thread and the others on the
 pool; the kernels themselves release the GIL (`nogil=True`), so the threads run in parallel. `spans` cuts
-independent items into contiguous ranges of equal weight, one per thread.
+independent items into contiguous ranges of equal weight, one per thread (`run_ranges` runs them).
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ def spans(weights: np.ndarray, parts: int) -> list[tuple[int, int]]:
         cuts.append(min(max(cut, cuts[-1] + 1), n))
     cuts.append(n)
     return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:], strict=True) if hi > lo]
+
+
+def run_ranges(weights: np.ndarray, threads: int, fn: Callable[[int, int], object]) -> None:
+    """fn(lo, hi) for each of the `spans` of `weights` over `threads` threads (`run_split`)."""
+    ranges = spans(weights, threads)
+    run_split(lambda i: fn(*ranges[i]), len(ranges))
 
 
 SPINS_BEFORE_YIELD = 2000  # polls of the other thread's counter before giving up the core once

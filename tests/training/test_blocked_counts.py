@@ -145,7 +145,7 @@ def test_compiled_sweep_equals_pytorch_path(monkeypatch, with_prior):
 
 @pytest.mark.skipif(not blocked_kernels.HAVE_NUMBA, reason="numba unavailable: only the PyTorch path exists")
 def test_compiled_sweep_split_over_threads_gives_the_same_bits(monkeypatch):
-    """The rows (forward-backward) and the blocks (counts) shared among 3 threads: bit for bit one thread's."""
+    """The forward-backward's rows shared among 3 threads: bit for bit one thread's."""
     from latentlm.models import backend as dispatch
 
     M, kk, V, B, T = 3, 4, 30, 11, 13

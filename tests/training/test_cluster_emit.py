@@ -37,7 +37,7 @@ def grads(fn, words, states, bias, upstream):
 def test_values_and_gradients_equal_the_pytorch_loop(sizes, k, h, bias, dtype, seed):
     words, states, b, offsets = inputs(sizes, k, h, bias, dtype, seed)
     upstream = torch.randn(sum(sizes), k, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
-    out, got = grads(lambda: cluster_log_softmax(words, states, b, sizes, offsets), words, states, b, upstream)
+    out, got = grads(lambda: cluster_log_softmax(words, states, b, sizes), words, states, b, upstream)
     ref, want = grads(lambda: cluster_log_softmax_reference(words, states, b, sizes), words, states, b, upstream)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert out.dtype == dtype and torch.allclose(out, ref, rtol=tol, atol=tol)
@@ -62,7 +62,7 @@ def test_threads_give_the_same_bits(monkeypatch):
     runs = []
     for n in (1, 3):
         monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)
-        runs.append(grads(lambda: cluster_log_softmax(words, states, b, sizes, offsets), words, states, b, upstream))
+        runs.append(grads(lambda: cluster_log_softmax(words, states, b, sizes), words, states, b, upstream))
     (o1, g1), (o3, g3) = runs
     assert torch.equal(o1, o3) and all(torch.equal(x, y) for x, y in zip(g1, g3, strict=True))
 
@@ -72,9 +72,9 @@ def test_the_reference_runs_where_the_compiled_pass_cannot(monkeypatch):
     import latentlm.training.neural as neural
 
     words, states, b, offsets = inputs([2, 3], 4, 6, True, torch.float64)
-    fast = cluster_log_softmax(words, states, b, [2, 3], offsets)
+    fast = cluster_log_softmax(words, states, b, [2, 3])
     monkeypatch.setattr(neural, "CLUSTER_EMIT_MAX_K", 3)
-    slow = cluster_log_softmax(words, states, b, [2, 3], offsets)
+    slow = cluster_log_softmax(words, states, b, [2, 3])
     assert slow.grad_fn is not None and "ClusterLogSoftmax" not in type(slow.grad_fn).__name__
     assert "ClusterLogSoftmax" in type(fast.grad_fn).__name__
     assert torch.allclose(fast, slow, atol=1e-12)
