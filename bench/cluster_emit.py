@@ -1,7 +1,9 @@
 """A VL-HMM training step's emission table, forward and backward: the compiled passes
-(`neural.ClusterLogSoftmax`, `kernels.cluster_emit`) against the PyTorch loop (a GEMM and a log-softmax per
-cluster, then a cat: `neural.cluster_log_softmax_reference`), in one process, interleaved. What decides
-`neural.CLUSTER_EMIT_MAX_K`, the number of states per cluster up to which the compiled passes run.
+(`neural.ClusterLogSoftmax`, `kernels.cluster_emit`), one GEMM per cluster written in place
+(`neural.ClusterGemmLogSoftmax`) and the PyTorch loop (a GEMM and a log-softmax per cluster, then a cat:
+`neural.cluster_log_softmax_reference`), in one process, interleaved. What decides
+`neural.CLUSTER_EMIT_MAX_K`, the number of states per cluster up to which the compiled passes run (above it
+the in-place GEMMs run).
 
     python bench/cluster_emit.py [--clusters 128] [--ks 4,8,16,32,64,128] [--rounds 3] [--out FILE]
 
@@ -23,7 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hmm_inference import append_section, interleaved, machine, run_heading, shown  # noqa: E402
 
-from latentlm.training.neural import ClusterLogSoftmax, cluster_log_softmax_reference  # noqa: E402
+from latentlm.training.neural import (  # noqa: E402
+    ClusterGemmLogSoftmax,
+    ClusterLogSoftmax,
+    cluster_log_softmax_reference,
+)
 
 V, H = 10_000, 256
 
@@ -63,19 +69,22 @@ def main() -> None:
         upstream = torch.randn(V, k, generator=g)
         paths = {"compiled": step_fn(lambda w, s, b: ClusterLogSoftmax.apply(w, s, b, offsets),
                                      words, states, bias, upstream),
+                 "gemm in place": step_fn(lambda w, s, b: ClusterGemmLogSoftmax.apply(w, s, b, sizes),
+                                          words, states, bias, upstream),
                  "torch loop": step_fn(lambda w, s, b: cluster_log_softmax_reference(w, s, b, sizes),
                                        words, states, bias, upstream)}
         sec = interleaved(paths, args.rounds, 0.5, 30)
-        fast, slow = (sec[p] * 1e3 for p in ("compiled", "torch loop"))
+        fast, gemm, slow = (sec[p] * 1e3 for p in ("compiled", "gemm in place", "torch loop"))
         gflop = 6 * V * k * H / 1e9  # forward 2 V k h, backward 4 V k h
-        shown(lines, f"| {M} | {k} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x | {gflop / fast * 1e3:.0f} | "
-                     f"{gflop / slow * 1e3:.0f} |")
+        shown(lines, f"| {M} | {k} | {fast:.2f} | {gemm:.2f} | {slow:.2f} | {slow / fast:.2f}x | {slow / gemm:.2f}x | "
+                     + " | ".join(f"{gflop / ms * 1e3:.0f}" for ms in (fast, gemm, slow)) + " |")
     text = [*run_heading(info),
             f"Command: `python bench/cluster_emit.py --clusters {M} --ks {args.ks} --rounds {args.rounds}`. "
             f"Milliseconds per forward + backward, median of {args.rounds} interleaved rounds (alternating which "
             "path goes first).", "",
-            "| clusters M | states per cluster k | compiled ms | torch loop ms | torch / compiled | compiled GFLOP/s "
-            "| torch GFLOP/s |", "|---|---|---|---|---|---|---|", *lines, ""]
+            "| clusters M | states per cluster k | compiled ms | gemm in place ms | torch loop ms | loop / compiled "
+            "| loop / gemm | compiled GFLOP/s | gemm GFLOP/s | loop GFLOP/s |",
+            "|---|---|---|---|---|---|---|---|---|---|", *lines, ""]
     append_section(args.out, "A VL-HMM's per-cluster emission log-softmax, forward + backward "
                    "(`bench/cluster_emit.py`)", text)
 

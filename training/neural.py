@@ -193,8 +193,9 @@ class VLHMM(nn.Module):
         return {k: (v.float() if v.is_floating_point() else v.long()).to(device) for k, v in out.items()}
 
 
-CLUSTER_EMIT_MAX_K = 64  # states per cluster up to which `cluster_log_softmax` runs the compiled passes (1.6-6x the
-#                         PyTorch loop at 4-64, parity at 128: bench/results/cluster_emit.md)
+CLUSTER_EMIT_MAX_K = 32  # states per cluster up to which `cluster_log_softmax` runs the compiled passes: at 128
+#                         clusters they beat the in-place GEMMs up to 32 states and tie at 64; above, and at 8 large
+#                         clusters, the GEMMs win (bench/results/cluster_emit.md, 2026-11-28)
 
 
 def cluster_log_softmax(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
@@ -202,12 +203,13 @@ def cluster_log_softmax(words: Tensor, states: Tensor, bias: Tensor | None, size
     over the cluster's words (`kernels.cluster_emit`'s docstring has the formula). words (V, h) in cluster
     order, states (M, k, h), bias (V,) or None, sizes (M,) words per cluster. On CPU with numba
     (float32/float64, up to CLUSTER_EMIT_MAX_K states per cluster) one compiled pass each way
-    (`ClusterLogSoftmax`); else, and as its reference, a GEMM and a log-softmax per cluster. O(V k h)."""
+    (`ClusterLogSoftmax`); else one GEMM and one log-softmax per cluster and each way, written in place
+    (`ClusterGemmLogSoftmax`; `cluster_log_softmax_reference` is the same as plain PyTorch ops). O(V k h)."""
     if (cluster_emit.HAVE_NUMBA and words.device.type == "cpu" and states.device.type == "cpu"
             and words.dtype in (torch.float32, torch.float64) and states.dtype == words.dtype
             and (bias is None or bias.dtype == words.dtype) and states.shape[1] <= CLUSTER_EMIT_MAX_K):
         return ClusterLogSoftmax.apply(words, states, bias, torch.tensor([0, *itertools.accumulate(sizes)]))
-    return cluster_log_softmax_reference(words, states, bias, sizes)
+    return ClusterGemmLogSoftmax.apply(words, states, bias, sizes)
 
 
 def cluster_log_softmax_reference(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
@@ -220,6 +222,43 @@ def cluster_log_softmax_reference(words: Tensor, states: Tensor, bias: Tensor | 
         parts = [torch.log_softmax(torch.addmm(b[:, None], w, e.T), dim=0)
                  for w, e, b in zip(per_cluster, states.unbind(0), bias.split(sizes), strict=True)]
     return torch.cat(parts)
+
+
+class ClusterGemmLogSoftmax(torch.autograd.Function):
+    """`cluster_log_softmax` as the PyTorch loop's GEMMs and fused log-softmax kernels, each writing into its
+    cluster's slice of one output (any device): the forward's log-softmax writes the (V, k) table by cluster
+    slices, the backward writes the logits', words' and states' gradients likewise. The loop's cat of the
+    clusters' tables, the cat its split's backward makes of the word gradients and the stack of the state
+    gradients are gone; the flops are the same. apply(words (V, h), states (M, k, h), bias (V,) or None, sizes
+    (M,) list) -> (V, k). O(V k h)."""
+
+    @staticmethod
+    def forward(ctx, words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
+        out = words.new_empty(words.shape[0], states.shape[1])
+        for (lo, hi), s in zip(_slices(sizes), states.unbind(0), strict=True):
+            logits = torch.mm(words[lo:hi], s.T) if bias is None else torch.addmm(bias[lo:hi, None], words[lo:hi], s.T)
+            torch._log_softmax(logits, 0, False, out=out[lo:hi])  # each state's logits over the cluster's words
+        ctx.save_for_backward(words, states, out)
+        ctx.sizes, ctx.has_bias = sizes, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:
+        words, states, out = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_logits, d_words, d_states = torch.empty_like(out), torch.empty_like(words), torch.empty_like(states)
+        for m, (lo, hi) in enumerate(_slices(ctx.sizes)):
+            d = d_logits[lo:hi]
+            torch._log_softmax_backward_data(grad[lo:hi], out[lo:hi], 0, out.dtype, out=d)
+            torch.mm(d, states[m], out=d_words[lo:hi])
+            torch.mm(d.T, words[lo:hi], out=d_states[m])
+        return d_words, d_states, (d_logits.sum(1) if ctx.has_bias else None), None
+
+
+def _slices(sizes: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of each cluster's rows, from the clusters' sizes."""
+    ends = list(itertools.accumulate(sizes))
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 class ClusterLogSoftmax(torch.autograd.Function):

@@ -1,6 +1,7 @@
-"""The compiled per-cluster emission log-softmax of a VL-HMM (`training.neural.ClusterLogSoftmax`,
-`models.kernels.cluster_emit`): values and gradients against the PyTorch loop it replaces and against
-finite differences (gradcheck), on random cluster layouts, with and without the word bias, on 1 and 3 threads."""
+"""The per-cluster emission log-softmax of a VL-HMM: the compiled passes (`training.neural.ClusterLogSoftmax`,
+`models.kernels.cluster_emit`) and the in-place GEMMs (`training.neural.ClusterGemmLogSoftmax`): values and
+gradients against the PyTorch loop they replace and against finite differences (gradcheck), on random cluster
+layouts, with and without the word bias, on 1 and 3 threads."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from latentlm.models.kernels import cluster_emit
-from latentlm.training.neural import ClusterLogSoftmax, cluster_log_softmax, cluster_log_softmax_reference
+from latentlm.training.neural import (
+    ClusterGemmLogSoftmax,
+    ClusterLogSoftmax,
+    cluster_log_softmax,
+    cluster_log_softmax_reference,
+)
 
 pytestmark = pytest.mark.skipif(not cluster_emit.HAVE_NUMBA, reason="numba unavailable: only the PyTorch loop")
 
@@ -48,11 +54,29 @@ def test_values_and_gradients_equal_the_pytorch_loop(sizes, k, h, bias, dtype, s
         assert torch.allclose(block, torch.ones_like(block), atol=1e-5)
 
 
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), k=st.integers(1, 6), h=st.integers(1, 19),
+       bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 1000))
+def test_in_place_gemms_equal_the_pytorch_loop(sizes, k, h, bias, dtype, seed):
+    words, states, b, _ = inputs(sizes, k, h, bias, dtype, seed)
+    upstream = torch.randn(sum(sizes), k, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
+    out, got = grads(lambda: ClusterGemmLogSoftmax.apply(words, states, b, sizes), words, states, b, upstream)
+    ref, want = grads(lambda: cluster_log_softmax_reference(words, states, b, sizes), words, states, b, upstream)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert out.dtype == dtype and torch.allclose(out, ref, rtol=tol, atol=tol)
+    for g1, g2 in zip(got, want, strict=True):
+        assert torch.allclose(g1, g2, rtol=tol, atol=tol * 10)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_gradcheck(bias):
     words, states, b, offsets = inputs([3, 1, 4, 2], 3, 5, bias, torch.float64, seed=4)
+    params = (words, states, *([b] if bias else []))
     assert torch.autograd.gradcheck(lambda w, s, *bb: ClusterLogSoftmax.apply(w, s, bb[0] if bb else None, offsets),
-                                    (words, states, *([b] if bias else [])), eps=1e-6, atol=1e-8)
+                                    params, eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(
+        lambda w, s, *bb: ClusterGemmLogSoftmax.apply(w, s, bb[0] if bb else None, [3, 1, 4, 2]), params,
+        eps=1e-6, atol=1e-8)
 
 
 def test_threads_give_the_same_bits(monkeypatch):
@@ -67,14 +91,14 @@ def test_threads_give_the_same_bits(monkeypatch):
     assert torch.equal(o1, o3) and all(torch.equal(x, y) for x, y in zip(g1, g3, strict=True))
 
 
-def test_the_reference_runs_where_the_compiled_pass_cannot(monkeypatch):
-    """Beyond CLUSTER_EMIT_MAX_K states per cluster (and off CPU) the PyTorch loop runs: same values."""
+def test_the_gemms_run_where_the_compiled_pass_cannot(monkeypatch):
+    """Beyond CLUSTER_EMIT_MAX_K states per cluster (and off CPU) the in-place GEMMs run: same values."""
     import latentlm.training.neural as neural
 
     words, states, b, offsets = inputs([2, 3], 4, 6, True, torch.float64)
     fast = cluster_log_softmax(words, states, b, [2, 3])
     monkeypatch.setattr(neural, "CLUSTER_EMIT_MAX_K", 3)
     slow = cluster_log_softmax(words, states, b, [2, 3])
-    assert slow.grad_fn is not None and "ClusterLogSoftmax" not in type(slow.grad_fn).__name__
+    assert slow.grad_fn is not None and "ClusterGemmLogSoftmax" in type(slow.grad_fn).__name__
     assert "ClusterLogSoftmax" in type(fast.grad_fn).__name__
     assert torch.allclose(fast, slow, atol=1e-12)
