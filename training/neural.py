@@ -238,21 +238,27 @@ class ClusterGemmLogSoftmax(torch.autograd.Function):
         for (lo, hi), s in zip(_slices(sizes), states.unbind(0), strict=True):
             logits = torch.mm(words[lo:hi], s.T) if bias is None else torch.addmm(bias[lo:hi, None], words[lo:hi], s.T)
             torch._log_softmax(logits, 0, False, out=out[lo:hi])  # each state's logits over the cluster's words
-        ctx.save_for_backward(words, states, out)
-        ctx.sizes, ctx.has_bias = sizes, bias is not None
-        return out
+        return _kept(ctx, words, states, out, sizes, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:
         words, states, out = ctx.saved_tensors
         grad = grad.contiguous()
         d_logits, d_words, d_states = torch.empty_like(out), torch.empty_like(words), torch.empty_like(states)
-        for m, (lo, hi) in enumerate(_slices(ctx.sizes)):
+        for m, (lo, hi) in enumerate(_slices(ctx.layout)):
             d = d_logits[lo:hi]
             torch._log_softmax_backward_data(grad[lo:hi], out[lo:hi], 0, out.dtype, out=d)
             torch.mm(d, states[m], out=d_words[lo:hi])
             torch.mm(d.T, words[lo:hi], out=d_states[m])
         return d_words, d_states, (d_logits.sum(1) if ctx.has_bias else None), None
+
+
+def _kept(ctx, words: Tensor, states: Tensor, out: Tensor, layout: object, bias: Tensor | None) -> Tensor:
+    """Keep what a cluster emission's backward reads (words, states, the output table; the clusters' layout and
+    whether there is a bias) on `ctx`; returns `out`."""
+    ctx.save_for_backward(words, states, out)
+    ctx.layout, ctx.has_bias = layout, bias is not None
+    return out
 
 
 def _slices(sizes: list[int]) -> list[tuple[int, int]]:
@@ -269,14 +275,12 @@ class ClusterLogSoftmax(torch.autograd.Function):
     def forward(ctx, words: Tensor, states: Tensor, bias: Tensor | None, offsets: Tensor) -> Tensor:
         states = states.contiguous()
         out = cluster_emit.forward_cpu(words, states, bias, offsets, torch.get_num_threads())
-        ctx.save_for_backward(words, states, out)
-        ctx.offsets, ctx.has_bias = offsets, bias is not None
-        return out
+        return _kept(ctx, words, states, out, offsets, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:
         words, states, out = ctx.saved_tensors
-        d_words, d_states, d_bias = cluster_emit.backward_cpu(grad.contiguous(), out, words, states, ctx.offsets,
+        d_words, d_states, d_bias = cluster_emit.backward_cpu(grad.contiguous(), out, words, states, ctx.layout,
                                                               torch.get_num_threads())
         return d_words, d_states, (d_bias if ctx.has_bias else None), None
 
