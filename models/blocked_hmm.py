@@ -318,9 +318,7 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     if M == 1:
         trans_counts = (trans * (alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk))).to(trans.dtype)
     elif ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
-        trans_counts = torch.zeros_like(trans)
-        blocked_kernels.block_counts(*(x.contiguous().numpy() for x in (alphas, right, clusters, lengths, trans)),
-                                     M, trans_counts.numpy())
+        trans_counts = blocked_kernels.counts_cpu(alphas, right, clusters, lengths, trans, M)
     else:
         trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
     start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)

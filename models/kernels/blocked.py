@@ -338,6 +338,14 @@ def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: 
     return log_cond, alphas, gamma, right
 
 
+def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, M: int) -> Tensor:
+    """Expected transition counts (Z, Z) in trans's dtype from `forward_backward_cpu`'s alphas and right
+    (`block_counts`, on the calling thread). O(B T k^2)."""
+    out = torch.zeros_like(trans)
+    block_counts(*(as_array(x) for x in (alphas, right, clusters, lengths, trans)), M, out.numpy())
+    return out
+
+
 def posterior_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, threads: int
                   ) -> tuple[Tensor, Tensor]:
     """(posteriors (B, T, k), log_cond (B, T)) of `forward_backward_cpu`, in emit's dtype. Padding:
