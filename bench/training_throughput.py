@@ -42,6 +42,10 @@ CONFIGS = {
     "m128-k8": ("blocked_hmm", 1024, 128, 256, 16, 32, 0.5, "factored"),
     "vl-4k": ("blocked_hmm", 4096, 128, 256, 64, 35, 0.5, "factored"),
     "vl-16k": ("blocked_hmm", 16384, 128, 256, 64, 35, 0.5, "factored"),
+    # the 2-hour recipes' model (configs/cpu-2h-vlhmm-*.yaml): independent state embeddings, BPTT 32
+    "ind-4k": ("blocked_hmm", 4096, 128, 256, 64, 32, 0.5, "independent"),
+    "ind-8k": ("blocked_hmm", 8192, 128, 256, 64, 32, 0.5, "independent"),
+    "ind-16k": ("blocked_hmm", 16384, 128, 256, 64, 32, 0.5, "independent"),
     "rank-1k": ("rank_hmm", 1024, 256, 128, 64, 35, 0.0, ""),
     "rank-4k": ("rank_hmm", 4096, 1024, 256, 64, 35, 0.0, ""),
 }
@@ -129,8 +133,10 @@ def blocked_step(batch: Batch, Z: int, c: int, h: int, drop: float, emb: str, g:
     return step, model, keep
 
 
-def run_config(name: str, steps: int, baseline: bool) -> dict:
+def run_config(name: str, steps: int, baseline: bool, batch_size: int = 0) -> dict:
+    """One config's row; `batch_size` > 0 replaces the config's batch (streams x BPTT length for BPTT)."""
     family, Z, c, h, B, T, drop, emb = CONFIGS[name]
+    B = batch_size or B
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     batch = Batch(torch.randint(0, V, (B, T), generator=g), torch.full((B,), T))
@@ -192,6 +198,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--configs", default="t3-brown,t3-none,m128-k8,vl-4k,rank-1k")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--batches", default="",
+                    help="comma-separated batch sizes: run every config once per size instead of at its own batch "
+                         "(how the step cost grows with the tokens per step)")
     ap.add_argument("--default-malloc", action="store_true",
                     help="keep glibc's malloc settings (by default the bench keeps freed memory in the heap, as "
                          "`latentlm train` does: `training.common.reuse_freed_memory`)")
@@ -200,8 +209,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     reuse = False if args.default_malloc else common.reuse_freed_memory()
     rows = []
-    for name in args.configs.split(","):
-        row = run_config(name, args.steps, not args.no_baseline)
+    sizes = [int(b) for b in args.batches.split(",") if b] or [0]
+    for name, size in ((n, b) for n in args.configs.split(",") for b in sizes):
+        row = run_config(name, args.steps, not args.no_baseline, size)
         rows.append(row)
         print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []

@@ -18,6 +18,13 @@ Since the end of 2026-11-27 the budget is 5 epochs (still capped at 4.5 minutes)
 and emission pass a 2-epoch build took 94 s on the 2-core AMD EPYC Zen 5 (199.4 valid / 185.9 test), a 5-epoch
 one 215 s (181.7 valid); on a slower machine the cap binds and the anneal follows the clock
 (`results/ptb_results.md`, "Default model, fourth round").
+
+Since 2026-11-28 a step takes 512 BPTT streams (16,384 tokens) instead of 64, the LR falls linearly to 0 over
+the whole budget (`lr_anneal` 1.0, no plateau cuts), and the budget is 26 epochs, checked every 300
+steps: at 4,096 states a step's cost is mostly parameter construction, which does not depend on the batch, so
+8x the tokens per step cost ~1.6x the time per step (`results/ptb_results.md`, "Tokens per step"). Built on
+the 2-core AMD EPYC Zen 5: 171.0 valid / 158.0 test in 186 s (the 5-epoch recipe before it: 181.7 / 169.1 in 215
+s; "Default model, fifth round").
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from typing import Any
 DEFAULT_NAME = "ptb-hmm"
 DEFAULT_SETTINGS: dict[str, Any] = {
     "family": "blocked_hmm", "data": ["ptb"], "states": 4096, "clusters": 128, "hidden": 256,
-    "state_embedding": "independent", "state_dropout": 0.5, "bptt": 32, "batch": 64, "lr": 0.01, "epochs": 5,
-    "evals_per_epoch": 2, "lr_patience": 4, "lr_decay": 4.0, "patience": 0, "time_limit": 4.5, "lr_anneal": 0.5}
+    "state_embedding": "independent", "state_dropout": 0.5, "bptt": 32, "bptt_rotate": True, "batch": 512,
+    "lr": 0.01, "epochs": 26, "eval_every": 300, "lr_patience": 4, "lr_decay": 1.0, "patience": 0, "time_limit": 4.5,
+    "lr_anneal": 1.0}
 
 
 def default_args(store: Path, name: str = DEFAULT_NAME, progress: bool = True, **overrides: Any

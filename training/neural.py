@@ -456,6 +456,11 @@ def bptt_batches(seqs: list[list[int]], streams: int, chunk: int, device, start:
     flat = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long)
     flat = flat.roll(-start)
     n = len(flat) // streams
+    if n == 0:
+        from latentlm.models.errors import InputError
+
+        raise InputError(f"--batch {streams}: {streams} BPTT streams need at least {streams} training tokens, the "
+                         f"training data has {len(flat)}", param="batch")
     flat = flat[: n * streams].view(streams, n)
     out = []
     for i in range(0, n, chunk):

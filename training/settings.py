@@ -38,7 +38,8 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "rank": (int, None, "rank r (rank_hmm)"),
     "hidden": (int, None, "hidden size of the neural parameterization / vector dim (densehmm)"),
     "epochs": (int, None, "passes over the training data (EM iterations for hmm)"),
-    "batch": (int, None, "sentences per batch"),
+    "batch": (int, None, "sentences per batch (blocked_hmm with --bptt: running-text streams, so --batch x --bptt "
+                         "tokens per step)"),
     "bptt": (int, 0, "blocked_hmm: tokens per BPTT chunk over the running text (0 = sentence batches)"),
     "bptt_rotate": (bool, False, "blocked_hmm with --bptt: every epoch the running text starts at a random token "
                                  "(drawn from the seed and the epoch), so the streams and chunks differ from epoch "

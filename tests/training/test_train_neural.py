@@ -125,6 +125,11 @@ def test_bptt_batches_cut_the_running_text_from_any_start():
         streams = torch.cat([b.ids for b in batches], 1).tolist()
         assert streams == [flat[0:4], flat[4:8], flat[8:12]]
         assert all(b.lengths.tolist() == [b.ids.shape[1]] * 3 for b in batches)
+    from latentlm.models.errors import InputError
+
+    with pytest.raises(InputError, match="--batch 13: 13 BPTT streams need at least 13 training tokens, the "
+                                         "training data has 12"):
+        neural.bptt_batches(seqs, 13, 3, "cpu")  # not one token per stream: no step at all, so refused
 
 
 def test_bptt_rotate_moves_the_streams_per_epoch_and_needs_bptt(tmp_path):
