@@ -300,7 +300,8 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
         for sel, cols in _by_cluster(first, kk):  # prior @ trans in each row's first cluster: O(B Z' k')
             into_first[sel] = prior[sel] @ trans[:, cols]
         init = torch.where(has_prior[:, None], into_first.to(dtype), init)
-    if M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
+    compiled = M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA
+    if compiled:
         log_cond, alphas, gamma, right = blocked_kernels.forward_backward_cpu(
             init, emit, clusters, lengths, trans, dispatch.blocked_threads(B, int(lengths.sum()), kk))
     else:
@@ -317,13 +318,15 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     log_cond = log_cond.masked_fill(~mask, 0.0)
     if M == 1:
         trans_counts = (trans * (alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk))).to(trans.dtype)
-    elif ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA:
-        trans_counts = blocked_kernels.counts_cpu(alphas, right, clusters, lengths, trans, M)
+    elif compiled:  # with the carried step's counts
+        trans_counts = blocked_kernels.counts_cpu(alphas, right, clusters, lengths, trans, M, prior,
+                                                  dispatch.blocked_threads(M * M, int(lengths.sum()), kk))
     else:
         trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
     start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)
     start_counts.index_add_(0, first[~has_prior], gamma[~has_prior, 0])
-    if prior is not None and bool(has_prior.any()):  # the carried step: prior_i trans[i, (first, j)] right_0j
+    if prior is not None and bool(has_prior.any()) and not compiled:
+        # the carried step (in the compiled counts already): prior_i trans[i, (first, j)] right_0j
         carried, right0 = prior[has_prior].to(dtype), right[has_prior, 0]
         for sel, cols in _by_cluster(first[has_prior], kk):  # only the columns of the clusters rows start in
             block = trans[:, cols].to(dtype) * (carried[sel].T @ right0[sel])

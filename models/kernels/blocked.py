@@ -18,7 +18,7 @@ from torch import Tensor
 
 from latentlm.models.kernels.blas import as_array
 from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
-from latentlm.models.kernels.threads import run_ranges
+from latentlm.models.kernels.threads import run_ranges, run_split, spans
 
 BIG = 1e280  # cap of beta and of emit * beta / c: sums of a few products stay finite, so 0 * overflow never
 # turns counts into NaN (a capped entry meets alpha * trans below 1e-280 in any count it enters)
@@ -246,38 +246,87 @@ if HAVE_NUMBA:
                     right[b, t, j] = 0.0
 
     @njit(nogil=True, cache=True)
-    def block_counts(alphas, right, clusters, lengths, trans, M, out):  # pragma: no cover - compiled
-        """Expected transition counts of `blocked_forward_backward`'s outputs into out (Z, Z) (zeros on
-        entry, trans's dtype): for each (cluster, cluster) block the batch steps through, (the sum over
-        those steps t >= 1 of alpha_{t-1} (x) right_t, in float64) * the block. Steps are grouped by block
-        (a stable sort of the block ids), so each block is written once. O(B T k^2), no (B T, k, k)
-        buffer."""
-        B, T, k = alphas.shape
+    def count_entries(clusters, lengths, M, carried):  # pragma: no cover - compiled
+        """The terms of a batch's expected transition counts, sorted by the block they fall in (stable): one
+        per step t >= 1 of each row (block (cluster at t - 1, cluster at t)) and, for each row that starts
+        from a carried prior (`carried` (B,) bool), one per source cluster i (block (i, the row's first
+        cluster), step 0). Returns (keys, rows, steps) (n,) int64, key = source cluster * M + target
+        cluster. O(B T + n log n)."""
+        B = clusters.shape[0]
         n = 0
         for b in range(B):
-            n += max(lengths[b] - 1, 0)
+            if lengths[b] > 0:
+                n += lengths[b] - 1 + (M if carried[b] else 0)
         keys = np.empty(n, dtype=np.int64)
-        where = np.empty(n, dtype=np.int64)  # b * T + t
+        rows = np.empty(n, dtype=np.int64)
+        steps = np.empty(n, dtype=np.int64)
         s = 0
         for b in range(B):
+            if lengths[b] == 0:
+                continue
+            if carried[b]:
+                for i in range(M):
+                    keys[s], rows[s], steps[s] = i * M + clusters[b, 0], b, 0
+                    s += 1
             for t in range(1, lengths[b]):
-                keys[s] = clusters[b, t - 1] * M + clusters[b, t]
-                where[s] = b * T + t
+                keys[s], rows[s], steps[s] = clusters[b, t - 1] * M + clusters[b, t], b, t
                 s += 1
         order = np.argsort(keys, kind="mergesort")
+        return keys[order], rows[order], steps[order]
+
+    @njit(nogil=True, inline="always", cache=True)
+    def _count_source(alphas, prior, b, t, i):  # pragma: no cover - compiled
+        """The left factor of a count term: alpha_{t-1} (k,) of row b, or at step 0 its carried prior over
+        source cluster i (prior (B, M, k))."""
+        if t > 0:
+            return alphas[b, t - 1]
+        return prior[b, i]
+
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def block_counts(alphas, right, prior, keys, rows, steps, lo, hi, key_lo, key_hi, trans, M, out
+                     ):  # pragma: no cover - compiled
+        """Expected transition counts into out's blocks key_lo <= key < key_hi (block (key // M, key % M), k x
+        k, out in trans's dtype): a block that the terms lo..hi of `count_entries` step through gets (the sum
+        over them of source (x) right_t, in float64) * the block of trans, where the source is alpha_{t-1}
+        or, at step 0, the row's carried prior (B, M, k); every other block gets zeros. Terms lo..hi are
+        exactly those with keys in the range, so threads given disjoint ranges never meet and the sums do
+        not depend on the split. Four terms per sweep over the k x k sums. O((hi - lo) k^2 + (key_hi -
+        key_lo) k^2)."""
+        k = alphas.shape[2]
         acc = np.empty((k, k))
-        s = 0
-        while s < n:
-            pair = keys[order[s]]
-            acc[:] = 0.0
-            while s < n and keys[order[s]] == pair:
-                b, t = divmod(where[order[s]], T)
+        s = lo
+        for key in range(key_lo, key_hi):
+            r0, c0 = (key // M) * k, (key % M) * k
+            if s >= hi or keys[s] != key:
                 for i in range(k):
-                    a = alphas[b, t - 1, i]
                     for j in range(k):
-                        acc[i, j] += a * right[b, t, j]
-                s += 1
-            r0, c0 = (pair // M) * k, (pair % M) * k
+                        out[r0 + i, c0 + j] = 0.0
+                continue
+            acc[:] = 0.0
+            src = key // M
+            while s < hi and keys[s] == key:
+                if s + 3 < hi and keys[s + 3] == key:
+                    a0 = _count_source(alphas, prior, rows[s], steps[s], src)
+                    a1 = _count_source(alphas, prior, rows[s + 1], steps[s + 1], src)
+                    a2 = _count_source(alphas, prior, rows[s + 2], steps[s + 2], src)
+                    a3 = _count_source(alphas, prior, rows[s + 3], steps[s + 3], src)
+                    q0, q1 = right[rows[s], steps[s]], right[rows[s + 1], steps[s + 1]]
+                    q2, q3 = right[rows[s + 2], steps[s + 2]], right[rows[s + 3], steps[s + 3]]
+                    for i in range(k):
+                        x0, x1, x2, x3 = a0[i], a1[i], a2[i], a3[i]
+                        row = acc[i]
+                        for j in range(k):
+                            row[j] += (x0 * q0[j] + x1 * q1[j]) + (x2 * q2[j] + x3 * q3[j])
+                    s += 4
+                else:
+                    a0 = _count_source(alphas, prior, rows[s], steps[s], src)
+                    q0 = right[rows[s], steps[s]]
+                    for i in range(k):
+                        x0 = a0[i]
+                        row = acc[i]
+                        for j in range(k):
+                            row[j] += x0 * q0[j]
+                    s += 1
             for i in range(k):
                 for j in range(k):
                     out[r0 + i, c0 + j] = acc[i, j] * trans[r0 + i, c0 + j]
@@ -338,11 +387,22 @@ def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: 
     return log_cond, alphas, gamma, right
 
 
-def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, M: int) -> Tensor:
-    """Expected transition counts (Z, Z) in trans's dtype from `forward_backward_cpu`'s alphas and right
-    (`block_counts`, on the calling thread). O(B T k^2)."""
-    out = torch.zeros_like(trans)
-    block_counts(*(as_array(x) for x in (alphas, right, clusters, lengths, trans)), M, out.numpy())
+def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, M: int,
+               prior: Tensor | None = None, threads: int = 1) -> Tensor:
+    """Expected transition counts (Z, Z) in trans's dtype from `forward_backward_cpu`'s alphas and right, with
+    `prior` (B, Z) (a BPTT carry; rows of zeros carry nothing) the carried step's counts too (`count_entries`,
+    `block_counts`): the blocks split over `threads` threads by their terms, each block summed by one thread
+    (the same bits for any split). O(B T k^2 + B Z k)."""
+    B, T, k = alphas.shape
+    carried = prior.sum(1) > 0 if prior is not None else torch.zeros(B, dtype=torch.bool)
+    prior3 = (prior.to(alphas.dtype) if prior is not None else alphas.new_zeros(B, M * k)).reshape(B, M, k)
+    keys, rows, steps = count_entries(as_array(clusters), as_array(lengths), M, carried.numpy())
+    out = torch.empty_like(trans)
+    ranges = spans(np.bincount(keys, minlength=M * M) + 1, threads)  # a term or a block written: k^2 each
+    bounds = np.searchsorted(keys, [lo for lo, _ in ranges] + [ranges[-1][1]])
+    args = (as_array(alphas), as_array(right), as_array(prior3), keys, rows, steps)
+    mat, target = as_array(trans), out.numpy()
+    run_split(lambda i: block_counts(*args, bounds[i], bounds[i + 1], *ranges[i], mat, M, target), len(ranges))
     return out
 
 
