@@ -223,10 +223,17 @@ def main() -> None:
         lines.append(f"| {r['config']} | {r['family']} | {r['states']} ({r['keep']}) | {r['clusters'] or r['rank']} "
                      f"| {r['hidden']} | {r['tokens/step']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
                      f"{r['gflop']:.2f} | {r['gflops']:.1f} | {r['peak']:.1f} | {r['pct']:.0f}% | "
-                     f"{r['epoch_min']:.1f} | {r.get('old_ms', math.nan):.1f} | {r.get('speedup', math.nan):.2f}x |")
+                     f"{r['epoch_min']:.1f} | {_or_dash(r.get('old_ms'), '{:.1f}')} | "
+                     f"{_or_dash(r.get('speedup'), '{:.2f}x')} |")
     write_section(args.out, f"{args.threads} torch threads, torch {torch.__version__}, "
                   f"{'freed memory kept in the heap (as the trainer)' if reuse else 'glibc malloc defaults'}, "
                   f"load average before the run {' '.join(load)}", lines)
+
+
+def _or_dash(value: float | None, fmt: str) -> str:
+    """`value` formatted, or "–" where the run has none (no baseline run: `--no-baseline`, or a family without
+    a previous path)."""
+    return "–" if value is None or math.isnan(value) else fmt.format(value)
 
 
 def write_section(out: Path, setting: str, lines: list[str]) -> None:

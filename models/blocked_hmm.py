@@ -235,7 +235,8 @@ class BlockCounts:
 
     `start` (Z',): first-state counts of the rows that begin from the start distribution; `trans` (Z', Z'):
     transition counts (including the step from a carried prior into position 0); `emit` (V, k'): emission
-    counts of each word by its cluster's states; `log_lik` (B,): log p(x_b | prior); `last` (B, k'):
+    counts of each word by its cluster's states, a sparse COO tensor (only the batch's words have rows);
+    `log_lik` (B,): log p(x_b | prior); `last` (B, k'):
     filtered p(z | x) at each row's last position, over its last token's cluster."""
 
     start: Tensor
@@ -332,8 +333,11 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
             block = trans[:, cols].to(dtype) * (carried[sel].T @ right0[sel])
             trans_counts[:, cols] += block.to(trans_counts.dtype)
     # in the output dtype: a count is a sum of at most as many posteriors as there are tokens
-    emit_counts = torch.zeros(log_emit.shape[0], kk, dtype=log_emit.dtype, device=ids.device)
-    emit_counts.index_add_(0, ids[mask], gamma[mask].to(log_emit.dtype))
+    words, where = torch.unique(ids[mask], return_inverse=True)  # sorted: the sparse tensor is coalesced
+    per_word = torch.zeros(len(words), kk, dtype=log_emit.dtype, device=ids.device)
+    per_word.index_add_(0, where, gamma[mask].to(log_emit.dtype))
+    emit_counts = torch.sparse_coo_tensor(words[None], per_word, (log_emit.shape[0], kk), is_coalesced=True,
+                                          check_invariants=False)
     return BlockCounts(start_counts.reshape(Zp), trans_counts, emit_counts, log_cond.sum(1) + shift.sum(1),
                        chain.filtered_last(alphas, lengths))
 

@@ -229,8 +229,10 @@ class ClusterGemmLogSoftmax(torch.autograd.Function):
     cluster's slice of one output (any device): the forward's log-softmax writes the (V, k) table by cluster
     slices, the backward writes the logits', words' and states' gradients likewise. The loop's cat of the
     clusters' tables, the cat its split's backward makes of the word gradients and the stack of the state
-    gradients are gone; the flops are the same. apply(words (V, h), states (M, k, h), bias (V,) or None, sizes
-    (M,) list) -> (V, k). O(V k h)."""
+    gradients are gone; the flops are the same. A sparse gradient (`BlockedNLL`'s emission counts: the batch's
+    words' rows) is never made dense: each cluster's logit gradient is minus the softmax times the gradient's
+    column sums, plus its rows. apply(words (V, h), states (M, k, h), bias (V,) or None, sizes (M,) list) -> (V,
+    k). O(V k h)."""
 
     @staticmethod
     def forward(ctx, words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
@@ -243,11 +245,24 @@ class ClusterGemmLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:
         words, states, out = ctx.saved_tensors
-        grad = grad.contiguous()
+        slices = _slices(ctx.layout)
         d_logits, d_words, d_states = torch.empty_like(out), torch.empty_like(words), torch.empty_like(states)
-        for m, (lo, hi) in enumerate(_slices(ctx.layout)):
+        if grad.is_sparse:  # nonzero on a few words' rows (`BlockedNLL`'s emission counts): no dense grad to read
+            grad = grad.coalesce()
+            rows, values = grad.indices()[0], grad.values()
+            ends = torch.tensor([hi for _, hi in slices], device=rows.device)
+            per_cluster = torch.searchsorted(rows, ends).tolist()  # rows are sorted: each cluster's are a range
+            col_sums = torch.zeros_like(states[:, :, 0]).index_add_(0, torch.bucketize(rows, ends, right=True), values)
+        else:
+            grad = grad.contiguous()
+        for m, (lo, hi) in enumerate(slices):
             d = d_logits[lo:hi]
-            torch._log_softmax_backward_data(grad[lo:hi], out[lo:hi], 0, out.dtype, out=d)
+            if grad.is_sparse:  # d = grad - softmax * (the column sums of grad over the cluster's words)
+                torch.exp(out[lo:hi], out=d).mul_(col_sums[m].neg())
+                r0, r1 = (per_cluster[m - 1] if m else 0), per_cluster[m]
+                d.index_add_(0, rows[r0:r1] - lo, values[r0:r1])
+            else:
+                torch._log_softmax_backward_data(grad[lo:hi], out[lo:hi], 0, out.dtype, out=d)
             torch.mm(d, states[m], out=d_words[lo:hi])
             torch.mm(d.T, words[lo:hi], out=d_states[m])
         return d_words, d_states, (d_logits.sum(1) if ctx.has_bias else None), None
@@ -280,7 +295,8 @@ class ClusterLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor | None, None]:
         words, states, out = ctx.saved_tensors
-        d_words, d_states, d_bias = cluster_emit.backward_cpu(grad.contiguous(), out, words, states, ctx.layout,
+        grad = grad.to_dense() if grad.is_sparse else grad.contiguous()
+        d_words, d_states, d_bias = cluster_emit.backward_cpu(grad, out, words, states, ctx.layout,
                                                               torch.get_num_threads())
         return d_words, d_states, (d_bias if ctx.has_bias else None), None
 
@@ -392,7 +408,8 @@ class BlockedNLL(torch.autograd.Function):
     """-log p(x) of a batch under a blocked HMM given by its log-potentials (log start (Z',), log trans
     (Z', Z'), log emit (V, k')), differentiable in them: the forward pass is an exact forward-backward
     (`blocked_hmm.expected_counts`), the backward pass hands back minus the expected counts, which are the
-    gradient of log p(x) with respect to the log-potentials. Autograd never runs through the DP.
+    gradient of log p(x) with respect to the log-potentials. Autograd never runs through the DP. The emission
+    gradient is a sparse COO tensor (the batch's words' rows: what `cluster_log_softmax`'s backward reads).
     Outputs (nll (), last (B, k')); `last` is not differentiable."""
 
     @staticmethod

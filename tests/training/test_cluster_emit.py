@@ -91,3 +91,25 @@ def test_the_gemms_run_where_the_compiled_pass_cannot(monkeypatch):
     assert slow.grad_fn is not None and "ClusterGemmLogSoftmax" in type(slow.grad_fn).__name__
     assert "ClusterLogSoftmax" in type(fast.grad_fn).__name__
     assert torch.allclose(fast, slow, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", ["compiled", "gemm"])
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), k=st.integers(1, 5), bias=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 1000), data=st.data())
+def test_a_sparse_upstream_gradient_gives_what_its_dense_copy_gives(path, sizes, k, bias, dtype, seed, data):
+    """`BlockedNLL` hands the emission table a sparse gradient (rows of the batch's words only, some clusters
+    with none): both backward passes give what the same gradient made dense gives."""
+    words, states, b, offsets = inputs(sizes, k, 7, bias, dtype, seed)
+    V = sum(sizes)
+    rows = sorted(data.draw(st.sets(st.integers(0, V - 1), min_size=1, max_size=V)))
+    values = torch.randn(len(rows), k, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
+    sparse = torch.sparse_coo_tensor(torch.tensor([rows]), values, (V, k), is_coalesced=True,
+                                     check_invariants=False)
+    fn = ((lambda: ClusterLogSoftmax.apply(words, states, b, offsets)) if path == "compiled"
+          else (lambda: ClusterGemmLogSoftmax.apply(words, states, b, sizes)))
+    _, got = grads(fn, words, states, b, sparse)
+    _, want = grads(fn, words, states, b, sparse.to_dense())
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for g1, g2 in zip(got, want, strict=True):
+        assert not g1.is_sparse and torch.allclose(g1, g2, rtol=tol, atol=tol * 10)
