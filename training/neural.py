@@ -408,16 +408,18 @@ class BlockedNLL(torch.autograd.Function):
     """-log p(x) of a batch under a blocked HMM given by its log-potentials (log start (Z',), log trans
     (Z', Z'), log emit (V, k')), differentiable in them: the forward pass is an exact forward-backward
     (`blocked_hmm.expected_counts`), the backward pass hands back minus the expected counts, which are the
-    gradient of log p(x) with respect to the log-potentials. Autograd never runs through the DP. The emission
-    gradient is a sparse COO tensor (the batch's words' rows: what `cluster_log_softmax`'s backward reads).
+    gradient of log p(x) with respect to the log-potentials. Autograd never runs through the DP. With
+    `sparse_emit` the emission gradient is a sparse COO tensor (the batch's words' rows), for a log emit made by
+    `cluster_log_softmax` (whose backward reads it as such); otherwise dense, for any producer.
     Outputs (nll (), last (B, k')); `last` is not differentiable."""
 
     @staticmethod
     def forward(ctx, log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
-                ids: Tensor, lengths: Tensor, prior: Tensor | None):
+                ids: Tensor, lengths: Tensor, prior: Tensor | None, sparse_emit: bool = False):
         counts = expected_counts(log_start, log_trans, log_emit, word_cluster, M, ids, lengths, prior)
         dt = log_trans.dtype
-        ctx.save_for_backward(counts.start.to(dt), counts.trans.to(dt), counts.emit.to(dt))
+        emit = counts.emit.to(dt)
+        ctx.save_for_backward(counts.start.to(dt), counts.trans.to(dt), emit if sparse_emit else emit.to_dense())
         last = counts.last.to(dt)
         ctx.mark_non_differentiable(last)
         return -counts.log_lik.sum().to(dt), last
@@ -425,7 +427,7 @@ class BlockedNLL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_last: Tensor | None):
         start, trans, emit = ctx.saved_tensors
-        return -grad * start, -grad * trans, -grad * emit, None, None, None, None, None
+        return -grad * start, -grad * trans, -grad * emit, None, None, None, None, None, None
 
 
 def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Tensor | None = None,
@@ -447,7 +449,7 @@ def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Tensor | Non
     if ls is None:
         ls = lt.new_zeros(lt.shape[0])  # never read: every row starts from its carried state
     nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[batch.ids],
-                                   batch.lengths, prior)
+                                   batch.lengths, prior, True)  # le from `cluster_log_softmax`: sparse gradient
     last = None
     if want_last:
         lastc = model.word_cluster[batch.ids[rows, batch.lengths - 1]]
