@@ -317,7 +317,9 @@ def test_row_lookup_equals_the_gathered_tensor(engine, B, T, K, N, threads, seed
     single = partial(sum_product.forward_cpu, engine="single", keep_alphas=False, threads=threads)
     one, _ = single(init[:1], table, rows[:1], trans, lengths[:1])
     ref, _ = single(init[:1], gathered[:1], None, trans, lengths[:1])
-    assert torch.equal(one, ref)
+    # the single-sequence kernel's vectorised sums may start at a different element where a row's address has a
+    # different alignment (a table row, a gathered row): equal to the last bits or so, not bit for bit
+    assert torch.allclose(one, ref, rtol=1e-13, atol=1e-13)
 
 
 def test_row_lookup_out_of_range_is_an_error_not_a_read(engine):
