@@ -247,20 +247,20 @@ class ClusterGemmLogSoftmax(torch.autograd.Function):
         words, states, out = ctx.saved_tensors
         slices = _slices(ctx.layout)
         d_logits, d_words, d_states = torch.empty_like(out), torch.empty_like(words), torch.empty_like(states)
-        if grad.is_sparse:  # nonzero on a few words' rows (`BlockedNLL`'s emission counts): no dense grad to read
+        sparse = grad.is_sparse  # nonzero on a few words' rows (`BlockedNLL`'s emission counts): no dense grad to read
+        if sparse:
             grad = grad.coalesce()
             rows, values = grad.indices()[0], grad.values()
             ends = torch.tensor([hi for _, hi in slices], device=rows.device)
-            per_cluster = torch.searchsorted(rows, ends).tolist()  # rows are sorted: each cluster's are a range
-            col_sums = torch.zeros_like(states[:, :, 0]).index_add_(0, torch.bucketize(rows, ends, right=True), values)
+            firsts = [0, *torch.searchsorted(rows, ends).tolist()]  # rows are sorted: each cluster's are a range
         else:
             grad = grad.contiguous()
         for m, (lo, hi) in enumerate(slices):
             d = d_logits[lo:hi]
-            if grad.is_sparse:  # d = grad - softmax * (the column sums of grad over the cluster's words)
-                torch.exp(out[lo:hi], out=d).mul_(col_sums[m].neg())
-                r0, r1 = (per_cluster[m - 1] if m else 0), per_cluster[m]
-                d.index_add_(0, rows[r0:r1] - lo, values[r0:r1])
+            if sparse:  # d = grad - softmax * (the column sums of grad over the cluster's words)
+                mine = slice(firsts[m], firsts[m + 1])
+                torch.exp(out[lo:hi], out=d).mul_(values[mine].sum(0).neg())
+                d.index_add_(0, rows[mine] - lo, values[mine])
             else:
                 torch._log_softmax_backward_data(grad[lo:hi], out[lo:hi], 0, out.dtype, out=d)
             torch.mm(d, states[m], out=d_words[lo:hi])

@@ -395,7 +395,8 @@ def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor,
     (the same bits for any split). O(B T k^2 + B Z k)."""
     B, T, k = alphas.shape
     carried = prior.sum(1) > 0 if prior is not None else torch.zeros(B, dtype=torch.bool)
-    prior3 = (prior.to(alphas.dtype) if prior is not None else alphas.new_zeros(B, M * k)).reshape(B, M, k)
+    # without a prior no term reads it (every term has a step >= 1): an empty array of the kernel's type
+    prior3 = prior.to(alphas.dtype).reshape(B, M, k) if prior is not None else alphas.new_empty(0, M, k)
     keys, rows, steps = count_entries(as_array(clusters), as_array(lengths), M, carried.numpy())
     out = torch.empty_like(trans)
     ranges = spans(np.bincount(keys, minlength=M * M) + 1, threads)  # a term or a block written: k^2 each
