@@ -27,12 +27,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import torch
+import latentlm
 
-from latentlm.models import chain
-from latentlm.models.base import Batch
-from latentlm.training import common, neural
+latentlm.tune_openmp_for_training()  # as `latentlm train` does, before torch loads
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from latentlm.models import chain  # noqa: E402
+from latentlm.models.base import Batch  # noqa: E402
+from latentlm.training import common, neural  # noqa: E402
 
 V = 10_000
 CONFIGS = {

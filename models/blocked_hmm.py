@@ -294,14 +294,17 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     first = clusters[:, 0]
     init = log_start.detach().to(dtype).exp().view(M, kk)[first]
     has_prior = torch.zeros(B, dtype=torch.bool, device=ids.device)
-    if prior is not None:
-        prior = prior.to(trans.dtype)
-        has_prior = prior.sum(1) > 0
-        into_first = torch.empty(B, kk, dtype=trans.dtype, device=ids.device)
-        for sel, cols in _by_cluster(first, kk):  # prior @ trans in each row's first cluster: O(B Z' k')
-            into_first[sel] = prior[sel] @ trans[:, cols]
-        init = torch.where(has_prior[:, None], into_first.to(dtype), init)
     compiled = M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA
+    if prior is not None:
+        has_prior = prior.sum(1) > 0
+        if compiled:  # prior @ trans in each row's first cluster, summed in float64: O(B Z' k')
+            into_first = blocked_kernels.carried_init_cpu(prior.to(torch.float64), trans, first, kk)
+        else:
+            prior = prior.to(trans.dtype)
+            into_first = torch.empty(B, kk, dtype=trans.dtype, device=ids.device)
+            for sel, cols in _by_cluster(first, kk):
+                into_first[sel] = prior[sel] @ trans[:, cols]
+        init = torch.where(has_prior[:, None], into_first.to(dtype), init)
     if compiled:
         log_cond, alphas, gamma, right = blocked_kernels.forward_backward_cpu(
             init, emit, clusters, lengths, trans, dispatch.blocked_threads(B, int(lengths.sum()), kk))

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +96,20 @@ def evaluate(score: Callable[[Batch], Tensor], batches: list[Batch]) -> float:
 
 
 # -- the process ----------------------------------------------------------------------------------------
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """`torch.nn.utils.clip_grad_norm_` with the same bits, without its second pass over every gradient when
+    nothing is clipped: torch multiplies all gradients by min(1, max_norm / (norm + 1e-6)) unconditionally
+    (no host sync on a GPU); x * 1.0 == x, so that pass changes nothing when the factor is 1 and is skipped
+    (about 0.5 ms of a 40 ms step for 4 million parameters on CPU). Returns the total L2 norm as a float."""
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0
+    total = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if bool(max_norm / (total + 1e-6) < 1.0):  # the comparison torch's clamp makes, on the same tensor
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
 def reuse_freed_memory() -> bool:
     """Make glibc's malloc serve every allocation from its heap and keep freed memory there (mallopt
     M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2 GiB). A training step allocates and frees the same large tensors

@@ -305,7 +305,11 @@ def rows_of(table: Tensor, ids: Tensor) -> Tensor:
     """table[ids] for a parameter table (n, ...) and row ids (m,), as `index_select`: its backward adds the
     gradient rows into place (index_add), where advanced indexing's runs index_put with accumulation, about
     3.6x slower for a 1,024 x 256 table on a 2-core AMD EPYC (bench/results/training_throughput.md: 1.09-1.13x
-    on whole training steps)."""
+    on whole training steps). Where `ids` is every row in order (no state dropout) the table itself: no copy
+    forward, no zero-filled table and index_add backward."""
+    n = table.shape[0]
+    if ids.shape[0] == n and bool(torch.equal(ids, torch.arange(n, device=ids.device))):
+        return table
     return table.index_select(0, ids)
 
 
@@ -441,7 +445,8 @@ def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Tensor | Non
     rows = torch.arange(B, device=batch.ids.device)
     prior = None
     if carry is not None:
-        c = carry.gather(2, active.unsqueeze(0).expand(B, -1, -1)).reshape(B, -1)  # (B, M k')
+        kept = carry if active.shape[1] == carry.shape[2] else carry.gather(2, active.unsqueeze(0).expand(B, -1, -1))
+        c = kept.reshape(B, -1)  # (B, M k'): every state kept (no dropout) is the carry itself
         prior = c / c.sum(1, keepdim=True).clamp_min(1e-30)
     # the start distribution is read only by rows with no carried state: where there are none it is not built
     # (its parameters then get no gradient; `fill_missing_grads` gives them the zeros a built one would)
@@ -644,7 +649,7 @@ def train(ns: argparse.Namespace) -> Path:
                 if ns.lr_anneal:
                     used = budget_used(ns, pos.step, epoch + bi / len(batches), time.perf_counter() - t0)
                     set_lr(opt, anneal_factor(used, ns.lr_anneal))
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+                grad_norm = common.clip_grad_norm(model.parameters(), 5.0)
                 if not math.isfinite(float(grad_norm)):
                     raise TrainingDiverged(
                         f"--lr: the gradient became non-finite at step {pos.step + 1}; nothing was written. Try a "

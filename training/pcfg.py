@@ -175,7 +175,7 @@ def run_epoch(net: NeuralPCFG, opt: torch.optim.Optimizer, seqs: list[list[int]]
         loss = -logz.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        nn.utils.clip_grad_norm_(net.parameters(), 3.0)
+        common.clip_grad_norm(net.parameters(), 3.0)
         opt.step()
         step += 1
         run_lp += float(logz.detach().double().sum())

@@ -40,6 +40,7 @@ from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.chain import Trans
+from latentlm.training import common
 from latentlm.training.neural import VLHMM, BlockedNLL, ResBlock, sample_state_dropout
 
 
@@ -173,7 +174,7 @@ def fit(model: TaggingVLHMM, ids: list[list[int]], tids: list[list[int]], *, epo
                 raise FloatingPointError(f"loss {float(loss.detach())} at step {step}")
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+            common.clip_grad_norm(model.parameters(), 5.0)
             opt.step()
             step += 1
             tot += float(nll.detach())

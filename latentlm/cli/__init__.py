@@ -10,8 +10,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from latentlm.cli import imports, infer, serve, train
-from latentlm.models.errors import LatentLMError
+import latentlm
+
+# training commands: before torch loads (the subcommands import it), see `latentlm.tune_openmp_for_training`
+if sys.argv[1:2] in (["train"], ["train-tagger"]):
+    latentlm.tune_openmp_for_training()
+
+from latentlm.cli import imports, infer, serve, train  # noqa: E402
+from latentlm.models.errors import LatentLMError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from latentlm.models.kernels.blas import as_array
 from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
-from latentlm.models.kernels.threads import run_ranges, run_split, spans
+from latentlm.models.kernels.threads import run_ranges, run_split
 
 BIG = 1e280  # cap of beta and of emit * beta / c: sums of a few products stay finite, so 0 * overflow never
 # turns counts into NaN (a capped entry meets alpha * trans below 1e-280 in any count it enters)
@@ -245,6 +245,33 @@ if HAVE_NUMBA:
                     gamma[b, t, j] = 0.0
                     right[b, t, j] = 0.0
 
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def carried_init(prior, trans, first, order, out):  # pragma: no cover - compiled
+        """out[b] (k,) = prior[b] (Z,) @ trans[:, the columns of cluster first[b]], summed in float64: the
+        distribution of a BPTT row's first state, drawn from the carried state before it. Rows are visited in
+        `order` (sorted by first cluster), so each cluster's columns are read once for all the rows starting
+        in it. O(B Z k)."""
+        Z = trans.shape[0]
+        k = out.shape[1]
+        n = order.shape[0]
+        g = 0
+        while g < n:
+            e = g
+            while e < n and first[order[e]] == first[order[g]]:
+                e += 1
+            c0 = first[order[g]] * k
+            for u in range(g, e):
+                for j in range(k):
+                    out[order[u], j] = 0.0
+            for i in range(Z):
+                row = trans[i, c0 : c0 + k]
+                for u in range(g, e):
+                    p = prior[order[u], i]
+                    dst = out[order[u]]
+                    for j in range(k):
+                        dst[j] += p * row[j]
+            g = e
+
     @njit(nogil=True, cache=True)
     def count_entries(clusters, lengths, M, carried):  # pragma: no cover - compiled
         """The terms of a batch's expected transition counts, sorted by the block they fall in (stable): one
@@ -283,36 +310,40 @@ if HAVE_NUMBA:
         return prior[b, i]
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def block_counts(alphas, right, prior, keys, rows, steps, lo, hi, key_lo, key_hi, trans, M, out
+    def block_counts(alphas, right, prior, keys, rows, steps, i_lo, i_hi, trans, M, out
                      ):  # pragma: no cover - compiled
-        """Expected transition counts into out's blocks key_lo <= key < key_hi (block (key // M, key % M), k x
-        k, out in trans's dtype): a block that the terms lo..hi of `count_entries` step through gets (the sum
-        over them of source (x) right_t, in float64) * the block of trans, where the source is alpha_{t-1}
-        or, at step 0, the row's carried prior (B, M, k); every other block gets zeros. Terms lo..hi are
-        exactly those with keys in the range, so threads given disjoint ranges never meet and the sums do
-        not depend on the split. Four terms per sweep over the k x k sums. O((hi - lo) k^2 + (key_hi -
-        key_lo) k^2)."""
+        """Rows i_lo <= i < i_hi of every k x k block of the expected transition counts (out (Z, Z) in trans's
+        dtype; block (key // M, key % M)): a block that the terms of `count_entries` step through gets (the
+        sum over them of source (x) right_t, in float64) * the block of trans, where the source is alpha_{t-1}
+        or, at step 0, the row's carried prior (B, M, k); every other block gets zeros. Threads given disjoint
+        row ranges never meet, and every entry is summed over the same terms in the same order whatever the
+        split: the same bits for any number of threads, and the work split evenly even when most terms fall
+        in one block. Four terms per sweep over the rows' sums. O(n (i_hi - i_lo) k + M^2 (i_hi - i_lo) k)
+        for n terms."""
         k = alphas.shape[2]
+        n = keys.shape[0]
         acc = np.empty((k, k))
-        s = lo
-        for key in range(key_lo, key_hi):
+        s = 0
+        for key in range(M * M):
             r0, c0 = (key // M) * k, (key % M) * k
-            if s >= hi or keys[s] != key:
-                for i in range(k):
+            if s >= n or keys[s] != key:
+                for i in range(i_lo, i_hi):
                     for j in range(k):
                         out[r0 + i, c0 + j] = 0.0
                 continue
-            acc[:] = 0.0
+            for i in range(i_lo, i_hi):
+                for j in range(k):
+                    acc[i, j] = 0.0
             src = key // M
-            while s < hi and keys[s] == key:
-                if s + 3 < hi and keys[s + 3] == key:
+            while s < n and keys[s] == key:
+                if s + 3 < n and keys[s + 3] == key:
                     a0 = _count_source(alphas, prior, rows[s], steps[s], src)
                     a1 = _count_source(alphas, prior, rows[s + 1], steps[s + 1], src)
                     a2 = _count_source(alphas, prior, rows[s + 2], steps[s + 2], src)
                     a3 = _count_source(alphas, prior, rows[s + 3], steps[s + 3], src)
                     q0, q1 = right[rows[s], steps[s]], right[rows[s + 1], steps[s + 1]]
                     q2, q3 = right[rows[s + 2], steps[s + 2]], right[rows[s + 3], steps[s + 3]]
-                    for i in range(k):
+                    for i in range(i_lo, i_hi):
                         x0, x1, x2, x3 = a0[i], a1[i], a2[i], a3[i]
                         row = acc[i]
                         for j in range(k):
@@ -321,13 +352,13 @@ if HAVE_NUMBA:
                 else:
                     a0 = _count_source(alphas, prior, rows[s], steps[s], src)
                     q0 = right[rows[s], steps[s]]
-                    for i in range(k):
+                    for i in range(i_lo, i_hi):
                         x0 = a0[i]
                         row = acc[i]
                         for j in range(k):
                             row[j] += x0 * q0[j]
                     s += 1
-            for i in range(k):
+            for i in range(i_lo, i_hi):
                 for j in range(k):
                     out[r0 + i, c0 + j] = acc[i, j] * trans[r0 + i, c0 + j]
 
@@ -371,6 +402,15 @@ def viterbi_cpu(log_init: Tensor, log_table: Tensor, ids: Tensor, clusters: Tens
     return path, score
 
 
+def carried_init_cpu(prior: Tensor, trans: Tensor, first: Tensor, k: int) -> Tensor:
+    """`carried_init`: (B, k) float64 from prior (B, Z) (float64), trans (Z, Z) and each row's first cluster
+    `first` (B,), on the calling thread. O(B Z k)."""
+    out = torch.empty(prior.shape[0], k, dtype=torch.float64)
+    order = torch.argsort(first, stable=True)
+    carried_init(as_array(prior), as_array(trans), as_array(first), as_array(order), out.numpy())
+    return out
+
+
 def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,
                          threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(log_cond (B, T), alphas, gamma, right (B, T, k)) of `blocked_forward_backward` over init (B, k), emit
@@ -391,19 +431,19 @@ def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor,
                prior: Tensor | None = None, threads: int = 1) -> Tensor:
     """Expected transition counts (Z, Z) in trans's dtype from `forward_backward_cpu`'s alphas and right, with
     `prior` (B, Z) (a BPTT carry; rows of zeros carry nothing) the carried step's counts too (`count_entries`,
-    `block_counts`): the blocks split over `threads` threads by their terms, each block summed by one thread
-    (the same bits for any split). O(B T k^2 + B Z k)."""
+    `block_counts`): the rows of every block split evenly over `threads` threads (the same bits for any split).
+    O(B T k^2 + B Z k)."""
     B, T, k = alphas.shape
     carried = prior.sum(1) > 0 if prior is not None else torch.zeros(B, dtype=torch.bool)
     # without a prior no term reads it (every term has a step >= 1): an empty array of the kernel's type
     prior3 = prior.to(alphas.dtype).reshape(B, M, k) if prior is not None else alphas.new_empty(0, M, k)
     keys, rows, steps = count_entries(as_array(clusters), as_array(lengths), M, carried.numpy())
     out = torch.empty_like(trans)
-    ranges = spans(np.bincount(keys, minlength=M * M) + 1, threads)  # a term or a block written: k^2 each
-    bounds = np.searchsorted(keys, [lo for lo, _ in ranges] + [ranges[-1][1]])
+    threads = max(1, min(threads, k))
+    bounds = [k * p // threads for p in range(threads + 1)]
     args = (as_array(alphas), as_array(right), as_array(prior3), keys, rows, steps)
     mat, target = as_array(trans), out.numpy()
-    run_split(lambda i: block_counts(*args, bounds[i], bounds[i + 1], *ranges[i], mat, M, target), len(ranges))
+    run_split(lambda p: block_counts(*args, bounds[p], bounds[p + 1], mat, M, target), threads)
     return out
 
 

@@ -1,0 +1,37 @@
+"""`latentlm train` and `train-tagger` processes start torch with GOMP_SPINCOUNT set (`latentlm.tune_openmp_for_
+training`): the setting reaches libgomp only if it is in the environment before torch is imported, and a value the
+user set wins. Other commands (the service) keep libgomp's default."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import latentlm
+
+PROBE = ("import sys; sys.argv = ['latentlm'] + sys.argv[1:]; import latentlm.cli, os; "
+         "print(os.environ.get('GOMP_SPINCOUNT'))")
+TORCH_FIRST = "import sys; sys.argv = ['latentlm', 'train']; import latentlm; assert 'torch' not in sys.modules"
+
+
+def _probe(*args: str, env: dict[str, str] | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | (env or {})
+    out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, check=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("command", ["train", "train-tagger"])
+def test_training_commands_set_the_spin_count(command):
+    assert _probe(command) == latentlm.TRAINING_GOMP_SPINCOUNT
+
+
+def test_other_commands_and_user_values_are_left_alone():
+    assert _probe("serve") == "None"
+    assert _probe("train", env={"GOMP_SPINCOUNT": "123"}) == "123"
+
+
+def test_the_package_root_does_not_load_torch():
+    subprocess.run([sys.executable, "-c", TORCH_FIRST], check=True)
