@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -231,6 +232,7 @@ def main() -> None:
                      f"{_or_dash(r.get('speedup'), '{:.2f}x')} |")
     write_section(args.out, f"{args.threads} torch threads, torch {torch.__version__}, "
                   f"{'freed memory kept in the heap (as the trainer)' if reuse else 'glibc malloc defaults'}, "
+                  f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'libgomp default')}, "
                   f"load average before the run {' '.join(load)}", lines)
 
 
