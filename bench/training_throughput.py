@@ -9,8 +9,9 @@ expected counts, `neural.BlockedNLL`; rank_hmm: autograd through the rank-space 
 and AdamW. FLOPs counted are the GEMMs of parameter construction, forward and backward (3x the forward
 GEMMs): transition logits Z'^2 h, emission logits V k' h (blocked; V Z h unconstrained; V r h rank), state
 MLPs; the DP itself is O(B T k'^2) and not counted. The peak is the float32 GEMM rate at the transition
-logits' shape measured in the same run. The baseline ("autograd DP") is the previous blocked_hmm loss:
-every word's logits against every active state, then autograd through the scaled forward with per-step
+logits' shape measured in the same run, on the same GEMM library (`--gemm`: each config runs once under each
+of torch's BLAS and oneDNN, `latentlm.models.kernels.gemm`). The baseline ("autograd DP") is the previous
+blocked_hmm loss: every word's logits against every active state, then autograd through the scaled forward with per-step
 gathered blocks. Word clusters are random (sizes balanced), tokens random: the cost does not depend on
 the data. Results are appended to --out with the machine, date and command.
 """
@@ -37,6 +38,7 @@ import torch  # noqa: E402
 
 from latentlm.models import chain  # noqa: E402
 from latentlm.models.base import Batch  # noqa: E402
+from latentlm.models.kernels import gemm  # noqa: E402
 from latentlm.training import common, neural  # noqa: E402
 
 V = 10_000
@@ -69,8 +71,9 @@ def timed(fn, steps: int) -> float:
 
 
 def gemm_peak(m: int, k: int, n: int) -> float:
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    return 2 * m * k * n / timed(lambda: a @ b, 10)
+    """The float32 GEMM rate (FLOP/s) of an (m, k) x (k, n) product on the current `kernels.gemm` backend."""
+    a, b = torch.randn(m, k), torch.randn(n, k)
+    return 2 * m * k * n / timed(lambda: gemm.nt(a, b), 10)
 
 
 def old_blocked_loss(model: neural.VLHMM, batch: Batch, active: torch.Tensor) -> torch.Tensor:
@@ -209,23 +212,31 @@ def main() -> None:
     ap.add_argument("--default-malloc", action="store_true",
                     help="keep glibc's malloc settings (by default the bench keeps freed memory in the heap, as "
                          "`latentlm train` does: `training.common.reuse_freed_memory`)")
+    ap.add_argument("--gemm", default=",".join(gemm.BACKENDS),
+                    help="comma-separated GEMM libraries (`kernels.gemm`): run every config once under each, in "
+                         "turn (default: every one this process has)")
     ap.add_argument("--out", type=Path, default=Path("bench/results/training_throughput.md"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reuse = False if args.default_malloc else common.reuse_freed_memory()
     rows = []
     sizes = [int(b) for b in args.batches.split(",") if b] or [0]
+    backends = [b for b in args.gemm.split(",") if b]
     for name, size in ((n, b) for n in args.configs.split(",") for b in sizes):
-        row = run_config(name, args.steps, not args.no_baseline, size)
-        rows.append(row)
-        print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+        for i, lib in enumerate(backends):
+            with gemm.using(lib):
+                row = run_config(name, args.steps, not args.no_baseline and i == 0, size)
+            row["gemm"] = lib
+            rows.append(row)
+            print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
-    lines = ["| config | family | states (kept per step) | clusters / rank | hidden | tokens/step | ms/step | "
+    lines = ["| config | GEMM | family | states (kept per step) | clusters / rank | hidden | tokens/step | ms/step | "
              "tokens/s | GFLOP/step | GFLOP/s | GEMM peak GFLOP/s | % of peak | min/epoch (PTB) | previous path "
              "ms/step | speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['family']} | {r['states']} ({r['keep']}) | {r['clusters'] or r['rank']} "
+        lines.append(f"| {r['config']} | {r['gemm']} | {r['family']} | {r['states']} ({r['keep']}) | "
+                     f"{r['clusters'] or r['rank']} "
                      f"| {r['hidden']} | {r['tokens/step']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
                      f"{r['gflop']:.2f} | {r['gflops']:.1f} | {r['peak']:.1f} | {r['pct']:.0f}% | "
                      f"{r['epoch_min']:.1f} | {_or_dash(r.get('old_ms'), '{:.1f}')} | "

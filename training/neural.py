@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM, expected_counts
 from latentlm.models.errors import LatentLMError
-from latentlm.models.kernels import cluster_emit
+from latentlm.models.kernels import cluster_emit, gemm
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
@@ -54,8 +55,8 @@ class ResBlock(nn.Module):
         self.norm = nn.LayerNorm(h)
 
     def forward(self, x: Tensor) -> Tensor:
-        d = torch.relu(self.w1(x))
-        return self.norm(torch.relu(self.w2(d)) + d)
+        d = torch.relu(gemm.linear(x, self.w1.weight, self.w1.bias))
+        return self.norm(torch.relu(gemm.linear(d, self.w2.weight, self.w2.bias)) + d)
 
 
 class YangRes(nn.Module):
@@ -148,10 +149,11 @@ class VLHMM(nn.Module):
         if self.state_embedding == "independent":
             start = (self.start_out(self.mlp["start"](rows_of(self.state_emb[0], states))).squeeze(-1)
                      if with_start else None)
-            return start, self.mlp["out"](rows_of(self.state_emb[1], states)) @ rows_of(self.next_state, states).T
+            return start, gemm.linear(self.mlp["out"](rows_of(self.state_emb[1], states)),
+                                      rows_of(self.next_state, states))
         e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         h_out, h_in = (self.mlp[r](self.compose[r](e)) for r in ("out", "in"))
-        return (h_in @ self.start_vec if with_start else None), h_out @ h_in.T
+        return (h_in @ self.start_vec if with_start else None), gemm.linear(h_out, h_in)
 
     def matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(log start (Z',), log trans (Z', Z'), log emit (V, k') by word id)."""
@@ -238,7 +240,7 @@ class ClusterGemmLogSoftmax(torch.autograd.Function):
     def forward(ctx, words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
         out = words.new_empty(words.shape[0], states.shape[1])
         for (lo, hi), s in zip(_slices(sizes), states.unbind(0), strict=True):
-            logits = torch.mm(words[lo:hi], s.T) if bias is None else torch.addmm(bias[lo:hi, None], words[lo:hi], s.T)
+            logits = gemm.nt(words[lo:hi], s, None if bias is None else bias[lo:hi, None])
             torch._log_softmax(logits, 0, False, out=out[lo:hi])  # each state's logits over the cluster's words
         return _kept(ctx, words, states, out, sizes, bias)
 
@@ -263,8 +265,8 @@ class ClusterGemmLogSoftmax(torch.autograd.Function):
                 d.index_add_(0, rows[mine] - lo, values[mine])
             else:
                 torch._log_softmax_backward_data(grad[lo:hi], out[lo:hi], 0, out.dtype, out=d)
-            torch.mm(d, states[m], out=d_words[lo:hi])
-            torch.mm(d.T, words[lo:hi], out=d_states[m])
+            gemm.nn(d, states[m], out=d_words[lo:hi])
+            gemm.tn(d, words[lo:hi], out=d_states[m])
         return d_words, d_states, (d_logits.sum(1) if ctx.has_bias else None), None
 
 
@@ -560,7 +562,30 @@ def fix_start_for_streams(model: VLHMM, tensors: dict[str, Tensor], seqs: list[l
 
 
 def train(ns: argparse.Namespace) -> Path:
-    """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory."""
+    """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory. The GEMM library the run
+    picks (`--gemm`, `gemm_for_run`) is the process's only while it trains."""
+    before = gemm.backend()
+    try:
+        return _train(ns)
+    finally:
+        gemm.set_backend(before)
+
+
+def gemm_for_run(ns: argparse.Namespace, model: nn.Module, device: torch.device, saved: str | None
+                 ) -> tuple[str, dict[str, float]]:
+    """The GEMM library of a run's step (`kernels.gemm`): `--gemm` itself, else the checkpoint's choice `saved`
+    when resuming (the two libraries round differently, so a resumed run must keep its own), else the faster
+    on this model's largest products (blocked_hmm: transition logits, the largest cluster's emission logits, a
+    state MLP layer). CUDA runs and rank_hmm use torch's ops: ("torch", {}). Returns (name, GFLOP/s measured)."""
+    if device.type != "cpu" or not isinstance(model, VLHMM):
+        return "torch", {}
+    if ns.gemm == "auto" and saved:
+        return gemm.choose([], saved if saved in gemm.BACKENDS else "torch")
+    Z, h = model.M * model.k, model.h
+    return gemm.choose([(Z, h, Z), (max(model.cluster_sizes), h, model.k), (Z, h, h)], ns.gemm)
+
+
+def _train(ns: argparse.Namespace) -> Path:
     common.check_resume(ns)
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
@@ -576,6 +601,11 @@ def train(ns: argparse.Namespace) -> Path:
     while blocked and ns.resume and model.M * model.k < _checkpoint_states(model, tensors):
         model = split_model(model)[0]  # splits done before the checkpoint (its parameters follow)
     opt = make_optimizer(model, ns.lr, blocked)
+    gemm_name, gemm_rates = gemm_for_run(ns, model, device, state.get("gemm"))
+    gemm.set_backend(gemm_name)
+    if ns.progress and gemm_rates:
+        rates = ", ".join(f"{k} {v:.0f}" for k, v in gemm_rates.items())
+        print(f"GEMM: {gemm_name} (GFLOP/s on this model's shapes: {rates})", file=sys.stderr)
     decay = 1.0 / (ns.lr_decay or (4.0 if blocked else 2.0))
     carry = None
     if ns.resume:
@@ -701,7 +731,8 @@ def train(ns: argparse.Namespace) -> Path:
               {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout})
     prov = common.provenance(ns, history, time.perf_counter() - t0,
                              {"method": "VL-HMM (Chiu & Rush 2020)" if blocked else "rank-space HMM (Yang et al. 2022)",
-                              "steps": pos.step})
+                              "steps": pos.step, "gemm": gemm_name,
+                              "gemm_gflops": {k: round(v, 1) for k, v in gemm_rates.items()}})
     title = f"{ns.family} {ns.states} states" + (f", M={model.M}" if blocked else f", r={ns.rank}")
     extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
     return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
@@ -773,7 +804,7 @@ def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Gener
           ns: argparse.Namespace | None = None) -> None:
     """Checkpoint everything a resume needs to continue bit-for-bit: parameters, best parameters, AdamW
     state, both generators (state dropout; torch's global one, used by nn.Dropout), the position in the
-    epoch and the BPTT carry (and, given the run's settings `ns`, its shape settings)."""
+    epoch, the BPTT carry, the GEMM library in use (and, given the run's settings `ns`, its shape settings)."""
     ot, ometa = common.optimizer_tensors(opt)
     tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
                **{f"best.{k}": v for k, v in best_state.items()}, **ot, **common.rng_tensors(gen)}
@@ -782,4 +813,4 @@ def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Gener
     common.save_checkpoint(ckdir, tensors, {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step,
                                             "tokens": pos.tokens, "history": history.to_json(),
                                             "optimizer": ometa, "seconds": seconds,
-                                            "early_stopped": early_stopped}, ns)
+                                            "early_stopped": early_stopped, "gemm": gemm.backend()}, ns)

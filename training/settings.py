@@ -23,6 +23,7 @@ from typing import Any
 from latentlm import ops
 from latentlm.models.errors import InputError, read_text_file
 from latentlm.models.family import Recipe
+from latentlm.models.kernels import gemm
 from latentlm.models.registry import FAMILIES
 from latentlm.models.store import check_name, default_store
 
@@ -45,6 +46,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
                                  "(drawn from the seed and the epoch), so the streams and chunks differ from epoch "
                                  "to epoch (off: the same batches every epoch, as the paper's BPTT iterator)"),
     "device": (str, "cpu", "cpu, cuda or auto"),
+    "gemm": (str, "auto", "blocked_hmm on CPU: the library of the training step's float32 GEMMs: 'auto' (time torch's "
+                          "BLAS and oneDNN on the model's shapes at the start and take the faster; a resumed run "
+                          "keeps its checkpoint's), 'torch' or 'onednn'"),
     "seed": (int, 0, "random seed (everything is deterministic given it)"),
     "lr": (float, None, "learning rate (AdamW)"),
     "max_steps": (int, 0, "stop after this many optimisation steps / EM iterations (0 = no limit)"),
@@ -221,6 +225,9 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--max-vocab: must be >= 3, got {ns.max_vocab}", param="max_vocab")
     if ns.device not in ("cpu", "auto") and not ns.device.startswith("cuda"):
         raise InputError(f"--device: expected cpu, cuda or auto, got {ns.device!r}", param="device")
+    if ns.gemm not in ("auto", *gemm.BACKENDS):
+        raise InputError(f"--gemm: expected auto or one of this machine's GEMM libraries ({', '.join(gemm.BACKENDS)}), "
+                         f"got {ns.gemm!r}", param="gemm")
     if ns.device.startswith("cuda"):
         import torch
 

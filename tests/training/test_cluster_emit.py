@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from latentlm.models.kernels import cluster_emit
+from latentlm.models.kernels import cluster_emit, gemm
 from latentlm.training.neural import (
     ClusterGemmLogSoftmax,
     ClusterLogSoftmax,
@@ -37,16 +37,21 @@ def grads(fn, words, states, bias, upstream):
     return out, torch.autograd.grad(out, params, upstream)
 
 
-@pytest.mark.parametrize("path", ["dispatch", "gemm"])
+@pytest.mark.parametrize("path", ["dispatch", "gemm", "gemm-onednn"])
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), k=st.integers(1, 6), h=st.integers(1, 19),
        bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 1000))
 def test_values_and_gradients_equal_the_pytorch_loop(path, sizes, k, h, bias, dtype, seed):
-    """`cluster_log_softmax` (the compiled passes at these sizes) and the in-place GEMMs against the loop."""
+    """`cluster_log_softmax` (the compiled passes at these sizes) and the in-place GEMMs against the loop, the
+    GEMMs also on oneDNN (`kernels.gemm`, every size)."""
+    if path == "gemm-onednn" and "onednn" not in gemm.BACKENDS:
+        pytest.skip("torch built without oneDNN")
     fn = cluster_log_softmax if path == "dispatch" else ClusterGemmLogSoftmax.apply
     words, states, b, offsets = inputs(sizes, k, h, bias, dtype, seed)
     upstream = torch.randn(sum(sizes), k, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
-    out, got = grads(lambda: fn(words, states, b, sizes), words, states, b, upstream)
+    with pytest.MonkeyPatch.context() as m, gemm.using("onednn" if path == "gemm-onednn" else "torch"):
+        m.setattr(gemm, "ONEDNN_MIN_MACS", 0)
+        out, got = grads(lambda: fn(words, states, b, sizes), words, states, b, upstream)
     ref, want = grads(lambda: cluster_log_softmax_reference(words, states, b, sizes), words, states, b, upstream)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert out.dtype == dtype and torch.allclose(out, ref, rtol=tol, atol=tol)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from latentlm.models.kernels import gemm
 from latentlm.training import baum_welch, common, densehmm, neural
 from latentlm.training.settings import resolve_settings
 from tests.training.helpers import train_args
@@ -190,3 +191,46 @@ def test_resume_refuses_another_family_and_old_checkpoints_by_their_shape(tmp_pa
     assert main([*base, "--family", "hmm", "--states", "16", "--resume"]) == 2
     assert "--states: the checkpoint of 'run' has 8 states, not 16" in capsys.readouterr().err
     assert main([*base, "--family", "hmm", "--states", "8", "--resume"]) == 0
+
+
+@pytest.mark.skipif("onednn" not in gemm.BACKENDS, reason="torch built without oneDNN")
+def test_a_resumed_run_keeps_its_gemm_library(tmp_path, monkeypatch):
+    """The two GEMM libraries round differently: a run that measured oneDNN faster and is resumed with
+    `--gemm auto` on a machine (or a moment) where torch's BLAS measures faster continues on oneDNN, and ends
+    where the uninterrupted run ends; the checkpoint records the choice."""
+    monkeypatch.setattr(gemm, "ONEDNN_MIN_MACS", 0)  # the tiny model's products through oneDNN too
+    kw = {"data": [tiny_corpus(tmp_path)], "epochs": 2, "batch": 16, "lr": 0.02, "eval_every": 5,
+          "checkpoint_every": 3, "patience": 3, **FAMILIES["blocked_hmm_bptt"]}
+    faster = {"name": "onednn"}
+    monkeypatch.setattr(gemm, "calibrate", lambda shapes, repeats=5: {
+        b: (2.0 if b == faster["name"] else 1.0) for b in gemm.BACKENDS})
+
+    def run(name, resume=False, library="auto"):
+        return neural.train(resolve_settings(train_args(tmp_path, "blocked_hmm", name=name, resume=resume,
+                                                        gemm=library, **kw)))
+
+    run("whole")
+    with monkeypatch.context() as m:
+        interrupt_after_checkpoint(m, 3)
+        with pytest.raises(Interrupted):
+            run("cut")
+    state = json.loads((common.checkpoint_dir(tmp_path, "cut") / "state.json").read_text())
+    assert state["gemm"] == "onednn" and gemm.backend() == "torch"  # recorded; the process's setting restored
+    faster["name"] = "torch"
+    run("cut", resume=True)
+    run("torch-blas", library="torch")
+    (pa, aa, ha), (pb, ab, hb), (pc, _, _) = (_final(tmp_path, n) for n in ("whole", "cut", "torch-blas"))
+    assert all(torch.equal(pa[key], pb[key]) for key in pa) and all(torch.equal(aa[k], ab[k]) for k in aa)
+    assert ha == hb
+    assert not all(torch.equal(pa[key], pc[key]) for key in pa)  # the libraries differ: the test can tell
+    manifest = json.loads((tmp_path / "whole" / "manifest.json").read_text())["provenance"]
+    assert manifest["gemm"] == "onednn" and manifest["gemm_gflops"] == {b: (2.0 if b == "onednn" else 1.0)
+                                                                         for b in gemm.BACKENDS}
+
+
+def test_gemm_setting_is_validated(tmp_path):
+    from latentlm.models.errors import InputError
+
+    with pytest.raises(InputError, match="--gemm: expected auto or one of") as e:
+        resolve_settings(train_args(tmp_path, "blocked_hmm", gemm="mkl2", states=16, clusters=4))
+    assert e.value.param == "gemm"
