@@ -12,7 +12,10 @@
 
 Both use AdamW, length-bucketed shuffled batches, LR decay on a validation plateau, early stopping,
 checkpoints (safetensors + JSON) and `--resume`; export caches the matrices in the family's schema, and
-the training-time validation perplexity is computed by the exported family's own scoring code.
+the training-time validation perplexity is computed by the exported family's own scoring code. On the CPU a
+step's float32 GEMMs (blocked_hmm: state MLPs, transition logits, each cluster's emission logits; rank_hmm: the
+MLPs, U, V, the emission logits and V U^T) run on the faster of torch's BLAS and oneDNN for the model's shapes
+(`kernels.gemm`, `gemm_for_run`, `--gemm`).
 """
 
 from __future__ import annotations
@@ -69,9 +72,10 @@ class YangRes(nn.Module):
                                      for _ in range(2)])
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.proj(x)
-        for layer in self.layers:
-            y = layer(y) + y
+        y = gemm.linear(x, self.proj.weight, self.proj.bias)
+        for first, _, second, _ in self.layers:  # Linear, ReLU, Linear, ReLU (`kernels.gemm`'s products)
+            y = torch.relu(gemm.linear(torch.relu(gemm.linear(y, first.weight, first.bias)), second.weight,
+                                       second.bias)) + y
         return y
 
 
@@ -390,9 +394,9 @@ class RankNeural(nn.Module):
     def matrices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         start = torch.softmax(self.state_p @ self.h1(self.drop(self.start_emb))[0], 0)
         su, sv = self.drop(self.state_u), self.drop(self.state_v)
-        state_in = torch.softmax(su @ self.rank_emb.T, dim=1)  # (m, r): p(q | z)
-        state_out = torch.softmax(self.rank_emb @ sv.T, dim=1)  # (r, m): p(z | q)
-        emit = torch.softmax(self.h2(self.rank_emb) @ self.word_emb.T, dim=1).T  # (V, r): p(x | q)
+        state_in = torch.softmax(gemm.linear(su, self.rank_emb), dim=1)  # (m, r): p(q | z)
+        state_out = torch.softmax(gemm.linear(self.rank_emb, sv), dim=1)  # (r, m): p(z | q)
+        emit = torch.softmax(gemm.linear(self.h2(self.rank_emb), self.word_emb), dim=1).T  # (V, r): p(x | q)
         return start, state_in, state_out, emit
 
     def export_tensors(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
@@ -470,7 +474,8 @@ def rank_loss(model: RankNeural, batch: Batch) -> Tensor:
     """Negative log-likelihood summed over the batch (rank-space forward, O(B T r^2))."""
     start, si, so, emit = model.matrices()
     B = batch.ids.shape[0]
-    log_cond, _ = chain.forward_autograd((start @ si).expand(B, -1), emit[batch.ids], so @ si, batch.lengths)
+    log_cond, _ = chain.forward_autograd((start @ si).expand(B, -1), emit[batch.ids], gemm.matmul(so, si),
+                                         batch.lengths)
     return -log_cond.sum()
 
 
@@ -576,13 +581,17 @@ def gemm_for_run(ns: argparse.Namespace, model: nn.Module, device: torch.device,
     """The GEMM library of a run's step (`kernels.gemm`): `--gemm` itself, else the checkpoint's choice `saved`
     when resuming (the two libraries round differently, so a resumed run must keep its own), else the faster
     on this model's largest products (blocked_hmm: transition logits, the largest cluster's emission logits, a
-    state MLP layer). CUDA runs and rank_hmm use torch's ops: ("torch", {}). Returns (name, GFLOP/s measured)."""
-    if device.type != "cpu" or not isinstance(model, VLHMM):
+    state MLP layer; rank_hmm: U, the emission logits, V U^T). CUDA runs use torch's ops: ("torch", {}).
+    Returns (name, GFLOP/s measured)."""
+    if device.type != "cpu":
         return "torch", {}
     if ns.gemm == "auto" and saved:
         return gemm.choose([], saved if saved in gemm.BACKENDS else "torch")
-    Z, h = model.M * model.k, model.h
-    return gemm.choose([(Z, h, Z), (max(model.cluster_sizes), h, model.k), (Z, h, h)], ns.gemm)
+    if isinstance(model, VLHMM):
+        Z, h = model.M * model.k, model.h
+        return gemm.choose([(Z, h, Z), (max(model.cluster_sizes), h, model.k), (Z, h, h)], ns.gemm)
+    m, r, h = model.m, model.r, model.rank_emb.shape[1]
+    return gemm.choose([(m, h, r), (r, h, model.V), (r, m, r)], ns.gemm)
 
 
 def _train(ns: argparse.Namespace) -> Path:

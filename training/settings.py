@@ -46,9 +46,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
                                  "(drawn from the seed and the epoch), so the streams and chunks differ from epoch "
                                  "to epoch (off: the same batches every epoch, as the paper's BPTT iterator)"),
     "device": (str, "cpu", "cpu, cuda or auto"),
-    "gemm": (str, "auto", "blocked_hmm on CPU: the library of the training step's float32 GEMMs: 'auto' (time torch's "
-                          "BLAS and oneDNN on the model's shapes at the start and take the faster; a resumed run "
-                          "keeps its checkpoint's), 'torch' or 'onednn'"),
+    "gemm": (str, "auto", "blocked_hmm, rank_hmm on CPU: the library of the training step's float32 GEMMs: 'auto' "
+                          "(time torch's BLAS and oneDNN on the model's shapes at the start and take the faster; a "
+                          "resumed run keeps its checkpoint's), 'torch' or 'onednn'"),
     "seed": (int, 0, "random seed (everything is deterministic given it)"),
     "lr": (float, None, "learning rate (AdamW)"),
     "max_steps": (int, 0, "stop after this many optimisation steps / EM iterations (0 = no limit)"),

@@ -194,20 +194,22 @@ def test_resume_refuses_another_family_and_old_checkpoints_by_their_shape(tmp_pa
 
 
 @pytest.mark.skipif("onednn" not in gemm.BACKENDS, reason="torch built without oneDNN")
-def test_a_resumed_run_keeps_its_gemm_library(tmp_path, monkeypatch):
+@pytest.mark.parametrize("case", ["blocked_hmm_bptt", "rank_hmm"])
+def test_a_resumed_run_keeps_its_gemm_library(tmp_path, monkeypatch, case):
     """The two GEMM libraries round differently: a run that measured oneDNN faster and is resumed with
     `--gemm auto` on a machine (or a moment) where torch's BLAS measures faster continues on oneDNN, and ends
     where the uninterrupted run ends; the checkpoint records the choice."""
     monkeypatch.setattr(gemm, "ONEDNN_MIN_MACS", 0)  # the tiny model's products through oneDNN too
     kw = {"data": [tiny_corpus(tmp_path)], "epochs": 2, "batch": 16, "lr": 0.02, "eval_every": 5,
-          "checkpoint_every": 3, "patience": 3, **FAMILIES["blocked_hmm_bptt"]}
+          "checkpoint_every": 3, "patience": 3, **FAMILIES[case]}
+    family = "rank_hmm" if case == "rank_hmm" else "blocked_hmm"
     faster = {"name": "onednn"}
     monkeypatch.setattr(gemm, "calibrate", lambda shapes, repeats=5: {
         b: (2.0 if b == faster["name"] else 1.0) for b in gemm.BACKENDS})
 
     def run(name, resume=False, library="auto"):
-        return neural.train(resolve_settings(train_args(tmp_path, "blocked_hmm", name=name, resume=resume,
-                                                        gemm=library, **kw)))
+        return neural.train(resolve_settings(train_args(tmp_path, family, name=name, resume=resume, gemm=library,
+                                                        **kw)))
 
     run("whole")
     with monkeypatch.context() as m:
