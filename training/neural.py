@@ -587,9 +587,10 @@ def gemm_for_run(ns: argparse.Namespace, model: nn.Module, device: torch.device,
         return "torch", {}
     if ns.gemm == "auto" and saved:
         return gemm.choose([], saved if saved in gemm.BACKENDS else "torch")
-    if isinstance(model, VLHMM):
-        Z, h = model.M * model.k, model.h
-        return gemm.choose([(Z, h, Z), (max(model.cluster_sizes), h, model.k), (Z, h, h)], ns.gemm)
+    if isinstance(model, VLHMM):  # the products of a step: the states state dropout keeps (`blocked_loss`)
+        kept = model.k - round(model.k * ns.state_dropout)
+        Z, h = model.M * kept, model.h
+        return gemm.choose([(Z, h, Z), (max(model.cluster_sizes), h, kept), (Z, h, h)], ns.gemm)
     m, r, h = model.m, model.r, model.rank_emb.shape[1]
     return gemm.choose([(m, h, r), (r, h, model.V), (r, m, r)], ns.gemm)
 
