@@ -11,8 +11,8 @@ GEMMs): transition logits Z'^2 h, emission logits V k' h (blocked; V Z h unconst
 MLPs; the DP itself is O(B T k'^2) and not counted. The peak is the float32 GEMM rate at the transition
 logits' shape measured in the same run, on the same GEMM library (`--gemm`: each config runs once under each
 of torch's BLAS and oneDNN, `latentlm.models.kernels.gemm`). The baseline ("autograd DP") is the previous
-blocked_hmm loss: every word's logits against every active state, then autograd through the scaled forward with per-step
-gathered blocks. Word clusters are random (sizes balanced), tokens random: the cost does not depend on
+blocked_hmm loss: every word's logits against every active state, then autograd through the scaled forward
+with per-step gathered blocks. Word clusters are random (sizes balanced), tokens random: the cost does not depend on
 the data. Results are appended to --out with the machine, date and command.
 """
 

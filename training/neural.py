@@ -569,11 +569,8 @@ def fix_start_for_streams(model: VLHMM, tensors: dict[str, Tensor], seqs: list[l
 def train(ns: argparse.Namespace) -> Path:
     """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory. The GEMM library the run
     picks (`--gemm`, `gemm_for_run`) is the process's only while it trains."""
-    before = gemm.backend()
-    try:
+    with gemm.using(gemm.backend()):  # whatever `_train` sets is undone on return or error
         return _train(ns)
-    finally:
-        gemm.set_backend(before)
 
 
 def gemm_for_run(ns: argparse.Namespace, model: nn.Module, device: torch.device, saved: str | None
@@ -586,7 +583,7 @@ def gemm_for_run(ns: argparse.Namespace, model: nn.Module, device: torch.device,
     if device.type != "cpu":
         return "torch", {}
     if ns.gemm == "auto" and saved:
-        return gemm.choose([], saved if saved in gemm.BACKENDS else "torch")
+        return (saved if saved in gemm.BACKENDS else "torch"), {}
     if isinstance(model, VLHMM):  # the products of a step: the states state dropout keeps (`blocked_loss`)
         kept = model.k - round(model.k * ns.state_dropout)
         Z, h = model.M * kept, model.h

@@ -3,10 +3,10 @@ wheels) or oneDNN (`torch.ops.mkldnn._linear_pointwise`, the library torch's own
 
 Why two: MKL dispatches on the CPU vendor, and on AMD CPUs with AVX-512 it runs its AVX2 code path, while
 oneDNN dispatches on the instruction set. On a 2-core AMD EPYC Zen 5 the training step's shapes measured
-158-206 GFLOP/s through MKL and 370-470 GFLOP/s through oneDNN (bench/results/gemm_backends.md); on Intel
-the two are close. `calibrate` times both on the shapes a run will use and `choose` picks the faster; the
-choice is process-wide (`backend`, `set_backend`, `using`) and a trainer records it, so a resumed run
-computes with the same library (the two round differently in the last bits).
+158-225 GFLOP/s through MKL and 370-499 GFLOP/s through oneDNN (bench/results/training_throughput.md, "The GEMM
+library"); on Intel the two should be close (not measured). `calibrate` times both on the shapes a run will
+use and `choose` picks the faster; the choice is process-wide (`backend`, `set_backend`, `using`) and a trainer
+records it, so a resumed run computes with the same library (the two round differently in the last bits).
 
 The products (`linear`, `matmul`: autograd; `nt`, `nn`, `tn`: for custom autograd Functions) take the
 oneDNN path only for 2-D float32 CPU operands of at least `ONEDNN_MIN_MACS` multiply-adds (below, its
@@ -38,10 +38,16 @@ def backend() -> str:
     return _STATE["backend"]
 
 
-def set_backend(name: str) -> str:
-    """Make `name` (one of `BACKENDS`) the process-wide GEMM backend; returns the previous one."""
+def _check(name: str) -> str:
+    """`name` if it is one of `BACKENDS`, else ValueError naming those this process has."""
     if name not in BACKENDS:
         raise ValueError(f"GEMM backend {name!r}: this process has {', '.join(BACKENDS)}")
+    return name
+
+
+def set_backend(name: str) -> str:
+    """Make `name` (one of `BACKENDS`) the process-wide GEMM backend; returns the previous one."""
+    _check(name)
     before, _STATE["backend"] = _STATE["backend"], name
     return before
 
@@ -154,9 +160,7 @@ def choose(shapes: Sequence[tuple[int, int, int]], requested: str = "auto") -> t
     `shapes` (torch's BLAS unless oneDNN is at least 5% faster: a tie keeps the default). Returns (name,
     the measured rates; empty when nothing was measured)."""
     if requested != "auto":
-        if requested not in BACKENDS:
-            raise ValueError(f"GEMM backend {requested!r}: this process has {', '.join(BACKENDS)}")
-        return requested, {}
+        return _check(requested), {}
     if len(BACKENDS) == 1 or not shapes:
         return "torch", {}
     rates = calibrate(shapes)
