@@ -26,13 +26,17 @@ from safetensors.torch import load_file, save_file
 
 
 def pack(store: Path, name: str, out: Path, max_mb: float, best_only: bool = False,
-         dtype: str | None = None) -> list[Path]:
+         dtype: str | None = None, max_total_mb: float = 0.0) -> list[Path]:
     src = store / ".train" / name
     tensors = load_file(str(src / "tensors.safetensors"))
     if best_only:
         tensors = {k: v for k, v in tensors.items() if k.startswith("best.")}
     if dtype:
         tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in tensors.items()}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if max_total_mb and total > max_total_mb * 2**20:
+        raise SystemExit(f"gpu_params.py pack: {total / 2**20:.0f} MiB of parameters is more than --max-total-mb "
+                         f"{max_total_mb:g} (what a GPU machine can bring back); rebuild from the recipe instead")
     limit = int(max_mb * 2**20)
     pieces: list[tuple[str, torch.Tensor]] = []
     for key, t in tensors.items():
@@ -100,6 +104,7 @@ def main() -> None:
     p.add_argument("name")
     p.add_argument("out", type=Path)
     p.add_argument("--max-mb", type=float, default=15.0)
+    p.add_argument("--max-total-mb", type=float, default=0.0, help="refuse (exit 1) above this total (0: no limit)")
     p.add_argument("--best-only", action="store_true", help="only the best parameters (enough to export)")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], help="store floating tensors in this type")
     u = sub.add_parser("unpack")
@@ -108,7 +113,7 @@ def main() -> None:
     u.add_argument("name")
     args = ap.parse_args()
     if args.cmd == "pack":
-        paths = pack(args.store, args.name, args.out, args.max_mb, args.best_only, args.dtype)
+        paths = pack(args.store, args.name, args.out, args.max_mb, args.best_only, args.dtype, args.max_total_mb)
         print(f"{len(paths)} shards in {args.out}")
     else:
         print(f"checkpoint restored to {unpack(args.src, args.store, args.name)}")

@@ -9,9 +9,14 @@
 # Rebuild the trained artifact here: tar xzf OUT/files.tgz -C OUT, then bench/gpu_params.py unpack OUT/checkpoint
 # STORE gpu-train, then `latentlm train --config CONFIG --name gpu-train --store STORE --resume --export-only`.
 #
-#   bash bench/gpu_session.sh [--budget-s 570] [--check-limits "80 170 80 20"] [--small] OUT
+#   bash bench/gpu_session.sh [--budget-s 570] [--check-limits "80 170 80 20"] [--small] [--no-check]
+#        [--config FILE] [--evals "valid test valid-running"] [--reserve-s 180] OUT
 #
 # --small: both scripts' --small modes on the CPU (checks this script end to end; CI runs it); budget 1800 s.
+# --no-check: instead of (1), only the yardsticks in bench/.yardstick/ (gpu_yardstick.py, and gpu_vlhmm_train.py
+#   or gpu_rank_train.py when there), each under 90 s, into OUT/yardstick.txt: the whole budget goes to training.
+# --config, --evals: passed to bench/gpu_train.sh (which model, which evaluations).
+# --reserve-s: seconds of the budget kept for export, evaluations and packing after training (default 180).
 # Exit status: 0 when every stage ran and succeeded, 1 otherwise (the files of the stages that ran are kept).
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,12 +24,18 @@ BUDGET=""
 LIMITS=""
 SMALL=()
 OUT=""
+CHECK=1
+TRAIN_ARGS=()
+RESERVE=180
 while [ $# -gt 0 ]; do
   case "$1" in
     --budget-s) BUDGET="$2"; shift ;;
     --check-limits) LIMITS="$2"; shift ;;
     --small) SMALL=(--small) ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    --no-check) CHECK=0 ;;
+    --reserve-s) RESERVE="$2"; shift ;;
+    --config|--evals) TRAIN_ARGS+=("$1" "$2"); shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     -*) echo "gpu_session.sh: unknown option $1" >&2; exit 2 ;;
     *) OUT="$1" ;;
   esac
@@ -43,26 +54,41 @@ mkdir -p "$OUT" "$STAGE/check" "$STAGE/train"
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
 # (1) the check; its report is copied out at once, so it comes back even if a later stage runs out of time
-bash "$ROOT/bench/gpu_check.sh" "${SMALL[@]}" --out "$STAGE/check"
-RC=$?
+if [ "$CHECK" = 1 ]; then
+  bash "$ROOT/bench/gpu_check.sh" "${SMALL[@]}" --out "$STAGE/check"
+  RC=$?
+  cp "$STAGE/check"/gpu_check*.md "$OUT/" 2>/dev/null
+else  # the yardsticks alone: what the training figures are reported against, in the same call
+  PY="${PYTHON:-python3}"
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+    "$PY" -c "import torch; print('torch', torch.__version__)" 2>/dev/null
+    for y in gpu_yardstick.py gpu_vlhmm_train.py gpu_rank_train.py; do
+      [ -f "$ROOT/bench/.yardstick/$y" ] || continue
+      [ ${#SMALL[@]} = 0 ] || { echo "## $y: not run (--small: the yardsticks need a GPU)"; continue; }
+      echo "## $y"
+      timeout 90 "$PY" "$ROOT/bench/.yardstick/$y" 2>&1 | tail -n 20
+    done; } > "$STAGE/check/yardstick.txt"
+  RC=0
+  cp "$STAGE/check/yardstick.txt" "$OUT/"
+fi
 FAILED=$(( RC != 0 ))
 echo "gpu_session: check finished after $(elapsed) s (exit $RC)" | tee "$STAGE/session.log"
-cp "$STAGE/check"/gpu_check*.md "$OUT/" 2>/dev/null
 tar czf "$OUT/files.tgz" -C "$STAGE" check session.log
 
-# (2) training in what is left: reserve 180 s for data, export, three evaluations and packing
-LEFT=$(( BUDGET - $(elapsed) - 180 ))
+# (2) training in what is left (its time limit counts data preparation): RESERVE s stay for export, evaluations
+# and packing
+LEFT=$(( BUDGET - $(elapsed) - RESERVE ))
 if [ "$LEFT" -lt 45 ]; then
   echo "gpu_session: only $LEFT s left for training; skipped" | tee -a "$STAGE/session.log"
   FAILED=1
 else
   MIN=$(python3 -c "print(round($LEFT / 60, 2))")
   echo "gpu_session: training for $MIN minutes" | tee -a "$STAGE/session.log"
-  bash "$ROOT/bench/gpu_train.sh" "${SMALL[@]}" --minutes "$MIN" --out "$STAGE/train"
+  bash "$ROOT/bench/gpu_train.sh" "${SMALL[@]}" "${TRAIN_ARGS[@]}" --minutes "$MIN" --out "$STAGE/train"
   RC=$?
   [ "$RC" = 0 ] || FAILED=1
   echo "gpu_session: training finished after $(elapsed) s (exit $RC)" | tee -a "$STAGE/session.log"
-  cp "$STAGE/train/gpu_train.md" "$OUT/" 2>/dev/null
+  cp "$STAGE/train/gpu_train.md" "$STAGE/train/curve.png" "$OUT/" 2>/dev/null
   if ls "$STAGE/train/checkpoint"/checkpoint-*.safetensors > /dev/null 2>&1; then
     mkdir -p "$OUT/checkpoint"
     mv "$STAGE/train/checkpoint"/checkpoint-*.safetensors "$OUT/checkpoint/"

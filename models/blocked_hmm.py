@@ -350,21 +350,26 @@ def _by_cluster(first: Tensor, kk: int) -> list[tuple[Tensor, slice]]:
     return [(first == c, slice(c * kk, (c + 1) * kk)) for c in torch.unique(first).tolist()]
 
 
-def _block_counts(prev: Tensor, right: Tensor, clusters: Tensor, valid: Tensor, trans: Tensor, M: int) -> Tensor:
+def _block_counts(prev: Tensor, right: Tensor, clusters: Tensor, valid: Tensor, trans: Tensor, M: int,
+                  chunk_elems: int = 1 << 25) -> Tensor:
     """Expected transition counts (Z', Z') in trans's dtype: for each (cluster, cluster) block the batch steps
     through, (sum over those steps of prev_t (x) right_t) * the block, where prev (B, T-1, k) = alpha_{t-1},
-    right (B, T-1, k) = emit_t beta_t / c_t, valid (B, T-1). Steps are sorted by block and each block's sum
-    is one GEMM: O(B T k^2) multiply-adds, no (B T, k, k) buffer."""
+    right (B, T-1, k) = emit_t beta_t / c_t, valid (B, T-1). The steps' outer products are summed into their
+    blocks by `index_add_` over chunks of at most `chunk_elems` elements: a fixed number of kernels per batch
+    whatever the number of distinct blocks (a loop of one GEMM per block launched thousands of small kernels
+    per step on a GPU). O(B T k^2) multiply-adds, O(P k^2) memory for the P distinct blocks."""
     k = prev.shape[-1]
     pair = (clusters[:, :-1] * M + clusters[:, 1:])[valid]
     a, r = prev[valid], right[valid]  # kept in the DP's dtype: right can exceed float32's range
-    order = torch.argsort(pair, stable=True)
-    pairs, sizes = torch.unique_consecutive(pair[order], return_counts=True)
+    pairs, inverse = torch.unique(pair, return_inverse=True)
+    sums = a.new_zeros(len(pairs), k, k)
+    step = max(1, chunk_elems // (k * k))
+    for lo in range(0, len(pair), step):
+        sums.index_add_(0, inverse[lo:lo + step], a[lo:lo + step, :, None] * r[lo:lo + step, None, :])
+    i, j = pairs // M, pairs % M
     out = torch.zeros_like(trans)
-    for p, ap, rp in zip(pairs.tolist(), a[order].split(sizes.tolist()), r[order].split(sizes.tolist()), strict=True):
-        i, j = divmod(p, M)
-        rs, cs = slice(i * k, (i + 1) * k), slice(j * k, (j + 1) * k)
-        out[rs, cs] = (ap.T @ rp) * trans[rs, cs]
+    blocks, out_blocks = trans.view(M, k, M, k), out.view(M, k, M, k)
+    out_blocks[i, :, j, :] = (sums * blocks[i, :, j, :]).to(trans.dtype)  # (P, k, k): the indexed axes come first
     return out
 
 

@@ -132,30 +132,69 @@ def reuse_freed_memory() -> bool:
 
 
 # -- growing models (--split-at) ---------------------------------------------------------------------
-def split_epochs(ns: Any) -> list[int]:
-    """`--split-at` as a sorted list of epochs, checked: blocked_hmm only, distinct epochs in [1, epochs), and
-    the starting model (states / 2^splits) still has whole clusters that keep a state under dropout."""
+@dataclass(frozen=True)
+class Splits:
+    """When a growing VL-HMM doubles its states (`--split-at`): at the start of the epochs `at`, or, `by_budget`,
+    at the first epoch start after the fraction `at[i]` of the training budget is spent (`budget_used`: epochs,
+    steps or wall time against their limits), so that a time-limited schedule keeps its shape on a machine of
+    any speed."""
+
+    at: tuple[float, ...] = ()
+    by_budget: bool = False
+
+    def __len__(self) -> int:
+        return len(self.at)
+
+    def due(self, done: int, epoch: int, used: float) -> bool:
+        """Whether split number `done` (0-based; `done` splits made so far) is due at the start of `epoch` with
+        the fraction `used` of the budget spent."""
+        if done >= len(self.at):
+            return False
+        return used >= self.at[done] if self.by_budget else epoch >= self.at[done]
+
+    def describe(self, done: int) -> str:
+        """The splits still to come, for a progress label ('' when none)."""
+        ahead = self.at[done:]
+        if not ahead:
+            return ""
+        if self.by_budget:
+            return f" (x2 at {', '.join(f'{100 * a:g}%' for a in ahead)} of the budget)"
+        return f" (x2 at epoch {', '.join(str(int(a)) for a in ahead)})"
+
+
+def split_plan(ns: Any) -> Splits:
+    """`--split-at`, checked: epochs ("20,60": distinct, in [1, epochs)) or shares of the training budget ("10%,30%":
+    distinct, in (0%, 100%)); blocked_hmm only; the starting model (states / 2^splits) still has whole clusters
+    that keep a state under dropout."""
     from latentlm.models.errors import InputError
 
     if not ns.split_at:
-        return []
+        return Splits()
+    items = [x.strip() for x in str(ns.split_at).strip("[] ").split(",") if x.strip()]
+    by_budget = any(x.endswith("%") for x in items)
     try:
-        epochs = [int(x) for x in str(ns.split_at).strip("[] ").split(",") if x.strip()]
+        if by_budget and not all(x.endswith("%") for x in items):
+            raise ValueError
+        at = [float(x[:-1]) / 100 for x in items] if by_budget else [int(x) for x in items]
     except ValueError:
-        raise InputError(f"--split-at: expected comma-separated epochs, got {ns.split_at!r}",
-                         param="split_at") from None
+        raise InputError(f"--split-at: expected comma-separated epochs (20,60) or shares of the budget (10%,30%), "
+                         f"got {ns.split_at!r}", param="split_at") from None
     if ns.family != "blocked_hmm":
         raise InputError(f"--split-at: only blocked_hmm splits its states, not {ns.family}", param="split_at")
-    if len(set(epochs)) != len(epochs) or any(not 1 <= e < ns.epochs for e in epochs):
+    if by_budget:
+        if len(set(at)) != len(at) or any(not 0 < a < 1 for a in at):
+            raise InputError(f"--split-at: expected distinct shares of the budget between 0% and 100%, got "
+                             f"{ns.split_at!r}", param="split_at")
+    elif len(set(at)) != len(at) or any(not 1 <= e < ns.epochs for e in at):
         raise InputError(f"--split-at: expected distinct epochs in [1, {ns.epochs}) (--epochs {ns.epochs}), got "
                          f"{ns.split_at!r}", param="split_at")
-    start, clusters = ns.states >> len(epochs), ns.clusters or 1
+    start, clusters = ns.states >> len(at), ns.clusters or 1
     k = start // clusters
-    if start << len(epochs) != ns.states or k < 1 or start % clusters or k - round(k * ns.state_dropout) < 1:
-        raise InputError(f"--split-at: {len(epochs)} split(s) need --states {ns.states} to be {2 ** len(epochs)} x a "
+    if start << len(at) != ns.states or k < 1 or start % clusters or k - round(k * ns.state_dropout) < 1:
+        raise InputError(f"--split-at: {len(at)} split(s) need --states {ns.states} to be {2 ** len(at)} x a "
                          f"multiple of --clusters {clusters} whose states per cluster keep one under "
                          f"--state-dropout {ns.state_dropout}", param="split_at")
-    return sorted(epochs)
+    return Splits(tuple(sorted(at)), by_budget)
 
 
 # -- checkpoints --------------------------------------------------------------------------------------

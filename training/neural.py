@@ -21,6 +21,7 @@ MLPs, U, V, the emission logits and V U^T) run on the faster of torch's BLAS and
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import sys
@@ -215,7 +216,49 @@ def cluster_log_softmax(words: Tensor, states: Tensor, bias: Tensor | None, size
             and words.dtype in (torch.float32, torch.float64) and states.dtype == words.dtype
             and (bias is None or bias.dtype == words.dtype) and states.shape[1] <= CLUSTER_EMIT_MAX_K):
         return ClusterLogSoftmax.apply(words, states, bias, torch.tensor([0, *itertools.accumulate(sizes)]))
+    if words.device.type != "cpu":
+        return cluster_log_softmax_padded(words, states, bias, sizes)
     return ClusterGemmLogSoftmax.apply(words, states, bias, sizes)
+
+
+def cluster_log_softmax_padded(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
+    """`cluster_log_softmax` as one batched GEMM and one masked log-softmax over the clusters padded to the
+    largest (M, L, k), then the (V, k) rows gathered back: a fixed handful of kernels whatever M (what a GPU
+    runs; the per-cluster loop launches ~10 small kernels per cluster each step). Plain autograd; a sparse
+    upstream gradient (`BlockedNLL`'s) is made dense first. O(M L k h) for L the largest cluster's words."""
+    slot_of, rows = _padded_layout(tuple(sizes), str(words.device))  # (M, L) slot ids, (V,) flat positions
+    M, L = slot_of.shape
+    read = slot_of.clamp_min(0)
+    logits = torch.bmm(words[read], states.transpose(1, 2))  # (M, L, k)
+    if bias is not None:
+        logits = logits + bias[read].unsqueeze(-1)
+    logits = logits.masked_fill((slot_of < 0).unsqueeze(-1), float("-inf"))
+    out = torch.log_softmax(logits, 1).reshape(M * L, -1)[rows]
+    return _DenseGrad.apply(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _padded_layout(sizes: tuple[int, ...], device: str) -> tuple[Tensor, Tensor]:
+    """For clusters of `sizes` words (slots in cluster order): (M, L) the slot at each padded position (-1 for
+    padding; read through as slot 0 and masked) and (V,) each slot's flat position m L + j."""
+    L = max(sizes)
+    offsets = torch.tensor([0, *itertools.accumulate(sizes)])
+    j = torch.arange(L)
+    slot_of = torch.where(j < torch.tensor(sizes)[:, None], offsets[:-1, None] + j, -1)
+    rows = (slot_of.reshape(-1) >= 0).nonzero().squeeze(1)
+    return slot_of.to(device), rows.to(device)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes a sparse incoming gradient dense (for producers whose backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.to_dense() if grad.is_sparse else grad
 
 
 def cluster_log_softmax_reference(words: Tensor, states: Tensor, bias: Tensor | None, sizes: list[int]) -> Tensor:
@@ -507,7 +550,7 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
     if ns.family == "blocked_hmm":
         from latentlm.training.brown import brown_clusters
 
-        states = ns.states >> len(common.split_epochs(ns))  # the model grows to ns.states by splitting (--split-at)
+        states = ns.states >> len(common.split_plan(ns))  # the model grows to ns.states by splitting (--split-at)
         if ns.clusters == 1:  # no emission constraint: every state may emit every word
             model = VLHMM(V, torch.zeros(V, dtype=torch.long), 1, states, ns.hidden, ns.state_embedding)
             return model, {}
@@ -601,7 +644,7 @@ def _train(ns: argparse.Namespace) -> Path:
     model, extra_files = build(ns, vocab, train_seqs)
     model.to(device)
     blocked = ns.family == "blocked_hmm"
-    splits = common.split_epochs(ns)
+    splits = common.split_plan(ns)
     history, pos = common.History(), Position()
     ckdir = common.checkpoint_dir(ns.store, ns.name)
     tensors, state = common.load_checkpoint(ckdir) if ns.resume else ({}, {})
@@ -661,7 +704,9 @@ def _train(ns: argparse.Namespace) -> Path:
             first = pos.batch if epoch == pos.epoch else 0
             if first == 0:
                 carry = None
-                if epoch in splits:  # grow: every state splits in two (same distribution, noise breaks ties)
+                used = budget_used(ns, pos.step, epoch, time.perf_counter() - t0)
+                if blocked and splits.due(_splits_done(ns, model, splits), epoch, used):
+                    # grow: every state splits in two (same distribution, noise breaks ties)
                     model, opt, best_state = split_model(model, opt, best_state, gen, noise=0.01)
                     keep = model.k - round(model.k * ns.state_dropout)
                     bar.relabel(_label(ns, model, splits))
@@ -730,6 +775,9 @@ def _train(ns: argparse.Namespace) -> Path:
             if stop:
                 break
     bar.close()
+    if blocked and _splits_done(ns, model, splits) < len(splits):  # a share of the budget never reached
+        print(f"--split-at: the budget ended before {len(splits) - _splits_done(ns, model, splits)} of the splits; "
+              f"the model has {model.M * model.k} states, not {ns.states}", file=sys.stderr)
     model.load_state_dict(best_state)
     model.eval()
     tensors = exported_tensors(model, ns, train_seqs, vocab.eos_id)
@@ -778,11 +826,16 @@ def set_lr(opt: torch.optim.Optimizer, factor: float) -> None:
         g["lr"] = g.setdefault("base_lr", g["lr"]) * factor
 
 
-def _label(ns: argparse.Namespace, model: nn.Module, splits: list[int]) -> str:
+def _splits_done(ns: argparse.Namespace, model: VLHMM, splits: common.Splits) -> int:
+    """How many of `splits` the model has made: ns.states = its states x 2^(splits still to come)."""
+    return len(splits) - (ns.states // (model.M * model.k)).bit_length() + 1
+
+
+def _label(ns: argparse.Namespace, model: nn.Module, splits: common.Splits) -> str:
     """The progress bar's label: family and current state count, and the splits still to come."""
-    states = model.M * model.k if isinstance(model, VLHMM) else ns.states
-    ahead = splits[len(splits) - (ns.states // states).bit_length() + 1:]  # ns.states = states x 2^len(ahead)
-    return f"{ns.family} Z={states}" + (f" (x2 at epoch {', '.join(map(str, ahead))})" if ahead else "")
+    if not isinstance(model, VLHMM):
+        return f"{ns.family} Z={ns.states}"
+    return f"{ns.family} Z={model.M * model.k}" + splits.describe(_splits_done(ns, model, splits))
 
 
 def _checkpoint_states(model: VLHMM, tensors: dict[str, Tensor]) -> int:

@@ -72,7 +72,8 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "export_only": (bool, False, "blocked_hmm, rank_hmm, with --resume: export the checkpoint's best parameters "
                                  "again without training (e.g. a checkpoint brought back from a GPU run)"),
     "split_at": (str, "", "blocked_hmm: epochs (1 to --epochs - 1, comma-separated; epochs count from 0) at "
-                          "whose start every state splits in two, "
+                          "whose start every state splits in two, or shares of the training budget (10%,30%: "
+                          "at the first epoch start after that share of --epochs / --max-steps / --time-limit), "
                           "a warm start that keeps the model's distribution (--states is the final count; "
                           "training starts with states / 2^(number of splits))"),
     "state_embedding": (str, "factored", "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
@@ -244,9 +245,9 @@ def validate(ns: argparse.Namespace) -> None:
     if recipe.check is not None:
         recipe.check(ns)
     if ns.split_at:
-        from latentlm.training.common import split_epochs
+        from latentlm.training.common import split_plan
 
-        split_epochs(ns)  # raises InputError naming --split-at
+        split_plan(ns)  # raises InputError naming --split-at
     if ns.dropout is not None and not 0 <= ns.dropout < 1:
         raise InputError(f"--dropout: must be in [0, 1), got {ns.dropout}", param="dropout")
     if ns.resume:

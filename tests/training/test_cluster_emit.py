@@ -15,6 +15,7 @@ from latentlm.training.neural import (
     ClusterGemmLogSoftmax,
     ClusterLogSoftmax,
     cluster_log_softmax,
+    cluster_log_softmax_padded,
     cluster_log_softmax_reference,
 )
 
@@ -37,7 +38,7 @@ def grads(fn, words, states, bias, upstream):
     return out, torch.autograd.grad(out, params, upstream)
 
 
-@pytest.mark.parametrize("path", ["dispatch", "gemm", "gemm-onednn"])
+@pytest.mark.parametrize("path", ["dispatch", "gemm", "gemm-onednn", "padded"])
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), k=st.integers(1, 6), h=st.integers(1, 19),
        bias=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 1000))
@@ -46,7 +47,7 @@ def test_values_and_gradients_equal_the_pytorch_loop(path, sizes, k, h, bias, dt
     GEMMs also on oneDNN (`kernels.gemm`, every size)."""
     if path == "gemm-onednn" and "onednn" not in gemm.BACKENDS:
         pytest.skip("torch built without oneDNN")
-    fn = cluster_log_softmax if path == "dispatch" else ClusterGemmLogSoftmax.apply
+    fn = {"dispatch": cluster_log_softmax, "padded": cluster_log_softmax_padded}.get(path, ClusterGemmLogSoftmax.apply)
     words, states, b, offsets = inputs(sizes, k, h, bias, dtype, seed)
     upstream = torch.randn(sum(sizes), k, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
     with pytest.MonkeyPatch.context() as m, gemm.using("onednn" if path == "gemm-onednn" else "torch"):
@@ -98,7 +99,7 @@ def test_the_gemms_run_where_the_compiled_pass_cannot(monkeypatch):
     assert torch.allclose(fast, slow, atol=1e-12)
 
 
-@pytest.mark.parametrize("path", ["compiled", "gemm"])
+@pytest.mark.parametrize("path", ["compiled", "gemm", "padded"])
 @settings(max_examples=30, deadline=None)
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), k=st.integers(1, 5), bias=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 1000), data=st.data())
@@ -111,8 +112,9 @@ def test_a_sparse_upstream_gradient_gives_what_its_dense_copy_gives(path, sizes,
     values = torch.randn(len(rows), k, generator=torch.Generator().manual_seed(seed + 1), dtype=dtype)
     sparse = torch.sparse_coo_tensor(torch.tensor([rows]), values, (V, k), is_coalesced=True,
                                      check_invariants=False)
-    fn = ((lambda: ClusterLogSoftmax.apply(words, states, b, offsets)) if path == "compiled"
-          else (lambda: ClusterGemmLogSoftmax.apply(words, states, b, sizes)))
+    fn = {"compiled": lambda: ClusterLogSoftmax.apply(words, states, b, offsets),
+          "gemm": lambda: ClusterGemmLogSoftmax.apply(words, states, b, sizes),
+          "padded": lambda: cluster_log_softmax_padded(words, states, b, sizes)}[path]
     _, got = grads(fn, words, states, b, sparse)
     _, want = grads(fn, words, states, b, sparse.to_dense())
     tol = 1e-5 if dtype == torch.float32 else 1e-12

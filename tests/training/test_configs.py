@@ -25,5 +25,5 @@ def test_committed_config_resolves(path, tmp_path):
     assert ns.family in ("blocked_hmm", "rank_hmm") and ns.data == ["ptb"] and ns.name
     assert ns.epochs > 0 and ns.batch > 0 and ns.lr > 0
     if ns.family == "blocked_hmm":
-        splits = common.split_epochs(ns)  # checked: within the epochs, whole clusters at the start
+        splits = common.split_plan(ns)  # checked: within the epochs or the budget, whole clusters at the start
         assert ns.states % (ns.clusters << len(splits)) == 0

@@ -12,7 +12,7 @@ import torch
 from latentlm.models.base import Batch
 from latentlm.models.errors import InputError
 from latentlm.training import neural
-from latentlm.training.common import split_epochs
+from latentlm.training.common import Splits, split_plan
 from latentlm.training.settings import resolve_settings
 from tests.training.helpers import train_args
 
@@ -103,15 +103,21 @@ def test_split_carries_adam_moments_noise_and_best_state():
 
 def test_split_at_settings_are_checked(tmp_path):
     ok = resolve_settings(train_args(tmp_path, "blocked_hmm", states=64, clusters=4, epochs=5, split_at="3,1"))
-    assert split_epochs(ok) == [1, 3]
+    assert split_plan(ok) == Splits((1, 3))
     listed = resolve_settings(train_args(tmp_path, "blocked_hmm", states=64, clusters=4, epochs=5, split_at=None,
                                          config=_config(tmp_path, "split_at: [2, 4]\n")))
-    assert split_epochs(listed) == [2, 4]
+    assert split_plan(listed) == Splits((2, 4))
+    shares = resolve_settings(train_args(tmp_path, "blocked_hmm", states=64, clusters=4, epochs=5, split_at="30%,10%"))
+    assert split_plan(shares) == Splits((0.1, 0.3), by_budget=True)
     bad = [(dict(family="rank_hmm", states=64, rank=8, split_at="1"), "only blocked_hmm"),
            (dict(states=64, clusters=4, epochs=5, split_at="5"), "in [1, 5)"),
            (dict(states=64, clusters=4, epochs=5, split_at="0"), "in [1, 5)"),
            (dict(states=64, clusters=4, epochs=5, split_at="2,2"), "distinct"),
            (dict(states=64, clusters=4, epochs=5, split_at="two"), "comma-separated"),
+           (dict(states=64, clusters=4, epochs=5, split_at="10%,2"), "comma-separated"),
+           (dict(states=64, clusters=4, epochs=5, split_at="0%"), "between 0% and 100%"),
+           (dict(states=64, clusters=4, epochs=5, split_at="100%"), "between 0% and 100%"),
+           (dict(states=64, clusters=4, epochs=5, split_at="20%,20%"), "distinct"),
            (dict(states=48, clusters=4, epochs=5, split_at="1,2,3"), "--states 48"),
            (dict(states=16, clusters=4, epochs=5, split_at="1,2", state_dropout=0.7), "keep one")]
     for kw, message in bad:
@@ -119,6 +125,17 @@ def test_split_at_settings_are_checked(tmp_path):
         with pytest.raises(InputError, match="--split-at") as e:
             resolve_settings(train_args(tmp_path, family, **kw))
         assert message in str(e.value) and e.value.param == "split_at"
+
+
+def test_splits_fall_due_by_epoch_or_by_budget():
+    by_epoch, by_budget = Splits((2, 5)), Splits((0.25, 0.5), by_budget=True)
+    assert [by_epoch.due(0, e, 0.9) for e in (1, 2)] == [False, True]
+    assert [by_epoch.due(1, e, 0.0) for e in (4, 5)] == [False, True]
+    assert not by_epoch.due(2, 9, 1.0)  # both made
+    assert [by_budget.due(0, 0, u) for u in (0.2, 0.25)] == [False, True]
+    assert [by_budget.due(1, 0, u) for u in (0.3, 0.6)] == [False, True]
+    assert by_epoch.describe(1) == " (x2 at epoch 5)" and by_budget.describe(0) == " (x2 at 25%, 50% of the budget)"
+    assert by_budget.describe(2) == ""
 
 
 def _config(tmp_path, text: str):
