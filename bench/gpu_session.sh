@@ -14,7 +14,8 @@
 #
 # --small: both scripts' --small modes on the CPU (checks this script end to end; CI runs it); budget 1800 s.
 # --no-check: instead of (1), only the yardsticks in bench/.yardstick/ (gpu_yardstick.py, and gpu_vlhmm_train.py
-#   or gpu_rank_train.py when there), each under 90 s, into OUT/yardstick.txt: the whole budget goes to training.
+#   or gpu_rank_train.py when there), each under 90 s, and bench/gpu_train_step.py (latentlm's VL-HMM step at
+#   gpu_vlhmm_train.py's shapes), into OUT/yardstick.txt: the rest of the budget goes to training.
 # --config, --evals: passed to bench/gpu_train.sh (which model, which evaluations).
 # --reserve-s: seconds of the budget kept for export, evaluations and packing after training (default 180).
 # Exit status: 0 when every stage ran and succeeded, 1 otherwise (the files of the stages that ran are kept).
@@ -67,7 +68,13 @@ else  # the yardsticks alone: what the training figures are reported against, in
       [ ${#SMALL[@]} = 0 ] || { echo "## $y: not run (--small: the yardsticks need a GPU)"; continue; }
       echo "## $y"
       timeout 90 "$PY" "$ROOT/bench/.yardstick/$y" 2>&1 | tail -n 20
-    done; } > "$STAGE/check/yardstick.txt"
+    done
+    # latentlm's own VL-HMM training step at the yardstick's shapes (tiny on the CPU with --small)
+    echo "## bench/gpu_train_step.py"
+    PROBE=()
+    [ ${#SMALL[@]} = 0 ] || PROBE=(--states 1024 --batches 16 --steps 1 --device cpu)
+    ( . "$ROOT/bench/gpu_env.sh"; timeout 120 "$PYTHON" "$ROOT/bench/gpu_train_step.py" "${PROBE[@]}" 2>&1 | tail -n 8 )
+    } > "$STAGE/check/yardstick.txt"
   RC=0
   cp "$STAGE/check/yardstick.txt" "$OUT/"
 fi

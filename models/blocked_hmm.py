@@ -295,15 +295,14 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     init = log_start.detach().to(dtype).exp().view(M, kk)[first]
     has_prior = torch.zeros(B, dtype=torch.bool, device=ids.device)
     compiled = M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA
+    dense = loop_free(ids.device)
     if prior is not None:
         has_prior = prior.sum(1) > 0
         if compiled:  # prior @ trans in each row's first cluster, summed in float64: O(B Z' k')
             into_first = blocked_kernels.carried_init_cpu(prior.to(torch.float64), trans, first, kk)
         else:
             prior = prior.to(trans.dtype)
-            into_first = torch.empty(B, kk, dtype=trans.dtype, device=ids.device)
-            for sel, cols in _by_cluster(first, kk):
-                into_first[sel] = prior[sel] @ trans[:, cols]
+            into_first = _carried_init(prior, trans, first, kk, dense)
         init = torch.where(has_prior[:, None], into_first.to(dtype), init)
     if compiled:
         log_cond, alphas, gamma, right = blocked_kernels.forward_backward_cpu(
@@ -328,13 +327,10 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     else:
         trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
     start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)
-    start_counts.index_add_(0, first[~has_prior], gamma[~has_prior, 0])
-    if prior is not None and bool(has_prior.any()) and not compiled:
+    start_counts.index_add_(0, first, gamma[:, 0] * (~has_prior).unsqueeze(1))  # rows with a prior add zeros
+    if prior is not None and not compiled and bool(has_prior.any()):
         # the carried step (in the compiled counts already): prior_i trans[i, (first, j)] right_0j
-        carried, right0 = prior[has_prior].to(dtype), right[has_prior, 0]
-        for sel, cols in _by_cluster(first[has_prior], kk):  # only the columns of the clusters rows start in
-            block = trans[:, cols].to(dtype) * (carried[sel].T @ right0[sel])
-            trans_counts[:, cols] += block.to(trans_counts.dtype)
+        _add_carried_counts(trans_counts, prior.to(dtype), right[:, 0], trans, first, kk, dense)
     # in the output dtype: a count is a sum of at most as many posteriors as there are tokens
     words, where = torch.unique(ids[mask], return_inverse=True)  # sorted: the sparse tensor is coalesced
     per_word = torch.zeros(len(words), kk, dtype=log_emit.dtype, device=ids.device)
@@ -348,6 +344,42 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
 def _by_cluster(first: Tensor, kk: int) -> list[tuple[Tensor, slice]]:
     """For each cluster among `first` (n,): (the rows starting in it (n,) bool, its columns of the matrix)."""
     return [(first == c, slice(c * kk, (c + 1) * kk)) for c in torch.unique(first).tolist()]
+
+
+def loop_free(device: torch.device) -> bool:
+    """Whether the PyTorch path of `expected_counts` trades its per-cluster loops for whole-matrix GEMMs: off
+    the CPU, where each loop step's boolean indexing waits on the device."""
+    return device.type != "cpu"
+
+
+def _carried_init(prior: Tensor, trans: Tensor, first: Tensor, kk: int, dense: bool) -> Tensor:
+    """(B, k') prior_b @ trans restricted to the columns of row b's first cluster, for prior (B, Z') and trans
+    (Z', Z') of one dtype. By default one small GEMM per cluster the rows start in (O(B Z' k')); `dense` (off
+    the CPU): one (B, Z') x (Z', Z') GEMM and a gather (O(B Z'^2)): more flops, but no per-cluster loop, whose
+    boolean indexing waits on a GPU at every cluster."""
+    B = prior.shape[0]
+    if dense:
+        return (prior @ trans).view(B, -1, kk)[torch.arange(B, device=prior.device), first]
+    out = prior.new_empty(B, kk)
+    for sel, cols in _by_cluster(first, kk):
+        out[sel] = prior[sel] @ trans[:, cols]
+    return out
+
+
+def _add_carried_counts(counts: Tensor, carried: Tensor, right0: Tensor, trans: Tensor, first: Tensor, kk: int,
+                        dense: bool) -> None:
+    """Add to `counts` (Z', Z') the expected transition counts of the carried step, sum over rows b of
+    carried_b,i trans[i, (first_b, j)] right0_b,j, computed in carried's dtype, for carried (B, Z') (zero rows:
+    no carried state), right0 (B, k'). One GEMM per cluster the rows start in; `dense`: right0 spread into its
+    cluster's columns and one (Z', B) x (Z', B)^T GEMM, no loop (as `_carried_init`)."""
+    if dense:
+        B, Zp = carried.shape
+        spread = carried.new_zeros(B, Zp // kk, kk)
+        spread[torch.arange(B, device=carried.device), first] = right0
+        counts += (trans.to(carried.dtype) * (carried.T @ spread.view(B, Zp))).to(counts.dtype)
+        return
+    for sel, cols in _by_cluster(first, kk):  # only the columns of the clusters rows start in
+        counts[:, cols] += (trans[:, cols].to(carried.dtype) * (carried[sel].T @ right0[sel])).to(counts.dtype)
 
 
 def _block_counts(prev: Tensor, right: Tensor, clusters: Tensor, valid: Tensor, trans: Tensor, M: int,

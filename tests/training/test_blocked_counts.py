@@ -149,6 +149,48 @@ def test_compiled_sweep_equals_pytorch_path(monkeypatch, with_prior):
     assert torch.allclose(compiled.trans.sum().double(), n_trans.double(), rtol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(M=st.integers(1, 5), kk=st.integers(1, 4), B=st.integers(1, 7), T=st.integers(1, 6), seed=st.integers(0, 500),
+       carried=st.sampled_from(["none", "some", "all"]))
+def test_the_gpus_loop_free_path_equals_the_loops(M, kk, B, T, seed, carried):
+    """What a GPU runs (`loop_free`: whole-matrix GEMMs for the carried state's start and counts) gives the
+    per-cluster loops' counts, with no rows, some rows and every row continuing a carried state."""
+    V = max(M, 3 * M)
+    ls, lt, le, wc = random_model(M, kk, V, seed=seed)
+    ids, lengths = batch(V, B, T, seed=seed + 1)
+    prior = None if carried == "none" else a_prior(B, M * kk, seed + 2)
+    if carried == "some" and B > 1:
+        prior[::2] = 0.0  # these rows start from the start distribution
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(blocked_kernels, "HAVE_NUMBA", False)
+        loops = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids, lengths, prior)
+        m.setattr(blocked_hmm, "loop_free", lambda device: True)
+        free = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids, lengths, prior)
+    for field in ("start", "trans", "emit", "log_lik", "last"):
+        assert torch.allclose(dense(getattr(free, field)), dense(getattr(loops, field)), rtol=1e-10, atol=1e-12), field
+
+
+def test_block_counts_sum_each_blocks_outer_products_in_chunks():
+    """`_block_counts` (index_add over chunks of outer products) against a loop over the steps, for chunks
+    smaller than one step, of a few steps and of all of them."""
+    g = torch.Generator().manual_seed(0)
+    M, k, B, T = 3, 4, 5, 7
+    prev, right = torch.rand(B, T, k, generator=g, dtype=torch.float64), torch.rand(B, T, k, generator=g,
+                                                                                       dtype=torch.float64)
+    clusters = torch.randint(0, M, (B, T + 1), generator=g)
+    valid = torch.rand(B, T, generator=g) > 0.2
+    trans = torch.rand(M * k, M * k, generator=g)
+    want = torch.zeros(M * k, M * k, dtype=torch.float64)
+    for b, t in itertools.product(range(B), range(T)):
+        if valid[b, t]:
+            i, j = int(clusters[b, t]), int(clusters[b, t + 1])
+            want[i * k:(i + 1) * k, j * k:(j + 1) * k] += torch.outer(prev[b, t], right[b, t])
+    want = (want * trans).float()
+    for chunk in (1, 3 * k * k, 10**6):
+        got = blocked_hmm._block_counts(prev, right, clusters, valid, trans, M, chunk_elems=chunk)
+        assert got.dtype == trans.dtype and torch.allclose(got, want, rtol=1e-6, atol=1e-7), chunk
+
+
 @pytest.mark.skipif(not blocked_kernels.HAVE_NUMBA, reason="numba unavailable: only the PyTorch path exists")
 def test_compiled_sweep_split_over_threads_gives_the_same_bits(monkeypatch):
     """The forward-backward's rows shared among 3 threads: bit for bit one thread's."""
