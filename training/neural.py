@@ -688,9 +688,15 @@ def _train(ns: argparse.Namespace) -> Path:
         model.train()
         return ppl
 
+    # wall time spent in checks (evaluations) and checkpoint writes, cumulative, in each history row: a row's
+    # `seconds` minus it is the time of the steps alone (the save after a row's check counts in the next row)
+    check_seconds = history.rows[-1].get("check_seconds", 0.0) if history.rows else 0.0
     if not history.rows:
-        history.add(step=0, epoch=0, tokens=0, seconds=time.perf_counter() - t0, valid_ppl=evaluate(),
-                    lr=opt.param_groups[0]["lr"])
+        tick = time.perf_counter()
+        ppl = evaluate()
+        check_seconds = time.perf_counter() - tick
+        history.add(step=0, epoch=0, tokens=0, seconds=time.perf_counter() - t0, valid_ppl=ppl,
+                    lr=opt.param_groups[0]["lr"], check_seconds=check_seconds)
     with common.graceful_interrupt() as interrupt:  # Ctrl-C: stop after this step and export the best
         for epoch in range(pos.epoch, ns.epochs):
             # the batch order is a function of (seed, epoch) alone, so a resumed epoch regenerates it
@@ -701,6 +707,7 @@ def _train(ns: argparse.Namespace) -> Path:
             else:
                 batches = common.bucket_batches(train_seqs, ns.batch, egen, device)
             eval_at = {round(len(batches) * (i + 1) / ns.evals_per_epoch) for i in range(ns.evals_per_epoch)}
+            ntoks = [int(n) for n in torch.stack([b.lengths.sum() for b in batches]).tolist()]  # one sync an epoch
             first = pos.batch if epoch == pos.epoch else 0
             if first == 0:
                 carry = None
@@ -718,13 +725,8 @@ def _train(ns: argparse.Namespace) -> Path:
                     nll, carry = blocked_loss(model, b, active, carry, want_last=bool(ns.bptt))
                 else:
                     nll = rank_loss(model, b)  # dropout draws from torch's global generator (checkpointed)
-                ntok = int(b.lengths.sum())
+                ntok = ntoks[bi]
                 loss = nll / ntok
-                if not math.isfinite(float(loss.detach())):
-                    raise TrainingDiverged(
-                        f"--lr: training diverged at step {pos.step + 1} (loss {float(loss.detach())}); nothing was "
-                        f"written. Try a lower --lr than {opt.param_groups[0]['lr']:g}, or more states per cluster",
-                        param="lr")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 fill_missing_grads(model)
@@ -732,14 +734,22 @@ def _train(ns: argparse.Namespace) -> Path:
                     used = budget_used(ns, pos.step, epoch + bi / len(batches), time.perf_counter() - t0)
                     set_lr(opt, anneal_factor(used, ns.lr_anneal))
                 grad_norm = common.clip_grad_norm(model.parameters(), 5.0)
-                if not math.isfinite(float(grad_norm)):
+                # the step's one host sync: the loss and the gradient norm read together, before the update
+                read = torch.stack([loss.detach().float(), grad_norm.float().to(loss.device)])
+                loss_value, norm_value = read.tolist()
+                if not math.isfinite(loss_value):
+                    raise TrainingDiverged(
+                        f"--lr: training diverged at step {pos.step + 1} (loss {loss_value}); nothing was "
+                        f"written. Try a lower --lr than {opt.param_groups[0]['lr']:g}, or more states per cluster",
+                        param="lr")
+                if not math.isfinite(norm_value):
                     raise TrainingDiverged(
                         f"--lr: the gradient became non-finite at step {pos.step + 1}; nothing was written. Try a "
                         f"lower --lr than {opt.param_groups[0]['lr']:g}", param="lr")
                 opt.step()
                 pos.step += 1
                 pos.tokens += ntok
-                bar.update(ntok, float(loss.detach()))
+                bar.update(ntok, loss_value)
                 last_batch = bi == len(batches) - 1
                 at_limit = bool(ns.max_steps and pos.step >= ns.max_steps)
                 final = last_batch and epoch == ns.epochs - 1
@@ -751,11 +761,13 @@ def _train(ns: argparse.Namespace) -> Path:
                     evaluating = (bi + 1) in eval_at if ns.evals_per_epoch else last_batch
                 evaluating = evaluating or final or at_limit
                 if evaluating:
+                    tick = time.perf_counter()
                     ppl = evaluate()
+                    check_seconds += time.perf_counter() - tick
                     bar.update(0, valid_ppl=ppl)
                     if history.add(step=pos.step, epoch=epoch + (bi + 1) / len(batches), tokens=pos.tokens,
-                                   seconds=time.perf_counter() - t0, train_ppl=math.exp(float(loss.detach())),
-                                   valid_ppl=ppl, lr=opt.param_groups[0]["lr"]):
+                                   seconds=time.perf_counter() - t0, train_ppl=math.exp(loss_value),
+                                   valid_ppl=ppl, lr=opt.param_groups[0]["lr"], check_seconds=check_seconds):
                         best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
                     elif ns.patience and history.bad_evals >= ns.patience:
                         stop = True
@@ -767,8 +779,10 @@ def _train(ns: argparse.Namespace) -> Path:
                             g["lr"] *= decay
                 if evaluating or stop or at_limit or (ns.checkpoint_every and pos.step % ns.checkpoint_every == 0):
                     pos.epoch, pos.batch = (epoch + 1, 0) if last_batch else (epoch, bi + 1)
+                    tick = time.perf_counter()
                     _save(ckdir, model, opt, best_state, gen, history, pos, time.perf_counter() - t0, stop,
                           carry if ns.bptt and not last_batch else None, ns)
+                    check_seconds += time.perf_counter() - tick
                 if stop or at_limit:
                     stop = True
                     break

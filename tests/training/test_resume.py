@@ -53,7 +53,7 @@ def _final(store, name):
     params = {k: v for k, v in ck.items() if k.startswith("model.") or k in ("start", "trans", "emit")}
     art = load_file(str(store / name / "weights.safetensors"))
     curve = json.loads((store / name / "manifest.json").read_text())["provenance"]["curve"]
-    return params, art, [{k: v for k, v in r.items() if k != "seconds"} for r in curve]
+    return params, art, [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in curve]
 
 
 FAMILIES = {

@@ -109,9 +109,15 @@ def test_blocked_hmm_bptt_streams_run(tmp_path):
     art = load_artifact(path)
     assert art.config["num_states"] == 16
     # the training-time validation scores what is exported (with the sentence start after <eos>)
-    best = json.loads((path / "manifest.json").read_text())["provenance"]["best_valid_ppl"]
+    prov = json.loads((path / "manifest.json").read_text())["provenance"]
+    best = prov["best_valid_ppl"]
     res = corpus_perplexity(tmp_path, ns.name, str(valid_file(tmp_path, 100)))
     assert abs(res["perplexity"] - best) / best < 1e-4
+    # each check row says how much of its wall time went to checks and checkpoint writes (cumulative)
+    rows = prov["curve"]
+    assert all(0 < r["check_seconds"] <= r["seconds"] for r in rows)
+    assert all(a["check_seconds"] <= b["check_seconds"] and a["seconds"] - a["check_seconds"] <=
+               b["seconds"] - b["check_seconds"] for a, b in zip(rows, rows[1:], strict=False))
 
 
 def test_bptt_batches_cut_the_running_text_from_any_start():
