@@ -5,9 +5,11 @@ and compared as a ratio. Differences from the yardstick, on purpose: latentlm's 
 ("independent" state embeddings, `--state-embedding`), the exact expected-count gradient instead of autograd
 through the forward, a carried BPTT state from the second step on, and float64 in the dynamic program.
 
-    python bench/gpu_train_step.py [--states 32768] [--batches 16,128,512] [--steps 5] [--device cuda]
+    python bench/gpu_train_step.py [--states 32768] [--batches 16,128,512] [--steps 5] [--device cuda] [--profile]
 
-Prints one line per batch size: ms per step (mean of `--steps` after two warm-up steps), tokens/s, peak memory.
+Prints one line per batch size: ms per step (mean of `--steps` after two warm-up steps), tokens/s, peak memory;
+with `--profile`, then the operators that took most of one more step's device (or CPU) time, and how many
+operator calls the step made.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--state-embedding", default="independent")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", action="store_true", help="profile one more step at the last batch size")
     a = ap.parse_args()
     dev = torch.device(a.device)
     g = torch.Generator().manual_seed(0)
@@ -49,6 +52,17 @@ def main() -> None:
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
         print(f"B={B} T={a.bptt}: {dt * 1000:.0f} ms/step, {B * a.bptt / dt / 1e3:.0f} k tokens/s, "
               f"peak {peak:.1f} GiB", flush=True)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            time_steps(model, opt, Batch(ids, torch.full((B,), a.bptt, device=dev)), k - k // 2, g, 1)
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        events = prof.key_averages()
+        calls = sum(e.count for e in events if e.key.startswith("aten::"))
+        print(f"# profile of 3 steps at B={B} (two warm-ups and one timed): {calls} aten calls", flush=True)
+        print(events.table(sort_by=key, row_limit=15), flush=True)
 
 
 def time_steps(model: neural.VLHMM, opt: torch.optim.Optimizer, batch: Batch, keep: int, g: torch.Generator,
