@@ -14,8 +14,9 @@
 #
 # --small: both scripts' --small modes on the CPU (checks this script end to end; CI runs it); budget 1800 s.
 # --no-check: instead of (1), only the yardsticks in bench/.yardstick/ (gpu_yardstick.py, and gpu_vlhmm_train.py
-#   or gpu_rank_train.py when there), each under 90 s, and bench/gpu_train_step.py (latentlm's VL-HMM step at
-#   gpu_vlhmm_train.py's shapes), into OUT/yardstick.txt: the rest of the budget goes to training.
+#   or gpu_rank_train.py when there), each under 90 s, and bench/gpu_train_step.py --profile (latentlm's VL-HMM
+#   step at gpu_vlhmm_train.py's shapes, and where its device time goes), into OUT/yardstick.txt: the rest of the
+#   budget goes to training.
 # --config, --evals: passed to bench/gpu_train.sh (which model, which evaluations).
 # --reserve-s: seconds of the budget kept for export, evaluations and packing after training (default 180).
 # Exit status: 0 when every stage ran and succeeded, 1 otherwise (the files of the stages that ran are kept).
@@ -71,9 +72,10 @@ else  # the yardsticks alone: what the training figures are reported against, in
     done
     # latentlm's own VL-HMM training step at the yardstick's shapes (tiny on the CPU with --small)
     echo "## bench/gpu_train_step.py"
-    PROBE=()
+    PROBE=(--profile)
     [ ${#SMALL[@]} = 0 ] || PROBE=(--states 1024 --batches 16 --steps 1 --device cpu)
-    ( . "$ROOT/bench/gpu_env.sh"; timeout 120 "$PYTHON" "$ROOT/bench/gpu_train_step.py" "${PROBE[@]}" 2>&1 | tail -n 8 )
+    ( . "$ROOT/bench/gpu_env.sh"; timeout 120 "$PYTHON" "$ROOT/bench/gpu_train_step.py" "${PROBE[@]}" 2>&1 \
+        | grep -v -i warn | tail -n 30 )
     } > "$STAGE/check/yardstick.txt"
   RC=0
   cp "$STAGE/check/yardstick.txt" "$OUT/"
