@@ -31,7 +31,7 @@ while [ $# -gt 0 ]; do
     --config) CONFIG="$2"; shift ;;
     --out) OUT="$2"; shift ;;
     --evals) EVALS="$2"; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "gpu_train.sh: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
