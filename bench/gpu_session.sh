@@ -75,7 +75,7 @@ else  # the yardsticks alone: what the training figures are reported against, in
     PROBE=(--profile)
     [ ${#SMALL[@]} = 0 ] || PROBE=(--states 1024 --batches 16 --steps 1 --device cpu)
     ( . "$ROOT/bench/gpu_env.sh"; timeout 120 "$PYTHON" "$ROOT/bench/gpu_train_step.py" "${PROBE[@]}" 2>&1 \
-        | grep -v -i warn | tail -n 30 )
+        | grep -v -i warn | tail -n 30; rm -rf "$WORK" )
     } > "$STAGE/check/yardstick.txt"
   RC=0
   cp "$STAGE/check/yardstick.txt" "$OUT/"

@@ -24,6 +24,7 @@ MINUTES=8
 CONFIG="configs/gpu-rank-2p14.yaml"
 OUT="$ROOT/bench/results/gpu_train"
 EVALS="valid test valid-running"
+MAX_TOTAL_MB=48  # parameters packed for the trip back: a GPU call returns at most 64 MiB with the reports
 while [ $# -gt 0 ]; do
   case "$1" in
     --small) SMALL=1 ;;
@@ -88,12 +89,13 @@ for tag in $EVALS; do
 done
 cp "$STORE/$NAME/manifest.json" "$OUT/manifest.json"
 [ -f "$STORE/$NAME/curve.png" ] && cp "$STORE/$NAME/curve.png" "$OUT/curve.png"
-"$PYTHON" "$ROOT/bench/gpu_params.py" pack "$STORE" "$NAME" "$OUT/checkpoint" --best-only --dtype float16 --max-total-mb 48 \
+"$PYTHON" "$ROOT/bench/gpu_params.py" pack "$STORE" "$NAME" "$OUT/checkpoint" --best-only --dtype float16 \
+  --max-total-mb "$MAX_TOTAL_MB" \
   >> "$OUT/train.log" 2>&1
-"$PYTHON" - "$OUT" "$CONFIG" "$NAME" >> "$OUT/gpu_train.md" <<'PY'
+"$PYTHON" - "$OUT" "$CONFIG" "$NAME" "$MAX_TOTAL_MB" >> "$OUT/gpu_train.md" <<'PY'
 import json, sys
 from pathlib import Path
-out, config, name = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+out, config, name, max_total_mb = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 m = json.loads((out / "manifest.json").read_text())
 prov = m["provenance"]
 ev = {p.stem[5:]: json.loads(p.read_text()) for p in sorted(out.glob("eval-*.json")) if p.stat().st_size}
@@ -109,6 +111,7 @@ if shards:
     print(f"Rebuild: `python bench/gpu_params.py unpack {out.name}/checkpoint STORE {name}` then "
           f"`latentlm train --config {config} --name {name} --store STORE --resume --export-only`.")
 else:
-    print("\nParameters not brought back (over 48 MiB in float16, see train.log); the recipe is the config and command.")
+    print(f"\nParameters not brought back (over {max_total_mb} MiB in float16, see train.log); the recipe is the "
+          "config and command.")
 PY
 cat "$OUT/gpu_train.md"

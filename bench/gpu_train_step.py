@@ -48,7 +48,8 @@ def main() -> None:
           f"{a.state_embedding} embeddings, keep {k - k // 2} of {k} per cluster", flush=True)
     for B in (int(x) for x in a.batches.split(",")):
         ids = torch.randint(0, a.vocab, (B, a.bptt), generator=g).to(dev)
-        dt = time_steps(model, opt, Batch(ids, torch.full((B,), a.bptt, device=dev)), k - k // 2, g, a.steps)
+        batch = Batch(ids, torch.full((B,), a.bptt, device=dev))
+        dt = time_steps(model, opt, batch, k - k // 2, g, a.steps)
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else float("nan")
         print(f"B={B} T={a.bptt}: {dt * 1000:.0f} ms/step, {B * a.bptt / dt / 1e3:.0f} k tokens/s, "
               f"peak {peak:.1f} GiB", flush=True)
@@ -57,7 +58,7 @@ def main() -> None:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            time_steps(model, opt, Batch(ids, torch.full((B,), a.bptt, device=dev)), k - k // 2, g, 1)
+            time_steps(model, opt, batch, k - k // 2, g, 1)  # the last batch size's batch
         key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         events = prof.key_averages()
         calls = sum(e.count for e in events if e.key.startswith("aten::"))
@@ -83,10 +84,7 @@ def time_steps(model: neural.VLHMM, opt: torch.optim.Optimizer, batch: Batch, ke
             t0 = time.perf_counter()
         active = neural.sample_state_dropout(model.M, model.k, keep, g).to(dev)
         nll, carry = neural.blocked_loss(model, batch, active, carry, want_last=True)
-        opt.zero_grad(set_to_none=True)
-        (nll / batch.ids.numel()).backward()
-        neural.fill_missing_grads(model)
-        neural.common.clip_grad_norm(model.parameters(), 5.0)
+        neural.backward_clipped(model, opt, nll / batch.ids.numel())
         opt.step()
     sync()
     return (time.perf_counter() - t0) / steps

@@ -727,13 +727,10 @@ def _train(ns: argparse.Namespace) -> Path:
                     nll = rank_loss(model, b)  # dropout draws from torch's global generator (checkpointed)
                 ntok = ntoks[bi]
                 loss = nll / ntok
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                fill_missing_grads(model)
                 if ns.lr_anneal:
                     used = budget_used(ns, pos.step, epoch + bi / len(batches), time.perf_counter() - t0)
                     set_lr(opt, anneal_factor(used, ns.lr_anneal))
-                grad_norm = common.clip_grad_norm(model.parameters(), 5.0)
+                grad_norm = backward_clipped(model, opt, loss)
                 # the step's one host sync: the loss and the gradient norm read together, before the update
                 read = torch.stack([loss.detach().float(), grad_norm.float().to(loss.device)])
                 loss_value, norm_value = read.tolist()
@@ -806,6 +803,19 @@ def _train(ns: argparse.Namespace) -> Path:
     extra_files = {**extra_files, "curve.png": common.curve_png(history, title)}
     return save_artifact(ns.store, ns.name, ns.family, tensors, vocab, config=config, provenance=prov,
                          extra_files=extra_files)
+
+
+MAX_GRAD_NORM = 5.0  # gradient clipping of the neural families (Chiu & Rush's and Yang et al.'s code alike)
+
+
+def backward_clipped(model: nn.Module, opt: torch.optim.Optimizer, loss: Tensor) -> Tensor:
+    """A training step's gradients: zeroed, back-propagated from `loss`, zero-filled where a parameter was not
+    used (`fill_missing_grads`) and clipped to MAX_GRAD_NORM. Returns the total norm before clipping (a 0-dim
+    tensor on the gradients' device: reading it waits on the device). `opt.step()` is the caller's."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    fill_missing_grads(model)
+    return common.clip_grad_norm(model.parameters(), MAX_GRAD_NORM)
 
 
 def fill_missing_grads(model: nn.Module) -> None:
