@@ -24,6 +24,8 @@ from torch import Tensor
 
 from latentlm.models.base import Batch
 
+STATE_EMBEDDINGS = ("factored", "independent", "tied")  # blocked_hmm's state parameterisations (neural.VLHMM)
+
 
 @dataclass
 class Interrupt:

@@ -101,6 +101,14 @@ class VLHMM(nn.Module):
       W_next (Z, h) a free output vector per next state; start logits = MLP(E_start) w + b; emission logits =
       MLP(E_emit) W_x^T + b_x with a per-word bias b_x (an output layer over the vocabulary). The paper's text
       (eq. 8) feeds one E_z to every role and has no word bias; we follow the code, which reproduces Table 3.
+    * "tied": the independent parameterisation with ONE state embedding E (Z, h) for every role, as the authors'
+      public command for the paper-scale PTB model ties them (`--state ind --tw slIlrIrp`: start, left, right
+      and preterminal share one table): start logits = MLP_s(E) w + b, trans logits = MLP_out(E) E^T (the next
+      state's side is its embedding itself), emission logits = MLP_emit(E) W_x^T + b_x. A quarter of the
+      independent embeddings' state parameters (Z h instead of 4 Z h). Differs from the code: the table starts
+      N(0, 1 / h), not N(0, 1), since it is also the transitions' output side: with N(0, 1) the first transition
+      logits have standard deviation ~sqrt(h) (the first check of a 4,096-state model read 2.1e9 perplexity,
+      260 after 1,000 steps against 181 with N(0, 1 / h); results/ptb_results.md).
     """
 
     def __init__(self, V: int, word_cluster: Tensor, M: int, k: int, h: int, state_embedding: str = "factored"):
@@ -117,15 +125,17 @@ class VLHMM(nn.Module):
             self.mlp = nn.ModuleDict({r: ResBlock(h) for r in ("out", "in", "emit")})
             self.start_vec = nn.Parameter(torch.randn(h) * 0.1)
             self.word_bias_by_slot = None
-        elif state_embedding == "independent":
+        elif state_embedding in ("independent", "tied"):
             bound = 1.0 / math.sqrt(h)  # nn.Linear's default initialisation of an output layer
-            self.state_emb = nn.Parameter(torch.randn(3, Z, h))  # start, trans, emit roles
+            tied = state_embedding == "tied"
+            # independent: start, trans and emit roles, N(0, 1); tied: one table, N(0, 1 / h) (see the docstring)
+            self.state_emb = nn.Parameter(torch.randn(Z, h) / math.sqrt(h) if tied else torch.randn(3, Z, h))
             self.mlp = nn.ModuleDict({r: ResBlock(h) for r in ("start", "out", "emit")})
             self.start_out = nn.Linear(h, 1)
-            self.next_state = nn.Parameter(torch.empty(Z, h).uniform_(-bound, bound))
+            self.next_state = None if tied else nn.Parameter(torch.empty(Z, h).uniform_(-bound, bound))
             self.word_bias_by_slot = nn.Parameter(torch.empty(V).uniform_(-bound, bound))
         else:
-            raise ValueError(f"state_embedding: expected 'factored' or 'independent', got {state_embedding!r}")
+            raise ValueError(f"state_embedding: expected one of {common.STATE_EMBEDDINGS}, got {state_embedding!r}")
         # words in cluster order ("slots"): slot i holds word word_order[i]; word_slot is the inverse.
         # The word embeddings are stored by slot, so each cluster's words are one contiguous block.
         order = torch.argsort(word_cluster, stable=True)
@@ -141,21 +151,25 @@ class VLHMM(nn.Module):
         """The parameters indexed by state, each with its state axis (what `split_states` doubles)."""
         return {"state_emb": 1, "next_state": 0} if self.state_embedding == "independent" else {"state_emb": 0}
 
+    def role_emb(self, role: int) -> Tensor:
+        """The state embedding (Z, h) of role 0 (start), 1 (trans) or 2 (emit): the shared table when tied."""
+        return self.state_emb if self.state_embedding == "tied" else self.state_emb[role]
+
     def emission_reprs(self, states: Tensor) -> Tensor:
         """H_emit (n, h) of global state ids `states` (n,): the state vectors `embed` serves."""
-        if self.state_embedding == "independent":
-            return self.mlp["emit"](rows_of(self.state_emb[2], states))
+        if self.state_embedding != "factored":
+            return self.mlp["emit"](rows_of(self.role_emb(2), states))
         e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         return self.mlp["emit"](self.compose["emit"](e))
 
     def start_and_trans_logits(self, states: Tensor, with_start: bool = True) -> tuple[Tensor | None, Tensor]:
         """Start logits (n,) (None without `with_start`) and transition logits (n, n) among global state ids
         `states` (n,)."""
-        if self.state_embedding == "independent":
-            start = (self.start_out(self.mlp["start"](rows_of(self.state_emb[0], states))).squeeze(-1)
+        if self.state_embedding != "factored":
+            start = (self.start_out(self.mlp["start"](rows_of(self.role_emb(0), states))).squeeze(-1)
                      if with_start else None)
-            return start, gemm.linear(self.mlp["out"](rows_of(self.state_emb[1], states)),
-                                      rows_of(self.next_state, states))
+            to = rows_of(self.state_emb if self.next_state is None else self.next_state, states)
+            return start, gemm.linear(self.mlp["out"](rows_of(self.role_emb(1), states)), to)
         e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         h_out, h_in = (self.mlp[r](self.compose[r](e)) for r in ("out", "in"))
         return (h_in @ self.start_vec if with_start else None), gemm.linear(h_out, h_in)

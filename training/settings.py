@@ -26,6 +26,7 @@ from latentlm.models.family import Recipe
 from latentlm.models.kernels import gemm
 from latentlm.models.registry import FAMILIES
 from latentlm.models.store import check_name, default_store
+from latentlm.training.common import STATE_EMBEDDINGS
 
 RECIPES: dict[str, Recipe] = {r.name: r for fam in FAMILIES.values() for r in fam.recipes}
 """`--family` values: each family's training recipes, declared on the family (`Family.recipes`); `densehmm`
@@ -77,7 +78,9 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
                           "a warm start that keeps the model's distribution (--states is the final count; "
                           "training starts with states / 2^(number of splits))"),
     "state_embedding": (str, "factored", "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
-                                         "App. A.2) or 'independent' (one learned vector per state, App. A.3)"),
+                                         "App. A.2), 'independent' (one learned vector per state and role, "
+                                         "App. A.3) or 'tied' (one learned vector per state shared by every "
+                                         "role, as the authors' paper-scale PTB command)"),
     "checkpoint_every": (int, None, "also checkpoint every N optimisation steps (blocked_hmm, rank_hmm; default "
                                     "200) or E-step batches (hmm, densehmm; default 0); 0 = only at evaluations / "
                                     "iteration ends; --resume continues from the exact batch"),
@@ -219,9 +222,9 @@ def validate(ns: argparse.Namespace) -> None:
     if ns.export_only and (not ns.resume or ns.family not in ("blocked_hmm", "rank_hmm")):
         raise InputError("--export-only: needs --resume and --family blocked_hmm or rank_hmm (it exports an "
                          "existing checkpoint of a neural HMM)", param="export_only")
-    if ns.state_embedding not in ("factored", "independent"):
-        raise InputError(f"--state-embedding: expected 'factored' or 'independent', got {ns.state_embedding!r}",
-                         param="state_embedding")
+    if ns.state_embedding not in STATE_EMBEDDINGS:
+        raise InputError(f"--state-embedding: expected one of {', '.join(STATE_EMBEDDINGS)}, got "
+                         f"{ns.state_embedding!r}", param="state_embedding")
     if ns.max_vocab < 3:
         raise InputError(f"--max-vocab: must be >= 3, got {ns.max_vocab}", param="max_vocab")
     if ns.device not in ("cpu", "auto") and not ns.device.startswith("cuda"):

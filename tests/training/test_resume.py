@@ -68,6 +68,9 @@ FAMILIES = {
     # the same split given as a share of the budget (half of the 2 epochs): due at the start of epoch 1
     "blocked_hmm_split_budget": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, split_at="50%",
                                      state_embedding="independent"),
+    # the same with the tied state embedding (one table for every role, its state axis first)
+    "blocked_hmm_split_tied": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, split_at="1",
+                                   state_embedding="tied"),
     "rank_hmm": dict(states=16, rank=4, hidden=8, dropout=0.3),
     # the LR falls to 0 over the second half of the 2 epochs (--lr-anneal): the schedule must survive the resume
     "rank_hmm_anneal": dict(states=16, rank=4, hidden=8, dropout=0.3, lr_anneal=0.5),
@@ -81,7 +84,8 @@ FAMILIES = {
                                                    ("rank_hmm", 3, True), ("rank_hmm", 6, True),
                                                    ("rank_hmm_anneal", 6, True),
                                                    ("blocked_hmm_split", 5, False), ("blocked_hmm_split", 6, True),
-                                                   ("blocked_hmm_split_budget", 6, True)])
+                                                   ("blocked_hmm_split_budget", 6, True),
+                                                   ("blocked_hmm_split_tied", 6, True)])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, case, interrupt_at, mid):
     family = "rank_hmm" if case.startswith("rank_hmm") else "blocked_hmm"
     kw = {"data": [tiny_corpus(tmp_path)], "epochs": 2, "batch": 16, "lr": 0.02, "eval_every": 5,
@@ -92,7 +96,8 @@ def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, ca
 
     _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at, mid_epoch=mid)
     if "split" in case:  # and the split happened: 16 states at the end
-        assert _final(tmp_path, "whole")[0]["model.state_emb"].shape[1] == 16
+        state_axis = 0 if FAMILIES[case]["state_embedding"] == "tied" else 1
+        assert _final(tmp_path, "whole")[0]["model.state_emb"].shape[state_axis] == 16
 
 
 def _check_interrupted_equals_whole(tmp_path, monkeypatch, run, interrupt_at: int, mid_epoch: bool) -> None:

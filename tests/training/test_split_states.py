@@ -36,7 +36,7 @@ def brute_force_logp(start: torch.Tensor, trans: torch.Tensor, emit: torch.Tenso
     return math.log(total)
 
 
-@pytest.mark.parametrize("state_embedding", ["factored", "independent"])
+@pytest.mark.parametrize("state_embedding", ["factored", "independent", "tied"])
 def test_split_model_is_the_same_distribution(state_embedding):
     torch.manual_seed(0)
     V, M, k = 7, 2, 1

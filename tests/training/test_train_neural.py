@@ -32,7 +32,7 @@ def test_state_dropout_keeps_exactly_keep_states_per_cluster(M, k, keep):
     assert bool((seen == 1).all())  # every state gets kept sometimes
 
 
-@pytest.mark.parametrize("state_embedding", ["factored", "independent"])
+@pytest.mark.parametrize("state_embedding", ["factored", "independent", "tied"])
 def test_vlhmm_matrices_normalised_and_dropout_chain_is_a_blocked_hmm(state_embedding):
     torch.manual_seed(0)
     V, M, k = 30, 3, 4
@@ -50,6 +50,32 @@ def test_vlhmm_matrices_normalised_and_dropout_chain_is_a_blocked_hmm(state_embe
     with torch.no_grad():
         reduced = BlockedHMM(ls.exp(), lt.exp(), le.exp(), wc, M)
         assert torch.allclose(-nll.detach(), reduced.score(b)[0].sum())
+
+
+def test_tied_state_embedding_is_one_table_for_every_role():
+    """'tied' (the authors' PTB command, --tw slIlrIrp): start, left, right and preterminal read one (Z, h)
+    table; the next state's side of a transition logit is its embedding itself."""
+    torch.manual_seed(0)
+    V, M, k, h = 30, 3, 4, 16
+    wc = torch.arange(V) % M
+    tied = neural.VLHMM(V, wc, M, k, h, "tied").double()
+    ind = neural.VLHMM(V, wc, M, k, h, "independent")
+    assert tied.state_emb.shape == (M * k, h) and tied.next_state is None
+    n_tied, n_ind = (sum(p.numel() for p in m.parameters()) for m in (tied, ind))
+    assert n_ind - n_tied == 3 * M * k * h  # three role tables fewer
+    e = tied.state_emb
+    ls, lt, le = tied.matrices(None)
+    assert torch.allclose(ls, torch.log_softmax(tied.start_out(tied.mlp["start"](e)).squeeze(-1), 0))
+    assert torch.allclose(lt, torch.log_softmax(tied.mlp["out"](e) @ e.T, -1))
+    h_emit = tied.mlp["emit"](e).view(M, k, h)
+    logits = torch.einsum("vh,vkh->vk", tied.word_emb_by_slot[tied.word_slot], h_emit[wc])  # word x own states
+    logits = logits + tied.word_bias_by_slot[tied.word_slot][:, None]
+    for m in range(M):  # each cluster's words normalised against its own states
+        rows = (wc == m).nonzero().squeeze(1)
+        assert torch.allclose(le[rows], torch.log_softmax(logits[rows], 0))
+    # one gradient reaches the table from every role
+    (ls.sum() + lt.sum() + le.sum()).backward()
+    assert tied.state_emb.grad is not None and bool(tied.state_emb.grad.abs().sum() > 0)
 
 
 def _check_run(tmp_path, ns, path, family):
@@ -246,7 +272,14 @@ def test_lr_anneal_outside_0_1_is_refused(tmp_path, value):
         resolve_settings(train_args(tmp_path, "rank_hmm", lr_anneal=value))
 
 
-@pytest.mark.parametrize("state_embedding", ["factored", "independent"])
+def test_unknown_state_embedding_is_refused_naming_the_choices(tmp_path):
+    from latentlm.models.errors import InputError
+
+    with pytest.raises(InputError, match="--state-embedding: expected one of factored, independent, tied, got 'tide'"):
+        resolve_settings(train_args(tmp_path, "blocked_hmm", state_embedding="tide"))
+
+
+@pytest.mark.parametrize("state_embedding", ["factored", "independent", "tied"])
 def test_a_step_whose_rows_all_carry_a_state_skips_the_start_and_changes_nothing(state_embedding):
     """BPTT: where every row continues a carried state the start distribution is never read, so `blocked_loss`
     does not build it; with `fill_missing_grads` the gradients and the AdamW step are those of building it."""
