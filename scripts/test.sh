@@ -40,8 +40,8 @@ GPU_SMALL_OUT="$(mktemp -d)"
 PYTHON="$PWD/.venv/bin/python" bash bench/gpu_session.sh --small "$GPU_SMALL_OUT/out" >"$GPU_SMALL_OUT/log" 2>&1 || {
   cat "$GPU_SMALL_OUT/log"; echo "gpu_session.sh --small failed"; exit 1; }
 grep "^gpu_session:" "$GPU_SMALL_OUT/log"
-echo "==> bench/gpu_session.sh --small --no-check (yardsticks and step probe, then the grown 2^15 VL-HMM's recipe, tiny)"
-PYTHON="$PWD/.venv/bin/python" bash bench/gpu_session.sh --small --no-check --config configs/gpu-vlhmm-2p15.yaml \
+echo "==> bench/gpu_session.sh --small --no-check (yardsticks and step probe, then the grown 2^15 VL-HMM's recipe with tied embeddings, tiny)"
+PYTHON="$PWD/.venv/bin/python" bash bench/gpu_session.sh --small --no-check --config configs/gpu-vlhmm-2p15-tied.yaml \
   --evals "valid test" "$GPU_SMALL_OUT/out2" >"$GPU_SMALL_OUT/log2" 2>&1 || {
   cat "$GPU_SMALL_OUT/log2"; echo "gpu_session.sh --small --no-check failed"; exit 1; }
 grep "^gpu_session:" "$GPU_SMALL_OUT/log2"
