@@ -166,10 +166,12 @@ class VLHMM(nn.Module):
         """Start logits (n,) (None without `with_start`) and transition logits (n, n) among global state ids
         `states` (n,)."""
         if self.state_embedding != "factored":
-            start = (self.start_out(self.mlp["start"](rows_of(self.role_emb(0), states))).squeeze(-1)
-                     if with_start else None)
-            to = rows_of(self.state_emb if self.next_state is None else self.next_state, states)
-            return start, gemm.linear(self.mlp["out"](rows_of(self.role_emb(1), states)), to)
+            tied = self.state_embedding == "tied"
+            e_out = rows_of(self.role_emb(1), states)  # tied: the one table's rows, gathered once for every role
+            start = (self.start_out(self.mlp["start"](e_out if tied else rows_of(self.role_emb(0), states)))
+                     .squeeze(-1) if with_start else None)
+            to = e_out if tied else rows_of(self.next_state, states)
+            return start, gemm.linear(self.mlp["out"](e_out), to)
         e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         h_out, h_in = (self.mlp[r](self.compose[r](e)) for r in ("out", "in"))
         return (h_in @ self.start_vec if with_start else None), gemm.linear(h_out, h_in)
