@@ -53,6 +53,8 @@ CONFIGS = {
     "ind-4k": ("blocked_hmm", 4096, 128, 256, 64, 32, 0.5, "independent"),
     "ind-8k": ("blocked_hmm", 8192, 128, 256, 64, 32, 0.5, "independent"),
     "ind-16k": ("blocked_hmm", 16384, 128, 256, 64, 32, 0.5, "independent"),
+    # the 2-hour tied recipe's step (configs/cpu-2h-vlhmm-16k-tied.yaml): 512 streams x BPTT 32
+    "tied-16k": ("blocked_hmm", 16384, 128, 256, 512, 32, 0.5, "tied"),
     "rank-1k": ("rank_hmm", 1024, 256, 128, 64, 35, 0.0, ""),
     "rank-4k": ("rank_hmm", 4096, 1024, 256, 64, 35, 0.0, ""),
 }

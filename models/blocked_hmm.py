@@ -234,9 +234,9 @@ class BlockCounts:
     """Exact expected sufficient statistics of one batch (what `expected_counts` returns).
 
     `start` (Z',): first-state counts of the rows that begin from the start distribution; `trans` (Z', Z'):
-    transition counts (including the step from a carried prior into position 0); `emit` (V, k'): emission
+    transition counts (including the step from a carried state into position 0); `emit` (V, k'): emission
     counts of each word by its cluster's states, a sparse COO tensor (only the batch's words have rows);
-    `log_lik` (B,): log p(x_b | prior); `last` (B, k'):
+    `log_lik` (B,): log p(x_b | carried state); `last` (B, k'):
     filtered p(z | x) at each row's last position, over its last token's cluster."""
 
     start: Tensor
@@ -246,14 +246,26 @@ class BlockCounts:
     last: Tensor
 
 
+@dataclass(frozen=True)
+class Carried:
+    """The state before each row's position 0, carried over from the previous chunk of a running stream (BPTT):
+    the filtered posterior at that chunk's last token, which lies in the token's cluster. `state` (B, k'): a
+    distribution over the cluster's k' states (a row of zeros carries nothing: that row starts from the start
+    distribution); `cluster` (B,) int64: the cluster. Position 0 is drawn by the one (k', k') transition block
+    from `cluster` into the first token's cluster: the carried step costs what any other step costs."""
+
+    state: Tensor
+    cluster: Tensor
+
+
 def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
-                    ids: Tensor, lengths: Tensor, prior: Tensor | None = None, dtype: torch.dtype = torch.float64
-                    ) -> BlockCounts:
+                    ids: Tensor, lengths: Tensor, carried: Carried | None = None,
+                    dtype: torch.dtype = torch.float64) -> BlockCounts:
     """Forward-backward expected counts of a blocked HMM over M clusters with k' states each (Z' = M k').
 
     log_start (Z',), log_trans (Z', Z'), log_emit (V, k') in log space (no gradient is taken); ids, lengths:
-    the batch; `prior` (B, Z') optional distribution over the states *before* position 0 (a BPTT carry):
-    position 0 is then drawn by the transitions from it (rows with no mass use `log_start`). The gradient of
+    the batch; `carried` optional state before position 0 (a BPTT carry, `Carried`): position 0 is then drawn
+    by the transitions from it (rows with no mass use `log_start`). The gradient of
     log p(x) with respect to each log-potential is its expected count, so these counts are the exact
     gradient of the log-likelihood without differentiating through the dynamic program. Counts come back in
     `log_trans`'s dtype; `log_lik` and `last` in `dtype`.
@@ -263,8 +275,8 @@ def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word
     `log_trans`'s dtype, and if anything underflows or overflows (a zero scale, non-finite counts), the
     batch is recomputed in `dtype` throughout. On CPU
     with numba, M > 1 runs the compiled sweep (`kernels.blocked`); M == 1 (no emission constraint) runs
-    the shared-matrix GEMM path. O(B T k'^2) for the DP and the counts (one GEMM per (cluster, cluster) block
-    that the batch steps through), O(B Z'^2) more with a prior (one GEMM)."""
+    the shared-matrix GEMM path. O(B T k'^2) for the DP and the counts (the carried step is one more step:
+    O(B k'^2)), plus O(Z'^2) to exponentiate and weight the transition matrix."""
     with torch.no_grad():
         out_dtype = log_trans.dtype
         # (matrix dtype, DP dtype) tried in turn; with one cluster every row of the shared matrix has an entry
@@ -272,7 +284,7 @@ def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word
         attempts = [(out_dtype, out_dtype if M == 1 else dtype), (dtype, dtype)]
         for trans_dtype, dp_dtype in dict.fromkeys(attempts):
             trans = log_trans.detach().to(trans_dtype).exp()
-            res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, prior, dp_dtype)
+            res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, carried, dp_dtype)
             # a sum is finite only if every term is (counts are at most the token count: no overflow)
             if bool(torch.isfinite(res.log_lik).all()) and bool(torch.isfinite(res.trans.sum())):
                 break
@@ -281,7 +293,7 @@ def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word
 
 
 def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
-                     ids: Tensor, lengths: Tensor, prior: Tensor | None, dtype: torch.dtype) -> BlockCounts:
+                     ids: Tensor, lengths: Tensor, carried: Carried | None, dtype: torch.dtype) -> BlockCounts:
     """`expected_counts` with the transition matrix `trans` (Z', Z') given as probabilities."""
     B, T = ids.shape
     Zp = trans.shape[0]
@@ -294,16 +306,14 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
     first = clusters[:, 0]
     init = log_start.detach().to(dtype).exp().view(M, kk)[first]
     has_prior = torch.zeros(B, dtype=torch.bool, device=ids.device)
-    compiled = M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA
-    dense = loop_free(ids.device)
-    if prior is not None:
+    prior = None
+    if carried is not None:
+        prior = carried.state.to(dtype)  # (B, k')
         has_prior = prior.sum(1) > 0
-        if compiled:  # prior @ trans in each row's first cluster, summed in float64: O(B Z' k')
-            into_first = blocked_kernels.carried_init_cpu(prior.to(torch.float64), trans, first, kk)
-        else:
-            prior = prior.to(trans.dtype)
-            into_first = _carried_init(prior, trans, first, kk, dense)
-        init = torch.where(has_prior[:, None], into_first.to(dtype), init)
+        # the carried step: prior_b @ the block from its cluster into the first token's, in the DP's dtype
+        block = trans.view(M, kk, M, kk)[carried.cluster, :, first, :].to(dtype)  # (B, k', k')
+        init = torch.where(has_prior[:, None], (prior.unsqueeze(1) @ block).squeeze(1), init)
+    compiled = M > 1 and ids.device.type == "cpu" and blocked_kernels.HAVE_NUMBA
     if compiled:
         log_cond, alphas, gamma, right = blocked_kernels.forward_backward_cpu(
             init, emit, clusters, lengths, trans, dispatch.blocked_threads(B, int(lengths.sum()), kk))
@@ -319,18 +329,24 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
         right = (emit * betas / log_cond.exp().unsqueeze(-1)).clamp_max(cap)
         right = right.masked_fill(~mask.unsqueeze(-1), 0.0)
     log_cond = log_cond.masked_fill(~mask, 0.0)
+    # the steps' sources (alpha_{t-1}, and the carried state before position 0) and their clusters
+    carried_from = carried.cluster.masked_fill(~has_prior, -1) if carried is not None else None
     if M == 1:
-        trans_counts = (trans * (alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk))).to(trans.dtype)
+        sums = alphas[:, :-1].reshape(-1, kk).T @ right[:, 1:].reshape(-1, kk)
+        if prior is not None:  # rows carrying nothing have a prior of zeros
+            sums = sums + prior.T @ right[:, 0]
+        trans_counts = (trans * sums).to(trans.dtype)
     elif compiled:  # with the carried step's counts
-        trans_counts = blocked_kernels.counts_cpu(alphas, right, clusters, lengths, trans, M, prior,
+        trans_counts = blocked_kernels.counts_cpu(alphas, right, clusters, lengths, trans, M, prior, carried_from,
                                                   dispatch.blocked_threads(M * M, int(lengths.sum()), kk))
-    else:
+    elif carried_from is None:
         trans_counts = _block_counts(alphas[:, :-1], right[:, 1:], clusters, mask[:, 1:], trans, M)
+    else:  # the carried step as a step 0 from the carried state, in its cluster
+        trans_counts = _block_counts(torch.cat([prior.unsqueeze(1), alphas[:, :-1]], 1), right,
+                                     torch.cat([carried_from.clamp_min(0).unsqueeze(1), clusters], 1),
+                                     torch.cat([has_prior.unsqueeze(1), mask[:, 1:]], 1), trans, M)
     start_counts = torch.zeros(M, kk, dtype=dtype, device=ids.device)
     start_counts.index_add_(0, first, gamma[:, 0] * (~has_prior).unsqueeze(1))  # rows with a prior add zeros
-    if prior is not None and not compiled and bool(has_prior.any()):
-        # the carried step (in the compiled counts already): prior_i trans[i, (first, j)] right_0j
-        _add_carried_counts(trans_counts, prior.to(dtype), right[:, 0], trans, first, kk, dense)
     # in the output dtype: a count is a sum of at most as many posteriors as there are tokens
     words, where = torch.unique(ids[mask], return_inverse=True)  # sorted: the sparse tensor is coalesced
     per_word = torch.zeros(len(words), kk, dtype=log_emit.dtype, device=ids.device)
@@ -339,47 +355,6 @@ def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cl
                                           check_invariants=False)
     return BlockCounts(start_counts.reshape(Zp), trans_counts, emit_counts, log_cond.sum(1) + shift.sum(1),
                        chain.filtered_last(alphas, lengths))
-
-
-def _by_cluster(first: Tensor, kk: int) -> list[tuple[Tensor, slice]]:
-    """For each cluster among `first` (n,): (the rows starting in it (n,) bool, its columns of the matrix)."""
-    return [(first == c, slice(c * kk, (c + 1) * kk)) for c in torch.unique(first).tolist()]
-
-
-def loop_free(device: torch.device) -> bool:
-    """Whether the PyTorch path of `expected_counts` trades its per-cluster loops for whole-matrix GEMMs: off
-    the CPU, where each loop step's boolean indexing waits on the device."""
-    return device.type != "cpu"
-
-
-def _carried_init(prior: Tensor, trans: Tensor, first: Tensor, kk: int, dense: bool) -> Tensor:
-    """(B, k') prior_b @ trans restricted to the columns of row b's first cluster, for prior (B, Z') and trans
-    (Z', Z') of one dtype. By default one small GEMM per cluster the rows start in (O(B Z' k')); `dense` (off
-    the CPU): one (B, Z') x (Z', Z') GEMM and a gather (O(B Z'^2)): more flops, but no per-cluster loop, whose
-    boolean indexing waits on a GPU at every cluster."""
-    B = prior.shape[0]
-    if dense:
-        return (prior @ trans).view(B, -1, kk)[torch.arange(B, device=prior.device), first]
-    out = prior.new_empty(B, kk)
-    for sel, cols in _by_cluster(first, kk):
-        out[sel] = prior[sel] @ trans[:, cols]
-    return out
-
-
-def _add_carried_counts(counts: Tensor, carried: Tensor, right0: Tensor, trans: Tensor, first: Tensor, kk: int,
-                        dense: bool) -> None:
-    """Add to `counts` (Z', Z') the expected transition counts of the carried step, sum over rows b of
-    carried_b,i trans[i, (first_b, j)] right0_b,j, computed in carried's dtype, for carried (B, Z') (zero rows:
-    no carried state), right0 (B, k'). One GEMM per cluster the rows start in; `dense`: right0 spread into its
-    cluster's columns and one (Z', B) x (Z', B)^T GEMM, no loop (as `_carried_init`)."""
-    if dense:
-        B, Zp = carried.shape
-        spread = carried.new_zeros(B, Zp // kk, kk)
-        spread[torch.arange(B, device=carried.device), first] = right0
-        counts += (trans.to(carried.dtype) * (carried.T @ spread.view(B, Zp))).to(counts.dtype)
-        return
-    for sel, cols in _by_cluster(first, kk):  # only the columns of the clusters rows start in
-        counts[:, cols] += (trans[:, cols].to(carried.dtype) * (carried[sel].T @ right0[sel])).to(counts.dtype)
 
 
 def _block_counts(prev: Tensor, right: Tensor, clusters: Tensor, valid: Tensor, trans: Tensor, M: int,

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from latentlm.models import chain
 from latentlm.models.base import Batch
-from latentlm.models.blocked_hmm import BlockedHMM, expected_counts
+from latentlm.models.blocked_hmm import BlockedHMM, Carried, expected_counts
 from latentlm.models.errors import LatentLMError
 from latentlm.models.kernels import cluster_emit, gemm
 from latentlm.models.rank_hmm import RankHMM
@@ -484,8 +484,8 @@ class BlockedNLL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
-                ids: Tensor, lengths: Tensor, prior: Tensor | None, sparse_emit: bool = False):
-        counts = expected_counts(log_start, log_trans, log_emit, word_cluster, M, ids, lengths, prior)
+                ids: Tensor, lengths: Tensor, carried: Carried | None, sparse_emit: bool = False):
+        counts = expected_counts(log_start, log_trans, log_emit, word_cluster, M, ids, lengths, carried)
         dt = log_trans.dtype
         emit = counts.emit.to(dt)
         ctx.save_for_backward(counts.start.to(dt), counts.trans.to(dt), emit if sparse_emit else emit.to_dense())
@@ -499,33 +499,33 @@ class BlockedNLL(torch.autograd.Function):
         return -grad * start, -grad * trans, -grad * emit, None, None, None, None, None, None
 
 
-def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Tensor | None = None,
-                 want_last: bool = False) -> tuple[Tensor, Tensor | None]:
+def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Carried | None = None,
+                 want_last: bool = False) -> tuple[Tensor, Carried | None]:
     """Negative log-likelihood summed over the batch's tokens under the state-dropout mask `active`
-    (M, k') (`BlockedNLL`: exact, with the gradient from expected counts); with `want_last`, also the
-    filtered posterior at each row's last position over all states (B, M, k) for BPTT. `carry` (B, M, k)
-    from the previous chunk is the distribution of the state before position 0 (restricted to the active
-    states; rows left with no mass start from the start distribution)."""
+    (M, k') (`BlockedNLL`: exact, with the gradient from expected counts). `carry` from the previous chunk:
+    each row's state before position 0 over all k states of its cluster, restricted here to the active ones
+    (rows left with no mass start from the start distribution). With `want_last`, also the next chunk's carry:
+    the filtered posterior at each row's last position over all k states of its last token's cluster (BPTT)."""
     B = batch.ids.shape[0]
     rows = torch.arange(B, device=batch.ids.device)
-    prior = None
+    carried = None
     if carry is not None:
-        kept = carry if active.shape[1] == carry.shape[2] else carry.gather(2, active.unsqueeze(0).expand(B, -1, -1))
-        c = kept.reshape(B, -1)  # (B, M k'): every state kept (no dropout) is the carry itself
-        prior = c / c.sum(1, keepdim=True).clamp_min(1e-30)
+        kept = carry.state if active.shape[1] == model.k else carry.state.gather(1, active[carry.cluster])
+        carried = Carried(kept / kept.sum(1, keepdim=True).clamp_min(1e-30), carry.cluster)
     # the start distribution is read only by rows with no carried state: where there are none it is not built
     # (its parameters then get no gradient; `fill_missing_grads` gives them the zeros a built one would)
-    ls, lt, le = model.slot_matrices(active, with_start=prior is None or not bool((prior.sum(1) > 0).all()))
+    with_start = carried is None or not bool((carried.state.sum(1) > 0).all())
+    ls, lt, le = model.slot_matrices(active, with_start=with_start)
     if ls is None:
         ls = lt.new_zeros(lt.shape[0])  # never read: every row starts from its carried state
     nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[batch.ids],
-                                   batch.lengths, prior, True)  # le from `cluster_log_softmax`: sparse gradient
+                                   batch.lengths, carried, True)  # le from `cluster_log_softmax`: sparse gradient
     last = None
     if want_last:
         lastc = model.word_cluster[batch.ids[rows, batch.lengths - 1]]
-        full = torch.zeros(B, model.M, model.k, dtype=lt.dtype, device=lt.device)
-        full[rows, lastc] = full[rows, lastc].scatter(1, active[lastc], last_k)
-        last = full
+        state = last_k if active.shape[1] == model.k else \
+            last_k.new_zeros(B, model.k).scatter(1, active[lastc], last_k)
+        last = Carried(state, lastc)
     return nll, last
 
 
@@ -681,8 +681,7 @@ def _train(ns: argparse.Namespace) -> Path:
             common.restore_rng(gen, tensors)
         history = common.History.from_json(state["history"])
         pos = Position.from_json(state, history)
-        carry = tensors.get("carry")
-        carry = carry.to(device) if carry is not None else None
+        carry = _carry_from_checkpoint(tensors, device)
         t0 -= state.get("seconds", 0.0)
         if state.get("early_stopped") or ns.export_only or (ns.max_steps and pos.step >= ns.max_steps):
             pos.epoch = ns.epochs  # nothing left to do: export the best parameters again
@@ -899,8 +898,20 @@ class Position:
         return cls(int(state["epoch"]), int(state.get("batch", 0)), int(state["step"]), int(tokens))
 
 
+def _carry_from_checkpoint(tensors: dict[str, Tensor], device: torch.device | str) -> Carried | None:
+    """The BPTT carry a checkpoint holds: `carry` (B, k) with its `carry_cluster` (B,), or from a checkpoint
+    written before the carry was kept by cluster, `carry` (B, M, k) over every cluster (mass in one of them)."""
+    state = tensors.get("carry")
+    if state is None:
+        return None
+    if "carry_cluster" in tensors:
+        return Carried(state.to(device), tensors["carry_cluster"].long().to(device))
+    cluster = state.sum(2).argmax(1)
+    return Carried(state[torch.arange(state.shape[0]), cluster].to(device), cluster.to(device))
+
+
 def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Generator, history,
-          pos: Position, seconds: float, early_stopped: bool, carry: Tensor | None = None,
+          pos: Position, seconds: float, early_stopped: bool, carry: Carried | None = None,
           ns: argparse.Namespace | None = None) -> None:
     """Checkpoint everything a resume needs to continue bit-for-bit: parameters, best parameters, AdamW
     state, both generators (state dropout; torch's global one, used by nn.Dropout), the position in the
@@ -909,7 +920,7 @@ def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Gener
     tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
                **{f"best.{k}": v for k, v in best_state.items()}, **ot, **common.rng_tensors(gen)}
     if carry is not None:
-        tensors["carry"] = carry
+        tensors["carry"], tensors["carry_cluster"] = carry.state, carry.cluster
     common.save_checkpoint(ckdir, tensors, {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step,
                                             "tokens": pos.tokens, "history": history.to_json(),
                                             "optimizer": ometa, "seconds": seconds,

@@ -245,45 +245,18 @@ if HAVE_NUMBA:
                     gamma[b, t, j] = 0.0
                     right[b, t, j] = 0.0
 
-    @njit(nogil=True, fastmath=FASTMATH, cache=True)
-    def carried_init(prior, trans, first, order, out):  # pragma: no cover - compiled
-        """out[b] (k,) = prior[b] (Z,) @ trans[:, the columns of cluster first[b]], summed in float64: the
-        distribution of a BPTT row's first state, drawn from the carried state before it. Rows are visited in
-        `order` (sorted by first cluster), so each cluster's columns are read once for all the rows starting
-        in it. O(B Z k)."""
-        Z = trans.shape[0]
-        k = out.shape[1]
-        n = order.shape[0]
-        g = 0
-        while g < n:
-            e = g
-            while e < n and first[order[e]] == first[order[g]]:
-                e += 1
-            c0 = first[order[g]] * k
-            for u in range(g, e):
-                for j in range(k):
-                    out[order[u], j] = 0.0
-            for i in range(Z):
-                row = trans[i, c0 : c0 + k]
-                for u in range(g, e):
-                    p = prior[order[u], i]
-                    dst = out[order[u]]
-                    for j in range(k):
-                        dst[j] += p * row[j]
-            g = e
-
     @njit(nogil=True, cache=True)
-    def count_entries(clusters, lengths, M, carried):  # pragma: no cover - compiled
+    def count_entries(clusters, lengths, M, carried_from):  # pragma: no cover - compiled
         """The terms of a batch's expected transition counts, sorted by the block they fall in (stable): one
         per step t >= 1 of each row (block (cluster at t - 1, cluster at t)) and, for each row that starts
-        from a carried prior (`carried` (B,) bool), one per source cluster i (block (i, the row's first
-        cluster), step 0). Returns (keys, rows, steps) (n,) int64, key = source cluster * M + target
-        cluster. O(B T + n log n)."""
+        from a carried state (`carried_from` (B,) int64: its cluster, -1 for none), one for the carried step
+        (block (that cluster, the row's first cluster), step 0). Returns (keys, rows, steps) (n,) int64, key =
+        source cluster * M + target cluster. O(B T + n log n)."""
         B = clusters.shape[0]
         n = 0
         for b in range(B):
             if lengths[b] > 0:
-                n += lengths[b] - 1 + (M if carried[b] else 0)
+                n += lengths[b] - 1 + (1 if carried_from[b] >= 0 else 0)
         keys = np.empty(n, dtype=np.int64)
         rows = np.empty(n, dtype=np.int64)
         steps = np.empty(n, dtype=np.int64)
@@ -291,10 +264,9 @@ if HAVE_NUMBA:
         for b in range(B):
             if lengths[b] == 0:
                 continue
-            if carried[b]:
-                for i in range(M):
-                    keys[s], rows[s], steps[s] = i * M + clusters[b, 0], b, 0
-                    s += 1
+            if carried_from[b] >= 0:
+                keys[s], rows[s], steps[s] = carried_from[b] * M + clusters[b, 0], b, 0
+                s += 1
             for t in range(1, lengths[b]):
                 keys[s], rows[s], steps[s] = clusters[b, t - 1] * M + clusters[b, t], b, t
                 s += 1
@@ -302,12 +274,12 @@ if HAVE_NUMBA:
         return keys[order], rows[order], steps[order]
 
     @njit(nogil=True, inline="always", cache=True)
-    def _count_source(alphas, prior, b, t, i):  # pragma: no cover - compiled
-        """The left factor of a count term: alpha_{t-1} (k,) of row b, or at step 0 its carried prior over
-        source cluster i (prior (B, M, k))."""
+    def _count_source(alphas, prior, b, t):  # pragma: no cover - compiled
+        """The left factor of a count term: alpha_{t-1} (k,) of row b, or at step 0 its carried state (prior
+        (B, k))."""
         if t > 0:
             return alphas[b, t - 1]
-        return prior[b, i]
+        return prior[b]
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def block_counts(alphas, right, prior, keys, rows, steps, i_lo, i_hi, trans, M, out
@@ -315,7 +287,7 @@ if HAVE_NUMBA:
         """Rows i_lo <= i < i_hi of every k x k block of the expected transition counts (out (Z, Z) in trans's
         dtype; block (key // M, key % M)): a block that the terms of `count_entries` step through gets (the
         sum over them of source (x) right_t, in float64) * the block of trans, where the source is alpha_{t-1}
-        or, at step 0, the row's carried prior (B, M, k); every other block gets zeros. Threads given disjoint
+        or, at step 0, the row's carried state (prior (B, k)); every other block gets zeros. Threads given disjoint
         row ranges never meet, and every entry is summed over the same terms in the same order whatever the
         split: the same bits for any number of threads, and the work split evenly even when most terms fall
         in one block. Four terms per sweep over the rows' sums. O(n (i_hi - i_lo) k + M^2 (i_hi - i_lo) k)
@@ -334,13 +306,12 @@ if HAVE_NUMBA:
             for i in range(i_lo, i_hi):
                 for j in range(k):
                     acc[i, j] = 0.0
-            src = key // M
             while s < n and keys[s] == key:
                 if s + 3 < n and keys[s + 3] == key:
-                    a0 = _count_source(alphas, prior, rows[s], steps[s], src)
-                    a1 = _count_source(alphas, prior, rows[s + 1], steps[s + 1], src)
-                    a2 = _count_source(alphas, prior, rows[s + 2], steps[s + 2], src)
-                    a3 = _count_source(alphas, prior, rows[s + 3], steps[s + 3], src)
+                    a0 = _count_source(alphas, prior, rows[s], steps[s])
+                    a1 = _count_source(alphas, prior, rows[s + 1], steps[s + 1])
+                    a2 = _count_source(alphas, prior, rows[s + 2], steps[s + 2])
+                    a3 = _count_source(alphas, prior, rows[s + 3], steps[s + 3])
                     q0, q1 = right[rows[s], steps[s]], right[rows[s + 1], steps[s + 1]]
                     q2, q3 = right[rows[s + 2], steps[s + 2]], right[rows[s + 3], steps[s + 3]]
                     for i in range(i_lo, i_hi):
@@ -350,7 +321,7 @@ if HAVE_NUMBA:
                             row[j] += (x0 * q0[j] + x1 * q1[j]) + (x2 * q2[j] + x3 * q3[j])
                     s += 4
                 else:
-                    a0 = _count_source(alphas, prior, rows[s], steps[s], src)
+                    a0 = _count_source(alphas, prior, rows[s], steps[s])
                     q0 = right[rows[s], steps[s]]
                     for i in range(i_lo, i_hi):
                         x0 = a0[i]
@@ -402,15 +373,6 @@ def viterbi_cpu(log_init: Tensor, log_table: Tensor, ids: Tensor, clusters: Tens
     return path, score
 
 
-def carried_init_cpu(prior: Tensor, trans: Tensor, first: Tensor, k: int) -> Tensor:
-    """`carried_init`: (B, k) float64 from prior (B, Z) (float64), trans (Z, Z) and each row's first cluster
-    `first` (B,), on the calling thread. O(B Z k)."""
-    out = torch.empty(prior.shape[0], k, dtype=torch.float64)
-    order = torch.argsort(first, stable=True)
-    carried_init(as_array(prior), as_array(trans), as_array(first), as_array(order), out.numpy())
-    return out
-
-
 def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,
                          threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(log_cond (B, T), alphas, gamma, right (B, T, k)) of `blocked_forward_backward` over init (B, k), emit
@@ -428,20 +390,21 @@ def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: 
 
 
 def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, M: int,
-               prior: Tensor | None = None, threads: int = 1) -> Tensor:
-    """Expected transition counts (Z, Z) in trans's dtype from `forward_backward_cpu`'s alphas and right, with
-    `prior` (B, Z) (a BPTT carry; rows of zeros carry nothing) the carried step's counts too (`count_entries`,
-    `block_counts`): the rows of every block split evenly over `threads` threads (the same bits for any split).
-    O(B T k^2 + B Z k)."""
+               prior: Tensor | None = None, carried_from: Tensor | None = None, threads: int = 1) -> Tensor:
+    """Expected transition counts (Z', Z') in trans's dtype from `forward_backward_cpu`'s alphas and right, with
+    the carried step too where `prior` (B, k) holds each row's carried state in the cluster `carried_from` (B,)
+    (-1: the row carries nothing) (`count_entries`, `block_counts`): the rows of every block split evenly over
+    `threads` threads (the same bits for any split). O(B T k^2 + Z^2)."""
     B, T, k = alphas.shape
-    carried = prior.sum(1) > 0 if prior is not None else torch.zeros(B, dtype=torch.bool)
-    # without a prior no term reads it (every term has a step >= 1): an empty array of the kernel's type
-    prior3 = prior.to(alphas.dtype).reshape(B, M, k) if prior is not None else alphas.new_empty(0, M, k)
-    keys, rows, steps = count_entries(as_array(clusters), as_array(lengths), M, carried.numpy())
+    if carried_from is None:
+        carried_from = torch.full((B,), -1, dtype=torch.long)
+    # without a carried state no term reads it (every term has a step >= 1): an empty array of the kernel's type
+    prior2 = prior.to(alphas.dtype) if prior is not None else alphas.new_empty(0, k)
+    keys, rows, steps = count_entries(as_array(clusters), as_array(lengths), M, as_array(carried_from))
     out = torch.empty_like(trans)
     threads = max(1, min(threads, k))
     bounds = [k * p // threads for p in range(threads + 1)]
-    args = (as_array(alphas), as_array(right), as_array(prior3), keys, rows, steps)
+    args = (as_array(alphas), as_array(right), as_array(prior2), keys, rows, steps)
     mat, target = as_array(trans), out.numpy()
     run_split(lambda p: block_counts(*args, bounds[p], bounds[p + 1], mat, M, target), threads)
     return out

@@ -43,8 +43,8 @@ def brute_log_lik(ls, lt, le, wc, M, ids, lengths, prior):
     for b in range(ids.shape[0]):
         L = int(lengths[b])
         x = ids[b, :L].tolist()
-        has = prior is not None and float(prior[b].sum()) > 0
-        first = prior[b].double() @ trans if has else start
+        has = prior is not None and float(prior.state[b].sum()) > 0
+        first = spread(prior, M)[b] @ trans if has else start
         total = 0.0
         for path in itertools.product(range(Z), repeat=L):
             p = first[path[0]] * full_emit[x[0], path[0]]
@@ -65,8 +65,8 @@ def autograd_nll(ls, lt, le, wc, M, ids, lengths, prior):
     rows = torch.arange(B)
     init = ls.exp().view(M, kk)[clusters[:, 0]]
     if prior is not None:
-        has = prior.sum(1) > 0
-        init = torch.where(has[:, None], (prior @ trans).view(B, M, kk)[rows, clusters[:, 0]], init)
+        has = prior.state.sum(1) > 0
+        init = torch.where(has[:, None], (spread(prior, M) @ trans).view(B, M, kk)[rows, clusters[:, 0]], init)
     def block(t: int):
         return blocks[clusters[:, t - 1], :, clusters[:, t], :]
 
@@ -87,11 +87,20 @@ def dense(t: torch.Tensor) -> torch.Tensor:
     return t.to_dense() if t.is_sparse else t
 
 
-def a_prior(B: int, Z: int, seed: int):
+def a_prior(B: int, M: int, kk: int, seed: int) -> blocked_hmm.Carried:
+    """A carried state for each row, in a random cluster; the last row carries nothing."""
     g = torch.Generator().manual_seed(seed)
-    prior = torch.softmax(torch.randn(B, Z, generator=g, dtype=torch.float64) * 2, 1)
-    prior[-1] = 0.0  # a row with no carried mass starts from the start distribution
-    return prior
+    state = torch.softmax(torch.randn(B, kk, generator=g, dtype=torch.float64) * 2, 1)
+    state[-1] = 0.0  # a row with no carried mass starts from the start distribution
+    return blocked_hmm.Carried(state, torch.randint(0, M, (B,), generator=g))
+
+
+def spread(prior: blocked_hmm.Carried, M: int) -> torch.Tensor:
+    """The carried state as a distribution over all M k' states (B, M k') (float64): zeros outside its cluster."""
+    B, kk = prior.state.shape
+    full = torch.zeros(B, M, kk, dtype=torch.float64)
+    full[torch.arange(B), prior.cluster] = prior.state.double()
+    return full.view(B, M * kk)
 
 
 @pytest.mark.parametrize("M,kk", [(1, 3), (2, 2), (3, 1)])
@@ -100,7 +109,7 @@ def test_log_likelihood_equals_enumeration_of_all_paths(M, kk, with_prior):
     V, B, T = 7, 3, 4
     ls, lt, le, wc = random_model(M, kk, V, seed=M * 10 + kk)
     ids, lengths = batch(V, B, T, seed=1)
-    prior = a_prior(B, M * kk, 2) if with_prior else None
+    prior = a_prior(B, M, kk, 2) if with_prior else None
     counts = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids, lengths, prior)
     want = brute_log_lik(ls, lt, le, wc, M, ids, lengths, prior)
     assert torch.allclose(counts.log_lik, want, rtol=1e-10, atol=1e-10)
@@ -113,7 +122,7 @@ def test_gradient_equals_autograd_through_the_forward(M, kk, B, T, seed, with_pr
     V = max(M, 9)
     ls, lt, le, wc = random_model(M, kk, V, seed)
     ids, lengths = batch(V, B, T, seed + 1)
-    prior = a_prior(B, M * kk, seed + 2) if with_prior else None
+    prior = a_prior(B, M, kk, seed + 2) if with_prior else None
     params = [p.clone().requires_grad_() for p in (ls, lt, le)]
     ref = autograd_nll(*params, wc, M, ids, lengths, prior)
     ref_grads = [torch.zeros_like(p) if g is None else g
@@ -135,7 +144,7 @@ def test_compiled_sweep_equals_pytorch_path(monkeypatch, with_prior):
     M, kk, V, B, T = 4, 5, 40, 6, 9
     ls, lt, le, wc = random_model(M, kk, V, seed=3)
     ids, lengths = batch(V, B, T, seed=4)
-    prior = a_prior(B, M * kk, 5) if with_prior else None
+    prior = a_prior(B, M, kk, 5) if with_prior else None
     compiled = blocked_hmm.expected_counts(ls.float(), lt.float(), le.float(), wc, M, ids, lengths, prior)
     monkeypatch.setattr(blocked_kernels, "HAVE_NUMBA", False)
     reference = blocked_hmm.expected_counts(ls.float(), lt.float(), le.float(), wc, M, ids, lengths, prior)
@@ -145,29 +154,40 @@ def test_compiled_sweep_equals_pytorch_path(monkeypatch, with_prior):
         assert torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-7), field
     # every real position contributes one unit of emission count and T-1 of transition count per row
     assert torch.allclose(dense(compiled.emit).sum().double(), lengths.sum().double())
-    n_trans = (lengths - 1).sum() + (int((prior.sum(1) > 0).sum()) if with_prior else 0)
+    n_trans = (lengths - 1).sum() + (int((prior.state.sum(1) > 0).sum()) if with_prior else 0)
     assert torch.allclose(compiled.trans.sum().double(), n_trans.double(), rtol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
 @given(M=st.integers(1, 5), kk=st.integers(1, 4), B=st.integers(1, 7), T=st.integers(1, 6), seed=st.integers(0, 500),
        carried=st.sampled_from(["none", "some", "all"]))
-def test_the_gpus_loop_free_path_equals_the_loops(M, kk, B, T, seed, carried):
-    """What a GPU runs (`loop_free`: whole-matrix GEMMs for the carried state's start and counts) gives the
-    per-cluster loops' counts, with no rows, some rows and every row continuing a carried state."""
+def test_batched_counts_with_carried_states_equal_one_row_at_a_time(M, kk, B, T, seed, carried):
+    """The PyTorch path (what a GPU runs) and the compiled sweep give, for a variable-length batch with no
+    rows, some rows and every row continuing a carried state, the sum of each row's own transition counts;
+    each row adds one unit per step, the carried step included. (The carried step's counts themselves are
+    checked against autograd above.)"""
     V = max(M, 3 * M)
     ls, lt, le, wc = random_model(M, kk, V, seed=seed)
     ids, lengths = batch(V, B, T, seed=seed + 1)
-    prior = None if carried == "none" else a_prior(B, M * kk, seed + 2)
+    prior = None if carried == "none" else a_prior(B, M, kk, seed + 2)
     if carried == "some" and B > 1:
-        prior[::2] = 0.0  # these rows start from the start distribution
+        prior.state[::2] = 0.0  # these rows start from the start distribution
+    want = torch.zeros_like(lt)
+    for b in range(B):
+        L = int(lengths[b])
+        one = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids[b:b + 1, :L], lengths[b:b + 1],
+                                          None if prior is None else blocked_hmm.Carried(prior.state[b:b + 1],
+                                                                                         prior.cluster[b:b + 1]))
+        want += one.trans
     with pytest.MonkeyPatch.context() as m:
         m.setattr(blocked_kernels, "HAVE_NUMBA", False)
-        loops = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids, lengths, prior)
-        m.setattr(blocked_hmm, "loop_free", lambda device: True)
-        free = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids, lengths, prior)
-    for field in ("start", "trans", "emit", "log_lik", "last"):
-        assert torch.allclose(dense(getattr(free, field)), dense(getattr(loops, field)), rtol=1e-10, atol=1e-12), field
+        torch_path = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids, lengths, prior)
+    compiled = blocked_hmm.expected_counts(ls, lt, le, wc, M, ids, lengths, prior)
+    for got in (torch_path, compiled):
+        assert torch.allclose(got.trans, want, rtol=1e-10, atol=1e-12)
+    # each row adds one unit per step, the carried step included
+    n = (lengths - 1).sum() + (0 if prior is None else int((prior.state.sum(1) > 0).sum()))
+    assert torch.allclose(torch_path.trans.sum(), n.double())
 
 
 def test_block_counts_sum_each_blocks_outer_products_in_chunks():
@@ -199,7 +219,7 @@ def test_compiled_sweep_split_over_threads_gives_the_same_bits(monkeypatch):
     M, kk, V, B, T = 3, 4, 30, 11, 13
     ls, lt, le, wc = random_model(M, kk, V, seed=5)
     ids, lengths = batch(V, B, T, seed=6)
-    prior = a_prior(B, M * kk, 7)
+    prior = a_prior(B, M, kk, 7)
     runs = []
     for n in (1, 3):
         monkeypatch.setattr(torch, "get_num_threads", lambda n=n: n)

@@ -11,7 +11,7 @@ import torch
 
 from latentlm import ops
 from latentlm.models.base import Batch
-from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.blocked_hmm import BlockedHMM, Carried
 from latentlm.models.registry import load_artifact
 from latentlm.training import neural
 from latentlm.training.settings import corpus_perplexity, resolve_settings
@@ -287,8 +287,8 @@ def test_a_step_whose_rows_all_carry_a_state_skips_the_start_and_changes_nothing
     wc = torch.arange(V) % M
     b = Batch.from_lists([[0, 4, 8, 2], [5, 1, 7, 3], [2, 2, 6, 9]])
     active = neural.sample_state_dropout(M, k, 3, torch.Generator().manual_seed(2))
-    carry = torch.zeros(B, M, k)
-    carry[:, 1] = torch.rand(B, k, generator=torch.Generator().manual_seed(3)) + 0.1  # mass on every state
+    carry = Carried(torch.rand(B, k, generator=torch.Generator().manual_seed(3)) + 0.1,  # mass on every state
+                    torch.ones(B, dtype=torch.long))  # of cluster 1
     runs = []
     for build_start in (False, True):
         torch.manual_seed(0)
@@ -310,3 +310,19 @@ def test_a_step_whose_rows_all_carry_a_state_skips_the_start_and_changes_nothing
         assert torch.equal(p0[n], p1[n]), n
     unused = [n for n in g0 if "start" in n]
     assert unused and all(not g0[n].any() for n in unused)
+
+
+def test_a_checkpoints_carry_reads_back_by_cluster_and_from_the_older_layout():
+    """The BPTT carry a checkpoint holds comes back as written (`carry` (B, k) and `carry_cluster` (B,)); a
+    checkpoint from before the carry was kept by cluster holds it over every cluster (B, M, k), with all of
+    each row's mass in one: read back as that cluster's row."""
+    g = torch.Generator().manual_seed(0)
+    B, M, k = 4, 3, 5
+    carry = Carried(torch.rand(B, k, generator=g), torch.tensor([2, 0, 1, 2]))
+    now = neural._carry_from_checkpoint({"carry": carry.state, "carry_cluster": carry.cluster}, "cpu")
+    older = torch.zeros(B, M, k)
+    older[torch.arange(B), carry.cluster] = carry.state
+    before = neural._carry_from_checkpoint({"carry": older}, "cpu")
+    for got in (now, before):
+        assert torch.equal(got.state, carry.state) and torch.equal(got.cluster, carry.cluster)
+    assert neural._carry_from_checkpoint({}, "cpu") is None
