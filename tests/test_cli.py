@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -141,3 +142,17 @@ def test_console_script_exit_code(tmp_path):
     p = subprocess.run([sys.executable, "-m", "latentlm.cli", "import-hmm", str(tmp_path / "bad.npz"), "--name",
                         "x", "--store", str(tmp_path / "s")], capture_output=True, text=True)
     assert p.returncode == 2 and "transmat: row 0 sums to 1.2" in p.stderr
+
+
+def test_every_command_prints_its_help(capsys):
+    """`latentlm COMMAND --help` for every command exits 0 and names its options (argparse formats help strings
+    with %: a literal % in an option's help, e.g. --split-at's 10%,30%, once made `train --help` crash)."""
+    from latentlm.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert "train" in sub.choices
+    for name in sub.choices:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0, name
+        assert "--" in capsys.readouterr().out, name

@@ -500,33 +500,63 @@ class BlockedNLL(torch.autograd.Function):
 
 
 def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Carried | None = None,
-                 want_last: bool = False) -> tuple[Tensor, Carried | None]:
+                 want_last: bool = False, eos: int | None = None) -> tuple[Tensor, Carried | None]:
     """Negative log-likelihood summed over the batch's tokens under the state-dropout mask `active`
     (M, k') (`BlockedNLL`: exact, with the gradient from expected counts). `carry` from the previous chunk:
     each row's state before position 0 over all k states of its cluster, restricted here to the active ones
     (rows left with no mass start from the start distribution). With `want_last`, also the next chunk's carry:
-    the filtered posterior at each row's last position over all k states of its last token's cluster (BPTT)."""
+    the filtered posterior at each row's last position over all k states of its last token's cluster (BPTT).
+    With `eos` (--reset-eos), every token after an `eos` starts from the start distribution: the rows are cut
+    into sentence pieces (`sentence_pieces`), the carry enters each row's first piece and leaves its last,
+    and a row that ends with `eos` carries nothing on."""
     B = batch.ids.shape[0]
     rows = torch.arange(B, device=batch.ids.device)
     carried = None
     if carry is not None:
         kept = carry.state if active.shape[1] == model.k else carry.state.gather(1, active[carry.cluster])
         carried = Carried(kept / kept.sum(1, keepdim=True).clamp_min(1e-30), carry.cluster)
+    pieces, first, last_piece = (batch, rows, rows) if eos is None else sentence_pieces(batch, eos)
+    if carried is not None and pieces is not batch:  # only each row's first piece continues its carried state
+        n = pieces.ids.shape[0]
+        carried = Carried(carried.state.new_zeros(n, carried.state.shape[1]).index_copy(0, first, carried.state),
+                          carried.cluster.new_zeros(n).index_copy(0, first, carried.cluster))
     # the start distribution is read only by rows with no carried state: where there are none it is not built
     # (its parameters then get no gradient; `fill_missing_grads` gives them the zeros a built one would)
     with_start = carried is None or not bool((carried.state.sum(1) > 0).all())
     ls, lt, le = model.slot_matrices(active, with_start=with_start)
     if ls is None:
         ls = lt.new_zeros(lt.shape[0])  # never read: every row starts from its carried state
-    nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[batch.ids],
-                                   batch.lengths, carried, True)  # le from `cluster_log_softmax`: sparse gradient
+    nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[pieces.ids],
+                                   pieces.lengths, carried, True)  # le from `cluster_log_softmax`: sparse gradient
     last = None
     if want_last:
-        lastc = model.word_cluster[batch.ids[rows, batch.lengths - 1]]
+        final = batch.ids[rows, batch.lengths - 1]
+        lastc = model.word_cluster[final]
+        last_k = last_k[last_piece]
+        if eos is not None:  # a row whose chunk ends a sentence starts the next chunk afresh
+            last_k = last_k.masked_fill((final == eos).unsqueeze(1), 0.0)
         state = last_k if active.shape[1] == model.k else \
             last_k.new_zeros(B, model.k).scatter(1, active[lastc], last_k)
         last = Carried(state, lastc)
     return nll, last
+
+
+def sentence_pieces(batch: Batch, eos: int) -> tuple[Batch, Tensor, Tensor]:
+    """The batch's rows cut after every `eos` token: (the pieces as a batch (S, L) in row order, each row's
+    first piece (B,), each row's last piece (B,)). Rows must be non-empty. O(B T)."""
+    ids, lengths = batch.ids, batch.lengths
+    B, T = ids.shape
+    valid = torch.arange(T, device=ids.device) < lengths[:, None]
+    starts = torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), ids[:, :-1] == eos], 1) & valid
+    tokens, begins = ids[valid], starts[valid]  # (N,) in row order
+    piece = torch.cumsum(begins.long(), 0) - 1  # (N,) each token's piece
+    offset = torch.arange(len(tokens), device=ids.device) - begins.nonzero().squeeze(1)[piece]
+    n = int(piece[-1]) + 1
+    piece_len = torch.bincount(piece, minlength=n)
+    out = ids.new_zeros(n, int(piece_len.max()))
+    out[piece, offset] = tokens
+    row_start = torch.cumsum(lengths, 0) - lengths  # each row's first token in `tokens`
+    return Batch(out, piece_len), piece[row_start], piece[row_start + lengths - 1]
 
 
 def rank_loss(model: RankNeural, batch: Batch) -> Tensor:
@@ -586,9 +616,10 @@ def build(ns: argparse.Namespace, vocab: Vocabulary, train_seqs: list[list[int]]
 def exported_tensors(model: nn.Module, ns: argparse.Namespace, train_seqs: list[list[int]], eos: int | None,
                      device: torch.device | str = "cpu") -> dict[str, Tensor]:
     """The tensors the artifact stores (on `device`): the family's cached matrices, with a BPTT-trained VL-HMM's
-    sentence start replaced by the state distribution after `<eos>` (`fix_start_for_streams`)."""
+    sentence start replaced by the state distribution after `<eos>` (`fix_start_for_streams`), unless it was
+    trained with --reset-eos (then every sentence started from the start distribution, as the artifact's do)."""
     tensors = model.export_tensors(device)
-    if ns.family == "blocked_hmm" and ns.bptt:
+    if ns.family == "blocked_hmm" and ns.bptt and not ns.reset_eos:
         tensors = fix_start_for_streams(model, tensors, train_seqs, eos)
     return tensors
 
@@ -737,7 +768,8 @@ def _train(ns: argparse.Namespace) -> Path:
                 b = batches[bi]
                 if blocked:
                     active = sample_state_dropout(model.M, model.k, keep, gen).to(device)
-                    nll, carry = blocked_loss(model, b, active, carry, want_last=bool(ns.bptt))
+                    nll, carry = blocked_loss(model, b, active, carry, want_last=bool(ns.bptt),
+                                              eos=vocab.eos_id if ns.reset_eos else None)
                 else:
                     nll = rank_loss(model, b)  # dropout draws from torch's global generator (checkpointed)
                 ntok = ntoks[bi]

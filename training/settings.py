@@ -46,6 +46,11 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "bptt_rotate": (bool, False, "blocked_hmm with --bptt: every epoch the running text starts at a random token "
                                  "(drawn from the seed and the epoch), so the streams and chunks differ from epoch "
                                  "to epoch (off: the same batches every epoch, as the paper's BPTT iterator)"),
+    "reset_eos": (bool, False, "blocked_hmm with --bptt: every <eos> ends a sentence and the next one starts from "
+                               "the start distribution (the authors' --reset_eos 1): the state is carried across "
+                               "chunk boundaries, never across sentences, so training scores sentences as "
+                               "sentence-level evaluation does and the export keeps the trained start (off: the "
+                               "state runs on through <eos>; the export's start is the state after <eos>)"),
     "device": (str, "cpu", "cpu, cuda or auto"),
     "gemm": (str, "auto", "blocked_hmm, rank_hmm on CPU: the library of the training step's float32 GEMMs: 'auto' "
                           "(time torch's BLAS and oneDNN on the model's shapes at the start and take the faster; a "
@@ -219,6 +224,9 @@ def validate(ns: argparse.Namespace) -> None:
     if ns.bptt_rotate and not (ns.family == "blocked_hmm" and ns.bptt):
         raise InputError("--bptt-rotate: needs --family blocked_hmm with --bptt N (it moves the start of the running "
                          "text that BPTT reads)", param="bptt_rotate")
+    if ns.reset_eos and not (ns.family == "blocked_hmm" and ns.bptt):
+        raise InputError("--reset-eos: needs --family blocked_hmm with --bptt N (sentence batches already start "
+                         "every sentence from the start distribution)", param="reset_eos")
     if ns.export_only and (not ns.resume or ns.family not in ("blocked_hmm", "rank_hmm")):
         raise InputError("--export-only: needs --resume and --family blocked_hmm or rank_hmm (it exports an "
                          "existing checkpoint of a neural HMM)", param="export_only")

@@ -37,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint of --name")
     for key, (typ, _default, help_text) in OPTIONS.items():
         flag = "--" + key.replace("_", "-")
+        help_text = help_text.replace("%", "%%")  # argparse formats help strings with %
         if typ is bool:
             p.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:

@@ -62,6 +62,9 @@ FAMILIES = {
     # every epoch reads the running text from another token (--bptt-rotate): a resumed epoch must draw the same
     "blocked_hmm_bptt_rotate": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, bptt=12, batch=6,
                                     bptt_rotate=True),
+    # every <eos> restarts the state from the start distribution (--reset-eos): the carry ends with a sentence
+    "blocked_hmm_bptt_reset": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, bptt=12, batch=6,
+                                   reset_eos=True),
     # 8 states until epoch 1, then 16 (--split-at): the split must happen exactly once whatever the interruption
     "blocked_hmm_split": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, split_at="1",
                               state_embedding="independent"),
@@ -81,6 +84,7 @@ FAMILIES = {
 # is in epoch 1, the 5th at its end (before a split at epoch 1), the 6th in epoch 2 (after it)
 @pytest.mark.parametrize("case,interrupt_at,mid", [("blocked_hmm", 6, True), ("blocked_hmm_bptt", 3, True),
                                                    ("blocked_hmm_bptt_rotate", 6, True),
+                                                   ("blocked_hmm_bptt_reset", 3, True),
                                                    ("rank_hmm", 3, True), ("rank_hmm", 6, True),
                                                    ("rank_hmm_anneal", 6, True),
                                                    ("blocked_hmm_split", 5, False), ("blocked_hmm_split", 6, True),
