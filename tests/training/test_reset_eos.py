@@ -83,3 +83,41 @@ def test_only_a_model_trained_without_the_reset_gets_the_state_after_eos_as_its_
                                      batch=3, epochs=1, reset_eos=reset))
     neural.train(ns)
     assert (len(calls) == 0) if reset else (len(calls) >= 2)
+
+
+@pytest.mark.parametrize("state_dropout", [False, True])
+def test_the_gradient_with_reset_and_carry_equals_autograd_through_the_forward(state_dropout):
+    """The gradient of a chunk's NLL with --reset-eos and a carried state (every parameter of the model) equals
+    autograd through the differentiable scaled forward over the same sentence pieces cut by hand: each row's
+    first piece from its carried state (restricted to the active states and renormalised), every later piece
+    from the start distribution."""
+    from latentlm.models.blocked_hmm import Carried
+    from tests.training.test_blocked_counts import autograd_nll
+
+    V, M, k = 12, 3, 4
+    torch.manual_seed(1)
+    model = neural.VLHMM(V, torch.arange(V) % M, M, k, 8, "independent").double()
+    batch = Batch.from_lists([[3, 5, EOS, 7, 2, EOS, 4], [6, 1, 8, 9, EOS, 10, 11]])
+    g = torch.Generator().manual_seed(2)
+    carry = Carried(torch.rand(2, k, generator=g, dtype=torch.float64), torch.tensor([1, 2]))
+    kk = 2 if state_dropout else k
+    active = neural.sample_state_dropout(M, k, kk, g) if state_dropout else torch.arange(k).expand(M, k)
+    params = list(model.parameters())
+    nll, _ = neural.blocked_loss(model, batch, active, carry, eos=EOS)
+    got = torch.autograd.grad(nll, params, allow_unused=True)
+
+    pieces = Batch.from_lists([[3, 5, EOS], [7, 2, EOS], [4], [6, 1, 8, 9, EOS], [10, 11]])
+    kept = torch.stack([carry.state[b, active[carry.cluster[b]]] for b in range(2)])
+    state = torch.zeros(5, kk, dtype=torch.float64)
+    state[[0, 3]] = kept / kept.sum(1, keepdim=True)
+    cluster = torch.zeros(5, dtype=torch.long)
+    cluster[[0, 3]] = carry.cluster
+    ls, lt, le = model.slot_matrices(active)
+    ref = autograd_nll(ls, lt, le, model.slot_cluster, M, model.word_slot[pieces.ids], pieces.lengths,
+                       Carried(state, cluster))
+    want = torch.autograd.grad(ref, params, allow_unused=True)
+    assert float(nll.detach()) == pytest.approx(float(ref.detach()), rel=1e-12)
+    for (name, p), a, b in zip(model.named_parameters(), got, want, strict=True):
+        a = torch.zeros_like(p) if a is None else (a.to_dense() if a.is_sparse else a)
+        b = torch.zeros_like(p) if b is None else b
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-11), name
