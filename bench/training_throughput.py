@@ -32,6 +32,7 @@ from pathlib import Path
 import latentlm
 
 latentlm.tune_openmp_for_training()  # as `latentlm train` does, before torch loads
+latentlm.flush_denormals_for_training()  # and before torch starts its threads
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -35,3 +35,21 @@ def test_other_commands_and_user_values_are_left_alone():
 
 def test_the_package_root_does_not_load_torch():
     subprocess.run([sys.executable, "-c", TORCH_FIRST], check=True)
+
+
+DENORMALS = ("import sys; sys.argv = ['latentlm'] + sys.argv[1:]; import latentlm.cli, torch; "
+             "torch.set_num_threads(2); a = torch.full((256, 4096), 1e-39); "
+             "print(int((a @ torch.ones(4096, 256) != 0).sum()), int((a * 1.0 != 0).sum()))")
+
+
+@pytest.mark.parametrize("command,flushed", [("train", True), ("train-tagger", True), ("serve", False)])
+def test_training_commands_flush_denormals_on_every_torch_thread(command, flushed):
+    """In `latentlm train` (and train-tagger) every thread torch computes on treats float32 denormals as zero
+    (`latentlm.flush_denormals_for_training`, set before torch's threads exist): a GEMM and an elementwise
+    product over denormal inputs, both split over two threads, give exact zeros; in other commands they do not."""
+    out = subprocess.run([sys.executable, "-c", DENORMALS, command], capture_output=True, text=True, check=True)
+    nonzero_gemm, nonzero_mul = (int(x) for x in out.stdout.split())
+    if flushed:
+        assert nonzero_gemm == 0 and nonzero_mul == 0
+    else:
+        assert nonzero_gemm == 256 * 256 and nonzero_mul == 256 * 4096

@@ -15,6 +15,7 @@ import latentlm
 # training commands: before torch loads (the subcommands import it), see `latentlm.tune_openmp_for_training`
 if sys.argv[1:2] in (["train"], ["train-tagger"]):
     latentlm.tune_openmp_for_training()
+    latentlm.flush_denormals_for_training()  # before torch's threads exist: they inherit it
 
 from latentlm.cli import imports, infer, serve, train  # noqa: E402
 from latentlm.models.errors import LatentLMError  # noqa: E402
