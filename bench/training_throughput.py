@@ -56,6 +56,8 @@ CONFIGS = {
     "ind-16k": ("blocked_hmm", 16384, 128, 256, 64, 32, 0.5, "independent"),
     # the 2-hour tied recipe's step (configs/cpu-2h-vlhmm-16k-tied.yaml): 512 streams x BPTT 32
     "tied-16k": ("blocked_hmm", 16384, 128, 256, 512, 32, 0.5, "tied"),
+    # the same at 2^15 states (the 2-hour recipe grown one split further: configs/cpu-2h-vlhmm-32k-tied.yaml)
+    "tied-32k": ("blocked_hmm", 32768, 128, 256, 512, 32, 0.5, "tied"),
     "rank-1k": ("rank_hmm", 1024, 256, 128, 64, 35, 0.0, ""),
     "rank-4k": ("rank_hmm", 4096, 1024, 256, 64, 35, 0.0, ""),
 }

@@ -115,11 +115,14 @@ def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
 
 def reuse_freed_memory() -> bool:
     """Make glibc's malloc serve every allocation from its heap and keep freed memory there (mallopt
-    M_MMAP_MAX = 0, M_TRIM_THRESHOLD = 2 GiB). A training step allocates and frees the same large tensors
-    every time; above glibc's 32 MiB mmap ceiling (4,096^2 float32 = 64 MiB: the transition logits of an
-    8,192-state VL-HMM under state dropout) each one is a fresh mapping whose pages fault in one by one, ~100k
-    page faults and ~0.3 s of kernel time per step there. Allocations the heap cannot hold still fall back to
-    mmap. Returns False where there is no glibc (then nothing changes)."""
+    M_MMAP_MAX = 0, M_TRIM_THRESHOLD = -1: never trim). A training step allocates and frees the same large
+    tensors every time; above glibc's 32 MiB mmap ceiling (4,096^2 float32 = 64 MiB: the transition logits of
+    an 8,192-state VL-HMM under state dropout) each one is a fresh mapping whose pages fault in one by one,
+    ~100k page faults and ~0.3 s of kernel time per step there. Trimming is off, not only raised to the
+    largest threshold mallopt takes (2 GiB): at 32,768 states the step frees more than 2 GiB at the heap's top
+    (each transition-sized tensor is 1 GiB), and giving it back made every step fault it in again (5.2 against
+    2.9 s per step). The process keeps its peak heap until it exits. Allocations the heap cannot hold still
+    fall back to mmap. Returns False where there is no glibc (then nothing changes)."""
     import ctypes
     import ctypes.util
 
@@ -131,7 +134,7 @@ def reuse_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))  # mallopt takes a C int
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, -1))  # -1: never trim (mallopt(3))
 
 
 # -- growing models (--split-at) ---------------------------------------------------------------------

@@ -165,16 +165,28 @@ class VLHMM(nn.Module):
     def start_and_trans_logits(self, states: Tensor, with_start: bool = True) -> tuple[Tensor | None, Tensor]:
         """Start logits (n,) (None without `with_start`) and transition logits (n, n) among global state ids
         `states` (n,)."""
+        start, h_from, h_to = self.start_and_trans_factors(states, with_start)
+        return start, gemm.linear(h_from, h_to)
+
+    def start_and_trans_factors(self, states: Tensor, with_start: bool = True
+                                ) -> tuple[Tensor | None, Tensor, Tensor]:
+        """Start logits (n,) (None without `with_start`) and the transition logits' two factors among global
+        state ids `states` (n,): H_from (n, h) and H_to (n, h), logits H_from H_to^T. O(n h^2)."""
         if self.state_embedding != "factored":
             tied = self.state_embedding == "tied"
             e_out = rows_of(self.role_emb(1), states)  # tied: the one table's rows, gathered once for every role
             start = (self.start_out(self.mlp["start"](e_out if tied else rows_of(self.role_emb(0), states)))
                      .squeeze(-1) if with_start else None)
             to = e_out if tied else rows_of(self.next_state, states)
-            return start, gemm.linear(self.mlp["out"](e_out), to)
+            return start, self.mlp["out"](e_out), to
         e = torch.cat([rows_of(self.cluster_emb, states // self.k), rows_of(self.state_emb, states)], -1)
         h_out, h_in = (self.mlp[r](self.compose[r](e)) for r in ("out", "in"))
-        return (h_in @ self.start_vec if with_start else None), gemm.linear(h_out, h_in)
+        return (h_in @ self.start_vec if with_start else None), h_out, h_in
+
+    def slot_log_emit(self, state_reprs: Tensor) -> Tensor:
+        """Log emission (V, k') by slot from the active states' H_emit (M, k', h): per cluster, its words' logits
+        against its own k' states, normalised over those words (`cluster_log_softmax`). O(V k' h)."""
+        return cluster_log_softmax(self.word_emb_by_slot, state_reprs, self.word_bias_by_slot, self.cluster_sizes)
 
     def matrices(self, active: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(log start (Z',), log trans (Z', Z'), log emit (V, k') by word id)."""
@@ -193,10 +205,7 @@ class VLHMM(nn.Module):
         kk = active.shape[1]
         states = (torch.arange(M, device=active.device)[:, None] * k + active).reshape(-1)  # (M kk,)
         start, trans = self.start_and_trans_logits(states, with_start)
-        # emission: per cluster, its words' logits against its own k' states, normalised over those words
-        # unbind, not emit_states[m]: the backward of M selects would add M zero-filled (M, k', h) tensors
-        emit = cluster_log_softmax(self.word_emb_by_slot, self.emission_reprs(states).view(M, kk, -1),
-                                   self.word_bias_by_slot, self.cluster_sizes)
+        emit = self.slot_log_emit(self.emission_reprs(states).view(M, kk, -1))
         log_start = torch.log_softmax(start, 0) if start is not None else None
         return log_start, torch.log_softmax(trans, -1), emit  # emission by slot
 
@@ -204,17 +213,30 @@ class VLHMM(nn.Module):
         """Cached `blocked_hmm` tensors (float64-normalised on the parameters' device, float32 on `device`:
         the CPU for the artifact, the parameters' device for an evaluation during training)."""
         with torch.no_grad():
-            ls, lt, le = (t.double() for t in self.matrices(None))
+            Z, dev = self.M * self.k, self.word_cluster.device
+            states = torch.arange(Z, device=dev)
+            start_logits, h_from, h_to = self.start_and_trans_factors(states)
+            assert start_logits is not None
+            start = torch.log_softmax(start_logits, 0).double().exp()
+            trans = torch.empty(Z, Z, dtype=torch.float32, device=dev)
+            for first in range(0, Z, EXPORT_ROWS):  # (Z, Z) by row blocks: see EXPORT_ROWS
+                rows = slice(first, first + EXPORT_ROWS)
+                block = torch.log_softmax(gemm.linear(h_from[rows], h_to), -1).double().exp()
+                trans[rows] = (block / block.sum(1, keepdim=True)).float()
             # each state's emission-side representation H_emit (Z, h), served by `embed`
-            state_vectors = self.emission_reprs(torch.arange(self.M * self.k, device=self.word_cluster.device))
-            start, trans, emit = ls.exp(), lt.exp(), le.exp()
+            state_vectors = self.emission_reprs(states)
+            emit = self.slot_log_emit(state_vectors.view(self.M, self.k, -1))[self.word_slot].double().exp()
             per_state = torch.zeros(self.M, self.k, dtype=torch.float64, device=emit.device).index_add_(
                 0, self.word_cluster, emit)
             emit = emit / per_state[self.word_cluster]
-        out = {"start": start / start.sum(), "trans": trans / trans.sum(1, keepdim=True), "emit": emit,
+        out = {"start": start / start.sum(), "trans": trans, "emit": emit,
                "word_cluster": self.word_cluster, "state_vectors": state_vectors}
         return {k: (v.float() if v.is_floating_point() else v.long()).to(device) for k, v in out.items()}
 
+
+EXPORT_ROWS = 2048  # transition rows `VLHMM.export_tensors` normalises at a time (float64): the whole (Z, Z) matrix
+#                    in float64 with its float32 logits took ~30 GB at 2^15 states; by blocks the export holds the
+#                    float32 result and one block (0.5 GiB at 2^15)
 
 CLUSTER_EMIT_MAX_K = 32  # states per cluster up to which `cluster_log_softmax` runs the compiled passes: at 128
 #                         clusters they beat the in-place GEMMs up to 32 states and tie at 64; above, and at 8 large
@@ -652,7 +674,9 @@ def fix_start_for_streams(model: VLHMM, tensors: dict[str, Tensor], seqs: list[l
         last = impl.filtered_last(b).double()  # (B, k) in <eos>'s cluster
         ids = impl.state_ids(b)[torch.arange(len(b.lengths)), b.lengths - 1]
         acc.index_add_(0, ids.reshape(-1), last.reshape(-1))
-    start = (acc / acc.sum()) @ tensors["trans"].double()
+    weights, trans = acc / acc.sum(), tensors["trans"]
+    start = sum(weights[i:i + EXPORT_ROWS] @ trans[i:i + EXPORT_ROWS].double()  # a float64 copy of trans is 8 GiB
+                for i in range(0, len(weights), EXPORT_ROWS))                       # at 2^15: by row blocks
     return {**tensors, "start": (start / start.sum()).float()}
 
 
