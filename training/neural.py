@@ -21,6 +21,7 @@ MLPs, U, V, the emission logits and V U^T) run on the faster of torch's BLAS and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import math
@@ -408,6 +409,13 @@ def split_states(t: Tensor, M: int, k: int, axis: int) -> Tensor:
     return pairs.reshape(*before, M * 2 * k, *after)
 
 
+def split_state_dict(model: VLHMM, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`params` (a state dict of `model`, or part of one) with every state axis doubled as `split_model`
+    splits the model (no noise): the same distribution over twice the states. O(numel)."""
+    axes = model.state_axes()
+    return {n: split_states(v, model.M, model.k, axes[n]) if n in axes else v for n, v in params.items()}
+
+
 def split_model(model: VLHMM, opt: torch.optim.Optimizer | None = None, best_state: dict[str, Tensor] | None = None,
                 generator: torch.Generator | None = None, noise: float = 0.0
                 ) -> tuple[VLHMM, torch.optim.Optimizer | None, dict[str, Tensor] | None]:
@@ -421,10 +429,7 @@ def split_model(model: VLHMM, opt: torch.optim.Optimizer | None = None, best_sta
     M, k, axes = model.M, model.k, model.state_axes()
     device, dtype = model.word_cluster.device, model.state_emb.dtype
     new = VLHMM(model.V, model.word_cluster, M, 2 * k, model.h, model.state_embedding).to(device, dtype)
-
-    def split_all(params: dict[str, Tensor]) -> dict[str, Tensor]:  # a state dict, every state axis doubled
-        return {n: split_states(v, M, k, axes[n]) if n in axes else v for n, v in params.items()}
-
+    split_all = functools.partial(split_state_dict, model)
     new.load_state_dict(split_all(model.state_dict()))
     if noise:
         with torch.no_grad():
@@ -447,12 +452,44 @@ def split_model(model: VLHMM, opt: torch.optim.Optimizer | None = None, best_sta
     return new, new_opt, best_state
 
 
-def make_optimizer(model: nn.Module, lr: float, blocked: bool) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, lr: float, blocked: bool, weight_decay: float | None = None
+                   ) -> torch.optim.Optimizer:
     """AdamW as the papers train: blocked_hmm (Chiu & Rush) betas (0.9, 0.999), no weight decay; rank_hmm
-    (Yang et al.) betas (0.99, 0.999), weight decay 0.01."""
+    (Yang et al.) betas (0.99, 0.999), weight decay 0.01. `weight_decay` (--weight-decay) replaces the
+    family's decoupled weight decay on every parameter."""
     betas = (0.9, 0.999) if blocked else (0.99, 0.999)
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=0.0 if blocked else 0.01,
-                             fused=True)
+    if weight_decay is None:
+        weight_decay = 0.0 if blocked else 0.01
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+
+
+def update_average(average: dict[str, Tensor], model: nn.Module, decay: float, step: int) -> None:
+    """One step of the parameters' exponential moving average (--weight-average D): average <- d average +
+    (1 - d) params with d = min(D, (1 + step) / (10 + step)), so the first steps are not held at the
+    initialisation. `average` maps parameter names to tensors of their shapes. O(parameters)."""
+    d = min(decay, (1 + step) / (10 + step))
+    names = [n for n, _ in model.named_parameters()]
+    torch._foreach_lerp_([average[n] for n in names], [p.detach() for _, p in model.named_parameters()], 1.0 - d)
+
+
+@contextlib.contextmanager
+def parameters_swapped(model: nn.Module, average: dict[str, Tensor] | None):
+    """Within the block the model's parameters hold `average` (nothing happens for None); the trained
+    parameters come back on exit, bit for bit."""
+    if average is None:
+        yield
+        return
+    params = dict(model.named_parameters())
+    kept = {n: p.detach().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(average[n])
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(kept[n])
 
 
 class RankNeural(nn.Module):
@@ -721,14 +758,14 @@ def _train(ns: argparse.Namespace) -> Path:
     tensors, state = common.load_checkpoint(ckdir) if ns.resume else ({}, {})
     while blocked and ns.resume and model.M * model.k < _checkpoint_states(model, tensors):
         model = split_model(model)[0]  # splits done before the checkpoint (its parameters follow)
-    opt = make_optimizer(model, ns.lr, blocked)
+    opt = make_optimizer(model, ns.lr, blocked, ns.weight_decay)
     gemm_name, gemm_rates = gemm_for_run(ns, model, device, state.get("gemm"))
     gemm.set_backend(gemm_name)
     if ns.progress and gemm_rates:
         rates = ", ".join(f"{k} {v:.0f}" for k, v in gemm_rates.items())
         print(f"GEMM: {gemm_name} (GFLOP/s on this model's shapes: {rates})", file=sys.stderr)
     decay = 1.0 / (ns.lr_decay or (4.0 if blocked else 2.0))
-    carry = None
+    carry, average = None, None
     if ns.resume:
         model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
         if not ns.export_only:  # exporting needs only the parameters (a checkpoint may carry no optimizer state)
@@ -737,6 +774,8 @@ def _train(ns: argparse.Namespace) -> Path:
         history = common.History.from_json(state["history"])
         pos = Position.from_json(state, history)
         carry = _carry_from_checkpoint(tensors, device)
+        if ns.weight_average:
+            average = {n[4:]: v.to(device) for n, v in tensors.items() if n.startswith("avg.")} or None
         t0 -= state.get("seconds", 0.0)
         if state.get("early_stopped") or ns.export_only or (ns.max_steps and pos.step >= ns.max_steps):
             pos.epoch = ns.epochs  # nothing left to do: export the best parameters again
@@ -746,15 +785,24 @@ def _train(ns: argparse.Namespace) -> Path:
     N = common.num_tokens(train_seqs)
     bar = common.Progress(N * max(ns.epochs - pos.epoch, 0), _label(ns, model, splits), ns.progress)
     stop = False
-    best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
+    if ns.weight_average and average is None:  # (a checkpoint written without the average starts it here)
+        average = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def current_state() -> dict[str, Tensor]:  # what would be exported now: the averaged parameters if any
+        return {n: (average[n] if average and n in average else v).detach().clone()
+                for n, v in model.state_dict().items()}
+
+    best_state = current_state()
     if history.rows:
         best_state = {k2[5:]: v for k2, v in common.load_checkpoint(ckdir)[0].items() if k2.startswith("best.")} \
             or best_state
 
     def evaluate() -> float:  # the validation perplexity of exactly what would be exported now
         model.eval()
-        score, _ = family_scorer(model, ns.family, exported_tensors(model, ns, train_seqs, vocab.eos_id, device))
-        ppl = common.evaluate(score, vbatches)
+        with parameters_swapped(model, average):
+            score, _ = family_scorer(model, ns.family,
+                                     exported_tensors(model, ns, train_seqs, vocab.eos_id, device))
+            ppl = common.evaluate(score, vbatches)
         model.train()
         return ppl
 
@@ -784,6 +832,8 @@ def _train(ns: argparse.Namespace) -> Path:
                 used = budget_used(ns, pos.step, epoch, time.perf_counter() - t0)
                 if blocked and splits.due(_splits_done(ns, model, splits), epoch, used):
                     # grow: every state splits in two (same distribution, noise breaks ties)
+                    if average is not None:
+                        average = split_state_dict(model, average)
                     model, opt, best_state = split_model(model, opt, best_state, gen, noise=0.01)
                     keep = model.k - round(model.k * ns.state_dropout)
                     bar.relabel(_label(ns, model, splits))
@@ -815,6 +865,8 @@ def _train(ns: argparse.Namespace) -> Path:
                         f"--lr: the gradient became non-finite at step {pos.step + 1}; nothing was written. Try a "
                         f"lower --lr than {opt.param_groups[0]['lr']:g}", param="lr")
                 opt.step()
+                if average is not None:
+                    update_average(average, model, ns.weight_average, pos.step)
                 pos.step += 1
                 pos.tokens += ntok
                 bar.update(ntok, loss_value)
@@ -836,7 +888,7 @@ def _train(ns: argparse.Namespace) -> Path:
                     if history.add(step=pos.step, epoch=epoch + (bi + 1) / len(batches), tokens=pos.tokens,
                                    seconds=time.perf_counter() - t0, train_ppl=math.exp(loss_value),
                                    valid_ppl=ppl, lr=opt.param_groups[0]["lr"], check_seconds=check_seconds):
-                        best_state = {k2: v.detach().clone() for k2, v in model.state_dict().items()}
+                        best_state = current_state()
                     elif ns.patience and history.bad_evals >= ns.patience:
                         stop = True
                     elif not ns.lr_patience or history.bad_evals % ns.lr_patience == 0:
@@ -849,7 +901,7 @@ def _train(ns: argparse.Namespace) -> Path:
                     pos.epoch, pos.batch = (epoch + 1, 0) if last_batch else (epoch, bi + 1)
                     tick = time.perf_counter()
                     _save(ckdir, model, opt, best_state, gen, history, pos, time.perf_counter() - t0, stop,
-                          carry if ns.bptt and not last_batch else None, ns)
+                          carry if ns.bptt and not last_batch else None, ns, average)
                     check_seconds += time.perf_counter() - tick
                 if stop or at_limit:
                     stop = True
@@ -968,15 +1020,18 @@ def _carry_from_checkpoint(tensors: dict[str, Tensor], device: torch.device | st
 
 def _save(ckdir: Path, model: nn.Module, opt, best_state: dict, gen: torch.Generator, history,
           pos: Position, seconds: float, early_stopped: bool, carry: Carried | None = None,
-          ns: argparse.Namespace | None = None) -> None:
+          ns: argparse.Namespace | None = None, average: dict[str, Tensor] | None = None) -> None:
     """Checkpoint everything a resume needs to continue bit-for-bit: parameters, best parameters, AdamW
     state, both generators (state dropout; torch's global one, used by nn.Dropout), the position in the
-    epoch, the BPTT carry, the GEMM library in use (and, given the run's settings `ns`, its shape settings)."""
+    epoch, the BPTT carry, the parameters' moving average (--weight-average), the GEMM library in use (and,
+    given the run's settings `ns`, its shape settings)."""
     ot, ometa = common.optimizer_tensors(opt)
     tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()},
                **{f"best.{k}": v for k, v in best_state.items()}, **ot, **common.rng_tensors(gen)}
     if carry is not None:
         tensors["carry"], tensors["carry_cluster"] = carry.state, carry.cluster
+    if average is not None:
+        tensors.update({f"avg.{n}": v for n, v in average.items()})
     common.save_checkpoint(ckdir, tensors, {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step,
                                             "tokens": pos.tokens, "history": history.to_json(),
                                             "optimizer": ometa, "seconds": seconds,

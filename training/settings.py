@@ -61,6 +61,11 @@ OPTIONS: dict[str, tuple[type, Any, str]] = {
     "init_noise": (float, 3.0, "hmm EM: scale of the random log-normal perturbation of the initial parameters"),
     "smoothing": (float, 1e-4, "hmm EM: pseudo-count added to every expected count (MAP-EM; 0 = plain EM)"),
     "dropout": (float, None, "rank_hmm: dropout on the start vector and the U/V embeddings (default 0.1)"),
+    "weight_decay": (float, None, "blocked_hmm, rank_hmm: AdamW's decoupled weight decay on every parameter "
+                                  "(default 0 blocked_hmm, as Chiu & Rush; 0.01 rank_hmm, as Yang et al.)"),
+    "weight_average": (float, 0.0, "blocked_hmm, rank_hmm: evaluate and export an exponential moving average of "
+                                   "the parameters with this decay per step (e.g. 0.99: about the last 100 steps; "
+                                   "0 = off: the parameters themselves)"),
     "state_dropout": (float, 0.5, "blocked_hmm: fraction of each cluster's states dropped per batch (lambda)"),
     "patience": (int, 2, "early stopping: stop after this many evaluations in a row without improvement "
                          "(0 = never stop early)"),
@@ -259,6 +264,15 @@ def validate(ns: argparse.Namespace) -> None:
         from latentlm.training.common import split_plan
 
         split_plan(ns)  # raises InputError naming --split-at
+    if ns.weight_decay is not None and not (ns.weight_decay >= 0 and math.isfinite(ns.weight_decay)):
+        raise InputError(f"--weight-decay: must be >= 0, got {ns.weight_decay}", param="weight_decay")
+    if not 0 <= ns.weight_average < 1:
+        raise InputError(f"--weight-average: must be a decay in [0, 1), got {ns.weight_average}",
+                         param="weight_average")
+    if (ns.weight_decay is not None or ns.weight_average) and ns.family not in ("blocked_hmm", "rank_hmm"):
+        flag = "--weight-decay" if ns.weight_decay is not None else "--weight-average"
+        raise InputError(f"{flag}: only for --family blocked_hmm or rank_hmm (the neural HMMs' AdamW)",
+                         param=flag[2:].replace("-", "_"))
     if ns.dropout is not None and not 0 <= ns.dropout < 1:
         raise InputError(f"--dropout: must be in [0, 1), got {ns.dropout}", param="dropout")
     if ns.resume:

@@ -50,7 +50,7 @@ def tiny_corpus(tmp_path) -> str:
 def _final(store, name):
     """(final parameters from the last checkpoint, exported tensors, history without wall times)."""
     ck = load_file(str(common.checkpoint_dir(store, name) / "tensors.safetensors"))
-    params = {k: v for k, v in ck.items() if k.startswith("model.") or k in ("start", "trans", "emit")}
+    params = {k: v for k, v in ck.items() if k.startswith(("model.", "avg.")) or k in ("start", "trans", "emit")}
     art = load_file(str(store / name / "weights.safetensors"))
     curve = json.loads((store / name / "manifest.json").read_text())["provenance"]["curve"]
     return params, art, [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in curve]
@@ -74,7 +74,11 @@ FAMILIES = {
     # the same with the tied state embedding (one table for every role, its state axis first)
     "blocked_hmm_split_tied": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, split_at="1",
                                    state_embedding="tied"),
+    # the parameters' moving average (--weight-average), split with the model, and AdamW's weight decay
+    "blocked_hmm_split_average": dict(states=16, clusters=4, hidden=8, state_dropout=0.5, split_at="1",
+                                      state_embedding="tied", weight_average=0.9, weight_decay=0.1),
     "rank_hmm": dict(states=16, rank=4, hidden=8, dropout=0.3),
+    "rank_hmm_average": dict(states=16, rank=4, hidden=8, dropout=0.3, weight_average=0.8),
     # the LR falls to 0 over the second half of the 2 epochs (--lr-anneal): the schedule must survive the resume
     "rank_hmm_anneal": dict(states=16, rank=4, hidden=8, dropout=0.3, lr_anneal=0.5),
 }
@@ -89,7 +93,10 @@ FAMILIES = {
                                                    ("rank_hmm_anneal", 6, True),
                                                    ("blocked_hmm_split", 5, False), ("blocked_hmm_split", 6, True),
                                                    ("blocked_hmm_split_budget", 6, True),
-                                                   ("blocked_hmm_split_tied", 6, True)])
+                                                   ("blocked_hmm_split_tied", 6, True),
+                                                   ("blocked_hmm_split_average", 5, False),
+                                                   ("blocked_hmm_split_average", 6, True),
+                                                   ("rank_hmm_average", 3, True)])
 def test_interrupted_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, case, interrupt_at, mid):
     family = "rank_hmm" if case.startswith("rank_hmm") else "blocked_hmm"
     kw = {"data": [tiny_corpus(tmp_path)], "epochs": 2, "batch": 16, "lr": 0.02, "eval_every": 5,

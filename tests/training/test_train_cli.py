@@ -29,6 +29,10 @@ def run_cli(argv, capsys):
     (["--family", "hmm", "--device", "tpu"], "--device"),
     (["--family", "blocked_hmm", "--state-dropout", "1.0"], "--state-dropout"),
     (["--family", "hmm", "--resume"], "--resume"),
+    (["--family", "blocked_hmm", "--weight-average", "1"], "--weight-average: must be a decay in [0, 1)"),
+    (["--family", "rank_hmm", "--weight-decay", "-0.1"], "--weight-decay: must be >= 0"),
+    (["--family", "hmm", "--weight-decay", "0.1"], "--weight-decay: only for --family blocked_hmm or rank_hmm"),
+    (["--family", "densehmm", "--weight-average", "0.9"], "--weight-average: only for --family blocked_hmm"),
 ])
 def test_bad_settings_exit_2_before_any_work(tmp_path, capsys, extra, flag, monkeypatch):
     called = []
