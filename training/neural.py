@@ -468,8 +468,8 @@ def update_average(average: dict[str, Tensor], model: nn.Module, decay: float, s
     (1 - d) params with d = min(D, (1 + step) / (10 + step)), so the first steps are not held at the
     initialisation. `average` maps parameter names to tensors of their shapes. O(parameters)."""
     d = min(decay, (1 + step) / (10 + step))
-    names = [n for n, _ in model.named_parameters()]
-    torch._foreach_lerp_([average[n] for n in names], [p.detach() for _, p in model.named_parameters()], 1.0 - d)
+    pairs = list(model.named_parameters())
+    torch._foreach_lerp_([average[n] for n, _ in pairs], [p.detach() for _, p in pairs], 1.0 - d)
 
 
 @contextlib.contextmanager
