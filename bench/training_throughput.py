@@ -63,6 +63,19 @@ CONFIGS = {
 }
 
 
+def timed_alternating(fns: list, steps: int) -> list[float]:
+    """Median seconds per call of each of `fns`, called in turn `steps` times after two warm-up rounds (so a
+    drift of the machine falls on all of them alike)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for i in range(steps + 2):
+        for fn, out in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            if i >= 2:
+                out.append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in times]
+
+
 def timed(fn, steps: int) -> float:
     """Median seconds per call after two warm-up calls."""
     fn()
@@ -123,10 +136,11 @@ def flops(family: str, Z: int, c: int, h: int, keep: float, emb: str) -> float:
 
 
 def blocked_step(batch: Batch, Z: int, c: int, h: int, drop: float, emb: str, g: torch.Generator
-                 ) -> tuple[Callable[[], None], neural.VLHMM, int]:
+                 ) -> tuple[Callable[..., None], neural.VLHMM, int]:
     """One blocked_hmm optimisation step on `batch` (BPTT: the carry goes on), as the trainer runs it: a
     VL-HMM over V words in c random balanced clusters, state dropout `drop`, AdamW (fused). Returns (step,
-    model, states kept per cluster)."""
+    model, states kept per cluster); `step(trans_logits=False)` normalises the transitions by a log-softmax
+    before the loss (`neural.blocked_loss`: the path before the fusion)."""
     B, T = batch.ids.shape
     wc = torch.arange(V) % c
     model = neural.VLHMM(V, wc[torch.randperm(V, generator=g)], c, Z // c, h, emb)
@@ -135,9 +149,10 @@ def blocked_step(batch: Batch, Z: int, c: int, h: int, drop: float, emb: str, g:
     keep = k - round(k * drop)
     carry = [None]
 
-    def step() -> None:
+    def step(trans_logits: bool = True) -> None:
         active = neural.sample_state_dropout(c, k, keep, g)
-        nll, carry[0] = neural.blocked_loss(model, batch, active, carry[0], want_last=True)
+        nll, carry[0] = neural.blocked_loss(model, batch, active, carry[0], want_last=True,
+                                            trans_logits=trans_logits)
         opt.zero_grad()
         (nll / (B * T)).backward()
         neural.fill_missing_grads(model)  # as the trainer: parameters a step did not use get zeros
@@ -146,8 +161,10 @@ def blocked_step(batch: Batch, Z: int, c: int, h: int, drop: float, emb: str, g:
     return step, model, keep
 
 
-def run_config(name: str, steps: int, baseline: bool, batch_size: int = 0) -> dict:
-    """One config's row; `batch_size` > 0 replaces the config's batch (streams x BPTT length for BPTT)."""
+def run_config(name: str, steps: int, baseline: bool, batch_size: int = 0, unfused: bool = False) -> dict:
+    """One config's row; `batch_size` > 0 replaces the config's batch (streams x BPTT length for BPTT);
+    `unfused`: blocked_hmm steps alternate with steps whose transitions a log-softmax normalises before the loss
+    (the path before the fusion; `unfused_ms`)."""
     family, Z, c, h, B, T, drop, emb = CONFIGS[name]
     B = batch_size or B
     torch.manual_seed(0)
@@ -171,7 +188,11 @@ def run_config(name: str, steps: int, baseline: bool, batch_size: int = 0) -> di
         k = Z // c
         keep_frac = keep / k
         row.update(rank="", clusters=c, keep=c * keep)
-    sec = timed(step, steps)
+    if unfused and family == "blocked_hmm":
+        sec, before = timed_alternating([step, lambda: step(trans_logits=False)], steps)
+        row.update(unfused_ms=before * 1e3, fused_speedup=before / sec)
+    else:
+        sec = timed(step, steps)
     fl = flops(family, Z, c, h, keep_frac, emb)
     Zp = int(Z * keep_frac)
     peak = gemm_peak(Zp, h, Zp) if family != "rank_hmm" else gemm_peak(Z, h, c)
@@ -214,6 +235,9 @@ def main() -> None:
     ap.add_argument("--batches", default="",
                     help="comma-separated batch sizes: run every config once per size instead of at its own batch "
                          "(how the step cost grows with the tokens per step)")
+    ap.add_argument("--unfused-baseline", action="store_true",
+                    help="blocked_hmm: alternate the step with one whose transitions a log-softmax normalises before "
+                         "the loss (the path before `BlockedNLL` normalised them itself) and report both")
     ap.add_argument("--default-malloc", action="store_true",
                     help="keep glibc's malloc settings (by default the bench keeps freed memory in the heap, as "
                          "`latentlm train` does: `training.common.reuse_freed_memory`)")
@@ -230,22 +254,25 @@ def main() -> None:
     for name, size in ((n, b) for n in args.configs.split(",") for b in sizes):
         for i, lib in enumerate(backends):
             with gemm.using(lib):
-                row = run_config(name, args.steps, not args.no_baseline and i == 0, size)
+                row = run_config(name, args.steps, not args.no_baseline and i == 0, size, args.unfused_baseline)
             row["gemm"] = lib
             rows.append(row)
             print({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     load = open("/proc/loadavg").read().split()[:3] if Path("/proc/loadavg").exists() else []
     lines = ["| config | GEMM | family | states (kept per step) | clusters / rank | hidden | tokens/step | ms/step | "
              "tokens/s | GFLOP/step | GFLOP/s | GEMM peak GFLOP/s | % of peak | min/epoch (PTB) | previous path "
-             "ms/step | speed-up |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ms/step | speed-up |" + (" log-softmax path ms/step | fused speed-up |" if args.unfused_baseline else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.unfused_baseline
+                                                                                    else "")]
     for r in rows:
         lines.append(f"| {r['config']} | {r['gemm']} | {r['family']} | {r['states']} ({r['keep']}) | "
                      f"{r['clusters'] or r['rank']} "
                      f"| {r['hidden']} | {r['tokens/step']} | {r['step_ms']:.1f} | {r['tok_s']:,.0f} | "
                      f"{r['gflop']:.2f} | {r['gflops']:.1f} | {r['peak']:.1f} | {r['pct']:.0f}% | "
                      f"{r['epoch_min']:.1f} | {_or_dash(r.get('old_ms'), '{:.1f}')} | "
-                     f"{_or_dash(r.get('speedup'), '{:.2f}x')} |")
+                     f"{_or_dash(r.get('speedup'), '{:.2f}x')} |"
+                     + (f" {_or_dash(r.get('unfused_ms'), '{:.1f}')} | {_or_dash(r.get('fused_speedup'), '{:.3f}x')} |"
+                        if args.unfused_baseline else ""))
     write_section(args.out, f"{args.threads} torch threads, torch {torch.__version__}, "
                   f"{'freed memory kept in the heap (as the trainer)' if reuse else 'glibc malloc defaults'}, "
                   f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'libgomp default')}, "

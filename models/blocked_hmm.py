@@ -13,6 +13,7 @@ Config: `num_states` Z, `num_clusters` M, `states_per_cluster` k.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -278,18 +279,58 @@ def expected_counts(log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word
     the shared-matrix GEMM path. O(B T k'^2) for the DP and the counts (the carried step is one more step:
     O(B k'^2)), plus O(Z'^2) to exponentiate and weight the transition matrix."""
     with torch.no_grad():
-        out_dtype = log_trans.dtype
-        # (matrix dtype, DP dtype) tried in turn; with one cluster every row of the shared matrix has an entry
-        # >= 1/Z', so the DP runs in the matrix's own dtype first (GEMM steps at full speed)
-        attempts = [(out_dtype, out_dtype if M == 1 else dtype), (dtype, dtype)]
-        for trans_dtype, dp_dtype in dict.fromkeys(attempts):
-            trans = log_trans.detach().to(trans_dtype).exp()
-            res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, carried, dp_dtype)
-            # a sum is finite only if every term is (counts are at most the token count: no overflow)
-            if bool(torch.isfinite(res.log_lik).all()) and bool(torch.isfinite(res.trans.sum())):
-                break
-        return BlockCounts(res.start.to(out_dtype), res.trans.to(out_dtype), res.emit.to(out_dtype), res.log_lik,
-                           res.last)
+        counts, _ = _counts_with_fallback(lambda d: log_trans.detach().to(d).exp(), log_trans.dtype, log_start,
+                                          log_emit, word_cluster, M, ids, lengths, carried, dtype)
+        return counts
+
+
+def expected_counts_from_logits(log_start: Tensor, trans_logits: Tensor, log_emit: Tensor, word_cluster: Tensor,
+                                M: int, ids: Tensor, lengths: Tensor, carried: Carried | None = None,
+                                dtype: torch.dtype = torch.float64) -> tuple[BlockCounts, Tensor]:
+    """`expected_counts` with the transitions given as row logits (Z', Z'): trans = softmax(trans_logits) by
+    rows, one pass from the logits to the probabilities (instead of a log-softmax and then an exponential, two
+    passes over the largest matrix a step makes, and a third matrix in memory). Returns (the counts, trans in
+    `trans_logits`' dtype): with the counts C, the gradient of log p(x) with respect to the logits is
+    C - trans * rowsum(C). Same numerics and fallback as `expected_counts` (the float64 attempt normalises the
+    logits in float64)."""
+    with torch.no_grad():
+        counts, trans = _counts_with_fallback(lambda d: torch.softmax(trans_logits.detach().to(d), -1),
+                                              trans_logits.dtype, log_start, log_emit, word_cluster, M, ids, lengths,
+                                              carried, dtype)
+        return counts, trans.to(trans_logits.dtype)
+
+
+def logits_gradient_(counts: Tensor, trans: Tensor, scale: Tensor) -> Tensor:
+    """In place over the transition counts C (Z', Z') of `expected_counts_from_logits`: scale * (C - trans *
+    rowsum(C)), the gradient of scale * log p(x) with respect to the row logits of trans = softmax(logits).
+    On CPU with numba one pass over memory (`kernels.blocked.logit_grad_cpu`: each row summed and rewritten
+    while it is in cache, rows split over torch's threads from 2^20 entries); elsewhere three tensor ops. O(Z'^2).
+    """
+    if counts.device.type == "cpu" and blocked_kernels.HAVE_NUMBA and counts.is_contiguous() \
+            and trans.is_contiguous() and counts.dtype == trans.dtype:
+        threads = torch.get_num_threads() if counts.numel() >= 2**20 else 1
+        return blocked_kernels.logit_grad_cpu(counts, trans, float(scale), threads)
+    return counts.addcmul_(trans, counts.sum(1, keepdim=True), value=-1.0).mul_(scale)
+
+
+def _counts_with_fallback(trans_in: Callable[[torch.dtype], Tensor], out_dtype: torch.dtype, log_start: Tensor,
+                          log_emit: Tensor, word_cluster: Tensor, M: int, ids: Tensor, lengths: Tensor,
+                          carried: Carried | None, dtype: torch.dtype) -> tuple[BlockCounts, Tensor]:
+    """The attempts of `expected_counts`: `trans_in(d)` gives the transition probabilities in dtype d. Returns
+    the counts (in `out_dtype`; `log_lik`, `last` in `dtype`) and the transition matrix the accepted attempt
+    used."""
+    # (matrix dtype, DP dtype) tried in turn; with one cluster every row of the shared matrix has an entry
+    # >= 1/Z', so the DP runs in the matrix's own dtype first (GEMM steps at full speed)
+    attempts = [(out_dtype, out_dtype if M == 1 else dtype), (dtype, dtype)]
+    for trans_dtype, dp_dtype in dict.fromkeys(attempts):
+        trans = trans_in(trans_dtype)
+        res = _expected_counts(log_start, trans, log_emit, word_cluster, M, ids, lengths, carried, dp_dtype)
+        # a sum is finite only if every term is (counts are at most the token count: no overflow)
+        if bool(torch.isfinite(res.log_lik).all()) and bool(torch.isfinite(res.trans.sum())):
+            break
+    counts = BlockCounts(res.start.to(out_dtype), res.trans.to(out_dtype), res.emit.to(out_dtype), res.log_lik,
+                         res.last)
+    return counts, trans
 
 
 def _expected_counts(log_start: Tensor, trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,

@@ -35,7 +35,13 @@ from torch import Tensor, nn
 
 from latentlm.models import chain
 from latentlm.models.base import Batch
-from latentlm.models.blocked_hmm import BlockedHMM, Carried, expected_counts
+from latentlm.models.blocked_hmm import (
+    BlockedHMM,
+    Carried,
+    expected_counts,
+    expected_counts_from_logits,
+    logits_gradient_,
+)
 from latentlm.models.errors import LatentLMError
 from latentlm.models.kernels import cluster_emit, gemm
 from latentlm.models.rank_hmm import RankHMM
@@ -195,11 +201,13 @@ class VLHMM(nn.Module):
         assert ls is not None
         return ls, lt, le[self.word_slot]
 
-    def slot_matrices(self, active: Tensor | None = None, with_start: bool = True
+    def slot_matrices(self, active: Tensor | None = None, with_start: bool = True, trans_logits: bool = False
                       ) -> tuple[Tensor | None, Tensor, Tensor]:
         """`matrices` with the emission rows by slot (cluster order): what training uses (no gather). Without
         `with_start` the start distribution is not built (None): a BPTT step whose rows all continue a
-        carried state never reads it (for the independent embeddings that skips a role's whole MLP)."""
+        carried state never reads it (for the independent embeddings that skips a role's whole MLP). With
+        `trans_logits` the transitions come back as row logits, not normalised (`BlockedNLL(...,
+        trans_logits=True)` normalises them itself, in one pass)."""
         M, k = self.M, self.k
         if active is None:
             active = torch.arange(k, device=self.word_cluster.device).expand(M, k)
@@ -208,7 +216,7 @@ class VLHMM(nn.Module):
         start, trans = self.start_and_trans_logits(states, with_start)
         emit = self.slot_log_emit(self.emission_reprs(states).view(M, kk, -1))
         log_start = torch.log_softmax(start, 0) if start is not None else None
-        return log_start, torch.log_softmax(trans, -1), emit  # emission by slot
+        return log_start, trans if trans_logits else torch.log_softmax(trans, -1), emit  # emission by slot
 
     def export_tensors(self, device: torch.device | str = "cpu") -> dict[str, Tensor]:
         """Cached `blocked_hmm` tensors (float64-normalised on the parameters' device, float32 on `device`:
@@ -539,27 +547,42 @@ class BlockedNLL(torch.autograd.Function):
     gradient of log p(x) with respect to the log-potentials. Autograd never runs through the DP. With
     `sparse_emit` the emission gradient is a sparse COO tensor (the batch's words' rows), for a log emit made by
     `cluster_log_softmax` (whose backward reads it as such); otherwise dense, for any producer.
+    With `trans_logits` the second input holds the transitions' row logits, normalised here
+    (`blocked_hmm.expected_counts_from_logits`): the gradient with respect to them is minus (C - trans *
+    rowsum(C)) for the counts C, formed in place over the counts (two passes over (Z', Z'), where a
+    log-softmax before this function costs its output, an exponential here and the log-softmax's backward).
     Outputs (nll (), last (B, k')); `last` is not differentiable."""
 
     @staticmethod
     def forward(ctx, log_start: Tensor, log_trans: Tensor, log_emit: Tensor, word_cluster: Tensor, M: int,
-                ids: Tensor, lengths: Tensor, carried: Carried | None, sparse_emit: bool = False):
-        counts = expected_counts(log_start, log_trans, log_emit, word_cluster, M, ids, lengths, carried)
+                ids: Tensor, lengths: Tensor, carried: Carried | None, sparse_emit: bool = False,
+                trans_logits: bool = False):
+        args = (log_emit, word_cluster, M, ids, lengths, carried)
+        if trans_logits:
+            counts, trans = expected_counts_from_logits(log_start, log_trans, *args)
+        else:
+            counts, trans = expected_counts(log_start, log_trans, *args), None
         dt = log_trans.dtype
         emit = counts.emit.to(dt)
-        ctx.save_for_backward(counts.start.to(dt), counts.trans.to(dt), emit if sparse_emit else emit.to_dense())
+        saved = (counts.start.to(dt), counts.trans.to(dt), emit if sparse_emit else emit.to_dense())
+        ctx.save_for_backward(*saved, *(() if trans is None else (trans,)))
         last = counts.last.to(dt)
         ctx.mark_non_differentiable(last)
         return -counts.log_lik.sum().to(dt), last
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_last: Tensor | None):
-        start, trans, emit = ctx.saved_tensors
-        return -grad * start, -grad * trans, -grad * emit, None, None, None, None, None, None
+        start, counts, emit, *trans = ctx.saved_tensors
+        if trans:  # d log p / d logits = C - trans * rowsum(C); the counts are not read again: overwritten
+            g_trans = logits_gradient_(counts, trans[0], -grad)
+        else:
+            g_trans = -grad * counts
+        return -grad * start, g_trans, -grad * emit, None, None, None, None, None, None, None
 
 
 def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Carried | None = None,
-                 want_last: bool = False, eos: int | None = None) -> tuple[Tensor, Carried | None]:
+                 want_last: bool = False, eos: int | None = None, trans_logits: bool = True
+                 ) -> tuple[Tensor, Carried | None]:
     """Negative log-likelihood summed over the batch's tokens under the state-dropout mask `active`
     (M, k') (`BlockedNLL`: exact, with the gradient from expected counts). `carry` from the previous chunk:
     each row's state before position 0 over all k states of its cluster, restricted here to the active ones
@@ -567,7 +590,9 @@ def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Carried | No
     the filtered posterior at each row's last position over all k states of its last token's cluster (BPTT).
     With `eos` (--reset-eos), every token after an `eos` starts from the start distribution: the rows are cut
     into sentence pieces (`sentence_pieces`), the carry enters each row's first piece and leaves its last,
-    and a row that ends with `eos` carries nothing on."""
+    and a row that ends with `eos` carries nothing on. `trans_logits` False normalises the transitions by a
+    log-softmax before `BlockedNLL` instead of inside it (the same values; the path before the fusion, kept
+    for `bench/training_throughput.py`'s same-process comparison)."""
     B = batch.ids.shape[0]
     rows = torch.arange(B, device=batch.ids.device)
     carried = None
@@ -582,11 +607,12 @@ def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Carried | No
     # the start distribution is read only by rows with no carried state: where there are none it is not built
     # (its parameters then get no gradient; `fill_missing_grads` gives them the zeros a built one would)
     with_start = carried is None or not bool((carried.state.sum(1) > 0).all())
-    ls, lt, le = model.slot_matrices(active, with_start=with_start)
+    ls, lt, le = model.slot_matrices(active, with_start=with_start, trans_logits=trans_logits)
     if ls is None:
         ls = lt.new_zeros(lt.shape[0])  # never read: every row starts from its carried state
+    # le from `cluster_log_softmax`: sparse gradient; the transitions' logits are normalised inside
     nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[pieces.ids],
-                                   pieces.lengths, carried, True)  # le from `cluster_log_softmax`: sparse gradient
+                                   pieces.lengths, carried, True, trans_logits)
     last = None
     if want_last:
         final = batch.ids[rows, batch.lengths - 1]

@@ -82,7 +82,7 @@ def joint_loss(model: TaggingVLHMM, words: Batch, tags: Tensor, active: Tensor) 
     """-log p(words, tags) summed over the batch under the state-dropout mask `active` (M, k'): the word
     emission by slot from `slot_matrices`, plus the tag emission of the same active states, one emission row
     per distinct (word, tag) pair in the batch, through `BlockedNLL` (exact; gradient = expected counts)."""
-    ls, lt, le = model.slot_matrices(active)  # le: (V, k') by slot
+    ls, logits, le = model.slot_matrices(active, trans_logits=True)  # le: (V, k') by slot
     M, kk, Y = model.M, active.shape[1], model.Y
     lty = model.log_tag_emission(model.active_states(active)).view(M, kk, Y)
     slots = model.word_slot[words.ids]
@@ -91,7 +91,7 @@ def joint_loss(model: TaggingVLHMM, words: Batch, tags: Tensor, active: Tensor) 
     us, uy = uniq // Y, uniq % Y
     uc = model.slot_cluster[us]
     pair_emit = le[us] + lty[uc, :, uy]  # (U, k'): log p(w | z) + log p(y | z) over w's cluster's states
-    nll, _ = BlockedNLL.apply(ls, lt, pair_emit, uc, M, inv.view_as(words.ids), words.lengths, None)
+    nll, _ = BlockedNLL.apply(ls, logits, pair_emit, uc, M, inv.view_as(words.ids), words.lengths, None, False, True)
     return nll
 
 

@@ -333,6 +333,20 @@ if HAVE_NUMBA:
                 for j in range(k):
                     out[r0 + i, c0 + j] = acc[i, j] * trans[r0 + i, c0 + j]
 
+    @njit(nogil=True, fastmath=FASTMATH, cache=True, **BORROWED)
+    def _logit_grad_rows(counts, trans, scale, lo, hi):  # pragma: no cover - compiled
+        """Rows lo <= i < hi, in place: counts[i] <- scale * (counts[i] - (sum of counts[i]) * trans[i]), the sum
+        in float64. Each row is summed and rewritten while it is in cache: one pass over memory."""
+        n = counts.shape[1]
+        for i in range(lo, hi):
+            c = counts[i]
+            p = trans[i]
+            s = 0.0
+            for j in range(n):
+                s += c[j]
+            for j in range(n):
+                c[j] = scale * (c[j] - s * p[j])
+
 
 # -- drivers: tensors in, tensors out, rows split over threads ---------------------------------------------
 def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor,
@@ -408,6 +422,17 @@ def counts_cpu(alphas: Tensor, right: Tensor, clusters: Tensor, lengths: Tensor,
     mat, target = as_array(trans), out.numpy()
     run_split(lambda p: block_counts(*args, bounds[p], bounds[p + 1], mat, M, target), threads)
     return out
+
+
+def logit_grad_cpu(counts: Tensor, trans: Tensor, scale: float, threads: int) -> Tensor:
+    """In place over `counts` (Z', Z'), contiguous: scale * (counts - rowsum(counts) * trans), the gradient of
+    scale * log p(x) with respect to the row logits of trans = softmax(logits) given its expected counts; rows split
+    over `threads` threads (the same bits for any split). One pass over memory. O(Z'^2)."""
+    if not (counts.is_contiguous() and trans.is_contiguous()):
+        raise ValueError("logit_grad_cpu: counts and trans must be contiguous")
+    c, p = counts.detach().numpy(), trans.detach().numpy()
+    run_ranges(np.ones(c.shape[0]), threads, lambda lo, hi: _logit_grad_rows(c, p, scale, lo, hi))
+    return counts
 
 
 def posterior_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: Tensor, trans: Tensor, threads: int

@@ -154,3 +154,22 @@ def test_filtered_last_equals_the_chain_engine(dtype):
     assert (got[-1] == 0).all()
     sums = got.double().sum(1)
     assert bool((((sums - 1).abs() < 1e-5) | (sums == 0)).all())
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 70), threads=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.float64]),
+       seed=st.integers(0, 1000))
+def test_logit_gradient_pass_equals_tensor_ops_for_any_threads(n, threads, dtype, seed):
+    """`logit_grad_cpu` (training's transition-logit gradient, one pass in place) against the same formula as
+    tensor ops, scale * (C - rowsum(C) * P) in float64; every thread count gives the same bits."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.rand(n, n, generator=g, dtype=torch.float64) * (torch.rand(n, n, generator=g) < 0.5)
+    trans = torch.softmax(torch.randn(n, n, generator=g, dtype=torch.float64) * 3, 1)
+    want = -0.25 * (counts - counts.sum(1, keepdim=True) * trans)
+    got = blocked_kernels.logit_grad_cpu(counts.to(dtype), trans.to(dtype), -0.25, threads)
+    assert torch.allclose(got.double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    one = blocked_kernels.logit_grad_cpu(counts.to(dtype), trans.to(dtype), -0.25, 1)
+    assert torch.equal(got, one)
+    if n > 1:
+        with pytest.raises(ValueError, match="contiguous"):
+            blocked_kernels.logit_grad_cpu(counts.to(dtype).T, trans.to(dtype), 1.0, 1)

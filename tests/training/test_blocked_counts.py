@@ -138,6 +138,34 @@ def test_gradient_equals_autograd_through_the_forward(M, kk, B, T, seed, with_pr
     assert torch.allclose(last.sum(1), torch.ones(B, dtype=torch.float64))
 
 
+@settings(max_examples=25, deadline=None)
+@given(M=st.integers(1, 4), kk=st.integers(1, 6), B=st.integers(1, 4), T=st.integers(1, 7),
+       seed=st.integers(0, 10_000), with_prior=st.booleans(), dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_transition_logits_gradient_equals_autograd_through_log_softmax(M, kk, B, T, seed, with_prior, dtype):
+    """`BlockedNLL(..., trans_logits=True)` (what training runs: rows normalised inside, the gradient
+    C - trans * rowsum(C) formed in place over the counts) against autograd through a log-softmax of the logits
+    and the differentiable forward; rows shifted by arbitrary constants (logits, not log-probabilities)."""
+    V = max(M, 9)
+    ls, lt, le, wc = random_model(M, kk, V, seed)
+    shift = torch.randn(M * kk, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 5
+    logits = (lt + shift).to(dtype)
+    ids, lengths = batch(V, B, T, seed + 1)
+    prior = a_prior(B, M, kk, seed + 2) if with_prior else None
+    params = [p.clone().double().requires_grad_() for p in (ls, logits, le)]
+    ref = autograd_nll(params[0], torch.log_softmax(params[1], 1), params[2], wc, M, ids, lengths, prior)
+    ref_grads = [torch.zeros_like(p) if g is None else g
+                 for p, g in zip(params, torch.autograd.grad(ref, params, allow_unused=True), strict=True)]
+    params2 = [p.clone().to(dtype).requires_grad_() for p in (ls, logits, le)]
+    nll, _ = neural.BlockedNLL.apply(*params2, wc, M, ids, lengths, prior, True, True)
+    scale = torch.tensor(0.37, dtype=dtype)  # the loss is scaled (per token) before backward in training
+    grads = torch.autograd.grad(nll * scale, params2)
+    tol = dict(rtol=1e-8, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+    assert torch.allclose(nll.double(), ref, **tol)
+    for g, r in zip(grads, ref_grads, strict=True):
+        assert torch.allclose(dense(g).double(), r * 0.37, **tol)
+    assert torch.allclose(grads[1].double().sum(1), torch.zeros(M * kk, dtype=torch.float64), atol=1e-4)
+
+
 @pytest.mark.skipif(not blocked_kernels.HAVE_NUMBA, reason="numba unavailable: only the PyTorch path exists")
 @pytest.mark.parametrize("with_prior", [False, True])
 def test_compiled_sweep_equals_pytorch_path(monkeypatch, with_prior):

@@ -52,6 +52,33 @@ def test_vlhmm_matrices_normalised_and_dropout_chain_is_a_blocked_hmm(state_embe
         assert torch.allclose(-nll.detach(), reduced.score(b)[0].sum())
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_transitions_normalised_inside_the_loss_equal_a_log_softmax_before_it(dtype):
+    """`blocked_loss` hands `BlockedNLL` the transition logits (normalised inside, the gradient formed over the
+    counts in place); with `trans_logits=False` a log-softmax normalises them before it (the path before): the
+    same loss and the same gradient of every parameter, with a carried state and state dropout."""
+    torch.manual_seed(0)
+    V, M, k, B = 30, 3, 4, 2
+    wc = torch.arange(V) % M
+    m = neural.VLHMM(V, wc, M, k, 16, "tied").to(dtype)
+    active = neural.sample_state_dropout(M, k, 3, torch.Generator().manual_seed(1))
+    b = Batch.from_lists([[0, 4, 8, 2, 11], [5, 1, 7]])
+    state = torch.rand(B, k, generator=torch.Generator().manual_seed(3), dtype=dtype)
+    state[1] = 0.0  # the second row carries nothing: it starts from the start distribution
+    carry = Carried(state, torch.tensor([1, 0]))
+    out = []
+    for fused in (True, False):
+        m.zero_grad()
+        nll, last = neural.blocked_loss(m, b, active, carry, want_last=True, trans_logits=fused)
+        (nll / 8).backward()
+        out.append((nll.detach(), last.state, {n: p.grad.clone() for n, p in m.named_parameters()}))
+    (n0, l0, g0), (n1, l1, g1) = out
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    assert torch.allclose(n0, n1, **tol) and torch.allclose(l0, l1, **tol)
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], **tol), n
+
+
 def test_tied_state_embedding_is_one_table_for_every_role():
     """'tied' (the authors' PTB command, --tw slIlrIrp): start, left, right and preterminal read one (Z, h)
     table; the next state's side of a transition logit is its embedding itself."""
@@ -296,7 +323,7 @@ def test_a_step_whose_rows_all_carry_a_state_skips_the_start_and_changes_nothing
         opt = neural.make_optimizer(m, 0.01, True)
         real = m.slot_matrices
         if build_start:  # the path before: the start distribution built (and back-propagated) every step
-            m.slot_matrices = lambda active, with_start=True, real=real: real(active, True)
+            m.slot_matrices = lambda active, with_start=True, real=real, **kw: real(active, True, **kw)
         nll, _ = neural.blocked_loss(m, b, active, carry)
         nll.backward()
         neural.fill_missing_grads(m)
