@@ -549,8 +549,9 @@ class BlockedNLL(torch.autograd.Function):
     `cluster_log_softmax` (whose backward reads it as such); otherwise dense, for any producer.
     With `trans_logits` the second input holds the transitions' row logits, normalised here
     (`blocked_hmm.expected_counts_from_logits`): the gradient with respect to them is minus (C - trans *
-    rowsum(C)) for the counts C, formed in place over the counts (two passes over (Z', Z'), where a
-    log-softmax before this function costs its output, an exponential here and the log-softmax's backward).
+    rowsum(C)) for the counts C, formed in place over the counts (`blocked_hmm.logits_gradient_`: one compiled
+    pass on CPU), where a log-softmax before this function costs its output, an exponential here and the
+    log-softmax's backward: two more passes over (Z', Z') and one more such matrix in memory. Backward runs once.
     Outputs (nll (), last (B, k')); `last` is not differentiable."""
 
     @staticmethod
