@@ -78,14 +78,7 @@ def timed_alternating(fns: list, steps: int) -> list[float]:
 
 def timed(fn, steps: int) -> float:
     """Median seconds per call after two warm-up calls."""
-    fn()
-    fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return timed_alternating([fn], steps)[0]
 
 
 def gemm_peak(m: int, k: int, n: int) -> float:

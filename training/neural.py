@@ -611,7 +611,7 @@ def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Carried | No
     ls, lt, le = model.slot_matrices(active, with_start=with_start, trans_logits=trans_logits)
     if ls is None:
         ls = lt.new_zeros(lt.shape[0])  # never read: every row starts from its carried state
-    # le from `cluster_log_softmax`: sparse gradient; the transitions' logits are normalised inside
+    # le from `cluster_log_softmax`: sparse gradient; with `trans_logits` the transitions are normalised inside
     nll, last_k = BlockedNLL.apply(ls, lt, le, model.slot_cluster, model.M, model.word_slot[pieces.ids],
                                    pieces.lengths, carried, True, trans_logits)
     last = None
