@@ -6,6 +6,9 @@
 #   bash bench/service_wrk.sh [REPO_DIR] [PORT]     # REPO_DIR: a checkout to serve (default: this one)
 #   STORE=DIR MODEL=NAME bash bench/service_wrk.sh  # instead: model NAME of store DIR (a trained one; its
 #                                                   # vocabulary must have at least 10,000 words)
+#   BODIES=N bash bench/service_wrk.sh             # N different inputs, taken in turn (default 1: every
+#                                                   # request the same 50 ids, so a model's parameters for
+#                                                   # them stay in the CPU's caches)
 #
 # Prints wrk's summary; the README quotes its Requests/sec x 50 as tokens/s. Needs `wrk` (Debian package).
 set -euo pipefail
@@ -23,20 +26,32 @@ if [ -z "${STORE:-}" ]; then
   STORE="$WORK/store"
   hmm256_store "$PY" "$STORE"
 fi
+BODIES="${BODIES:-1}"
 cat > "$WORK/post.lua" <<'LUAEOF'
 math.randomseed(1)
-local ids = {}
-for i = 1, 50 do ids[i] = tostring(math.random(0, 9999)) end
+local bodies = {}
+for b = 1, BODY_COUNT do
+  local ids = {}
+  for i = 1, 50 do ids[i] = tostring(math.random(0, 9999)) end
+  bodies[b] = '{"model":"MODEL_NAME","input":[[' .. table.concat(ids, ",") .. ']]}'
+end
 wrk.method = "POST"
-wrk.body = '{"model":"MODEL_NAME","input":[[' .. table.concat(ids, ",") .. ']]}'
+wrk.body = bodies[1]
 wrk.headers["Content-Type"] = "application/json"
+local next_body = 0
+if BODY_COUNT > 1 then
+  function request()
+    next_body = next_body % BODY_COUNT + 1
+    return wrk.format(nil, nil, nil, bodies[next_body])
+  end
+end
 function response(status, headers, body)
   if status ~= 200 then io.stderr:write("status " .. status .. ": " .. body .. "\n") end
 end
 LUAEOF
-sed -i "s/MODEL_NAME/$MODEL/" "$WORK/post.lua"
+sed -i "s/MODEL_NAME/$MODEL/; s/BODY_COUNT/$BODIES/g" "$WORK/post.lua"
 cd "$REPO"
 serve_store "$PY" "$STORE" "$PORT" "$WORK/server.log"
-echo "== $(lscpu | grep 'Model name' | sed 's/ \+/ /g'), $(nproc) cores; repo $(git -C "$REPO" rev-parse --short HEAD); model $MODEL"
+echo "== $(lscpu | grep 'Model name' | sed 's/ \+/ /g'), $(nproc) cores; repo $(git -C "$REPO" rev-parse --short HEAD); model $MODEL; $BODIES different input(s)"
 wrk -t1 -c64 -d5s -s "$WORK/post.lua" "http://127.0.0.1:$PORT/v1/score" >/dev/null  # warm-up
 wrk -t1 -c64 -d20s --latency -s "$WORK/post.lua" "http://127.0.0.1:$PORT/v1/score"
