@@ -1,6 +1,7 @@
-"""`latentlm train` and `train-tagger` processes start torch with GOMP_SPINCOUNT set (`latentlm.tune_openmp_for_
-training`): the setting reaches libgomp only if it is in the environment before torch is imported, and a value the
-user set wins. Other commands (the service) keep libgomp's default."""
+"""What each command sets in the environment before torch loads. `latentlm train` and `train-tagger` start torch with
+GOMP_SPINCOUNT set (`latentlm.tune_openmp_for_training`): the setting reaches libgomp only if it is in the environment
+before torch is imported, and a value the user set wins. Other commands (the service) keep libgomp's default and ask
+torch's allocator for huge pages instead (`latentlm.huge_pages_for_inference`)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,26 @@ def test_training_commands_flush_denormals_on_every_torch_thread(command, flushe
         assert nonzero_gemm == 0 and nonzero_mul == 0
     else:
         assert nonzero_gemm == 256 * 256 and nonzero_mul == 256 * 4096
+
+
+THP = ("import sys; sys.argv = ['latentlm'] + sys.argv[1:]; import latentlm.cli, os; "
+       "print(os.environ.get('THP_MEM_ALLOC_ENABLE'))")
+
+
+def _thp(*args: str, env: dict[str, str] | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | (env or {})
+    out = subprocess.run([sys.executable, "-c", THP, *args], capture_output=True, text=True, env=env, check=True)
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "score", "eval"])
+def test_inference_commands_ask_torch_for_huge_pages(command):
+    """`latentlm.huge_pages_for_inference`: set before torch loads in every command but training's; a value the
+    user set wins."""
+    assert _thp(command) == "1"
+    assert _thp(command, env={"THP_MEM_ALLOC_ENABLE": "0"}) == "0"
+
+
+@pytest.mark.parametrize("command", ["train", "train-tagger"])
+def test_training_commands_keep_the_default_allocator(command):
+    assert _thp(command) == "None"

@@ -12,10 +12,13 @@ import sys
 
 import latentlm
 
-# training commands: before torch loads (the subcommands import it), see `latentlm.tune_openmp_for_training`
+# before torch loads (the subcommands import it): the training commands' OpenMP and denormal settings, the other
+# commands' huge pages
 if sys.argv[1:2] in (["train"], ["train-tagger"]):
     latentlm.tune_openmp_for_training()
     latentlm.flush_denormals_for_training()  # before torch's threads exist: they inherit it
+else:  # commands that load models and answer requests: see `latentlm.huge_pages_for_inference`
+    latentlm.huge_pages_for_inference()
 
 from latentlm.cli import imports, infer, serve, train  # noqa: E402
 from latentlm.models.errors import LatentLMError  # noqa: E402
