@@ -68,7 +68,7 @@ def _thp(*args: str, env: dict[str, str] | None = None) -> str:
 
 @pytest.mark.parametrize("command", ["serve", "worker", "score", "eval"])
 def test_inference_commands_ask_torch_for_huge_pages(command):
-    """`latentlm.huge_pages_for_inference`: set before torch loads in every command but training's; a value the
+    """`latentlm.huge_pages_for_inference`: set before torch loads in the commands that load a model; a value the
     user set wins."""
     assert _thp(command) == "1"
     assert _thp(command, env={"THP_MEM_ALLOC_ENABLE": "0"}) == "0"
@@ -77,3 +77,18 @@ def test_inference_commands_ask_torch_for_huge_pages(command):
 @pytest.mark.parametrize("command", ["train", "train-tagger"])
 def test_training_commands_keep_the_default_allocator(command):
     assert _thp(command) == "None"
+
+
+def test_every_command_is_classified_and_a_test_process_is_left_alone():
+    """Each subcommand is a training command, a model-loading one (huge pages) or one that loads no model (the
+    store listing, the importers); a process that imports the CLI to run something else (pytest here) gets none
+    of the settings."""
+    import argparse
+
+    import latentlm.cli as cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    rest = set(sub.choices) - set(cli.TRAINING_COMMANDS) - set(cli.MODEL_LOADING_COMMANDS)
+    assert set(cli.MODEL_LOADING_COMMANDS) <= set(sub.choices)
+    assert all(c == "list" or c.startswith("import-") for c in rest), rest
+    assert _thp("list") == "None" and _thp("--help-not-a-command") == "None"

@@ -12,12 +12,17 @@ import sys
 
 import latentlm
 
-# before torch loads (the subcommands import it): the training commands' OpenMP and denormal settings, the other
-# commands' huge pages
-if sys.argv[1:2] in (["train"], ["train-tagger"]):
+TRAINING_COMMANDS = ("train", "train-tagger")
+# the commands that load a model to answer requests (the others list the store or import files)
+MODEL_LOADING_COMMANDS = ("decode", "embed", "eval", "export-onnx", "posterior", "sample", "score", "serve", "worker")
+
+# before torch loads (the subcommands import it): the training commands' OpenMP and denormal settings, the model
+# loading commands' huge pages. Only when this process runs that command: importing this module elsewhere (a test
+# process) changes nothing
+if sys.argv[1:2] and sys.argv[1] in TRAINING_COMMANDS:
     latentlm.tune_openmp_for_training()
     latentlm.flush_denormals_for_training()  # before torch's threads exist: they inherit it
-else:  # commands that load models and answer requests: see `latentlm.huge_pages_for_inference`
+elif sys.argv[1:2] and sys.argv[1] in MODEL_LOADING_COMMANDS:  # see `latentlm.huge_pages_for_inference`
     latentlm.huge_pages_for_inference()
 
 from latentlm.cli import imports, infer, serve, train  # noqa: E402
