@@ -49,8 +49,7 @@ def batches(seed: int = 0) -> dict[str, Batch]:
 
 def calls(m: BlockedHMM, b: Batch) -> dict[str, dict[str, object]]:
     """{operation: {path: call}}."""
-    return {"score": {"compiled": lambda b=b: m.score(b),
-                           "torch steps": lambda b=b: m.score(b, backend="torch")},
+    return {"score": {"compiled": lambda: m.score(b), "torch steps": lambda: m.score(b, backend="torch")},
             "posterior": {"compiled": lambda: m.posterior(b), "torch steps": lambda: ChainFamily.posterior(m, b)},
             "viterbi": {"compiled": lambda: m.viterbi(b), "torch steps": lambda: ChainFamily.viterbi(m, b)}}
 
@@ -79,9 +78,7 @@ def stored(args: argparse.Namespace, info: dict[str, str]) -> None:
     lines = []
     for bname, b in stored_batches(m, loaded.vocab).items():
         tokens = int(b.lengths.sum())
-        sec = interleaved({"compiled": lambda b=b: m.score(b),
-                           "torch steps": lambda b=b: m.score(b, backend="torch")},
-                          args.rounds)
+        sec = interleaved(calls(m, b)["score"], args.rounds)  # type: ignore[arg-type]
         fast, slow = (tokens / sec[p] for p in ("compiled", "torch steps"))
         moved = (tokens - b.ids.shape[0]) / sec["compiled"] * block  # one block per token after the first
         shown(lines, f"| {bname} | {fast:,.0f} | {slow:,.0f} | {moved / 1e9:.1f} GB/s | {moved / read:.0%} |")

@@ -13,14 +13,17 @@ import pytest
 
 import latentlm
 
-PROBE = ("import sys; sys.argv = ['latentlm'] + sys.argv[1:]; import latentlm.cli, os; "
-         "print(os.environ.get('GOMP_SPINCOUNT'))")
+PROBE = ("import sys; var = sys.argv.pop(1); sys.argv = ['latentlm'] + sys.argv[1:]; import latentlm.cli, os; "
+         "print(os.environ.get(var))")
 TORCH_FIRST = "import sys; sys.argv = ['latentlm', 'train']; import latentlm; assert 'torch' not in sys.modules"
 
 
-def _probe(*args: str, env: dict[str, str] | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | (env or {})
-    out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, env=env, check=True)
+def _probe(*args: str, env: dict[str, str] | None = None, var: str = "GOMP_SPINCOUNT") -> str:
+    """`var` in the environment once `latentlm.cli` is imported by a process running `latentlm ARGS` (`var`
+    removed from the inherited environment, then `env` added)."""
+    env = {k: v for k, v in os.environ.items() if k != var} | (env or {})
+    out = subprocess.run([sys.executable, "-c", PROBE, var, *args], capture_output=True, text=True, env=env,
+                         check=True)
     return out.stdout.strip()
 
 
@@ -56,14 +59,8 @@ def test_training_commands_flush_denormals_on_every_torch_thread(command, flushe
         assert nonzero_gemm == 256 * 256 and nonzero_mul == 256 * 4096
 
 
-THP = ("import sys; sys.argv = ['latentlm'] + sys.argv[1:]; import latentlm.cli, os; "
-       "print(os.environ.get('THP_MEM_ALLOC_ENABLE'))")
-
-
 def _thp(*args: str, env: dict[str, str] | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"} | (env or {})
-    out = subprocess.run([sys.executable, "-c", THP, *args], capture_output=True, text=True, env=env, check=True)
-    return out.stdout.strip()
+    return _probe(*args, env=env, var="THP_MEM_ALLOC_ENABLE")
 
 
 @pytest.mark.parametrize("command", ["serve", "worker", "score", "eval"])

@@ -19,10 +19,11 @@ MODEL_LOADING_COMMANDS = ("decode", "embed", "eval", "export-onnx", "posterior",
 # before torch loads (the subcommands import it): the training commands' OpenMP and denormal settings, the model
 # loading commands' huge pages. Only when this process runs that command: importing this module elsewhere (a test
 # process) changes nothing
-if sys.argv[1:2] and sys.argv[1] in TRAINING_COMMANDS:
+_command = sys.argv[1] if len(sys.argv) > 1 else ""
+if _command in TRAINING_COMMANDS:
     latentlm.tune_openmp_for_training()
     latentlm.flush_denormals_for_training()  # before torch's threads exist: they inherit it
-elif sys.argv[1:2] and sys.argv[1] in MODEL_LOADING_COMMANDS:  # see `latentlm.huge_pages_for_inference`
+elif _command in MODEL_LOADING_COMMANDS:  # see `latentlm.huge_pages_for_inference`
     latentlm.huge_pages_for_inference()
 
 from latentlm.cli import imports, infer, serve, train  # noqa: E402
