@@ -12,7 +12,7 @@ matrix) is scored instead, on the batches the service sees: 64 x 50 random token
 sends, one request each), 256 PTB validation sentences, and 64 x 50 ids of the largest cluster's words (every step reads
 the same block: no memory traffic). Next to tokens/s it gives the bytes of transition blocks read per second
 (k^2 float32 per token) against this process's memory read bandwidth (one pass over the transition matrix, the
-same threads): how close a sweep is to the memory limit.
+same threads): how close a sweep is to the memory limit; and the same with bfloat16 storage (opt-in, k^2 x 2 bytes).
 
 Random blocked HMMs (`models.synthetic`, V = 10,000 words in M clusters of k states each), float32. Two
 batches: "ptb-like" (256 sentences of 5-45 tokens, about PTB's validation sentences as training's checks and
@@ -74,21 +74,29 @@ def stored(args: argparse.Namespace, info: dict[str, str]) -> None:
     if not isinstance(m, BlockedHMM):
         raise SystemExit(f"--model {args.model}: a {loaded.family} model, this bench takes a blocked_hmm")
     read = m.trans.numel() * m.trans.element_size() / timed(lambda: m.trans.sum(), 1.0, 5)
+    half = BlockedHMM(m.start, m.trans, m.emit, m.word_cluster, m.M)  # the same tensors, bfloat16 storage added
+    half.set_storage_dtype("bfloat16")
     block = m.k * m.k * m.trans.element_size()
     lines = []
     for bname, b in stored_batches(m, loaded.vocab).items():
         tokens = int(b.lengths.sum())
-        sec = interleaved(calls(m, b)["score"], args.rounds)  # type: ignore[arg-type]
-        fast, slow = (tokens / sec[p] for p in ("compiled", "torch steps"))
+        paths = {**calls(m, b)["score"], "bfloat16": lambda b=b: half.score(b)}
+        sec = interleaved(paths, args.rounds)  # type: ignore[arg-type]
+        fast, slow, bf16 = (tokens / sec[p] for p in ("compiled", "torch steps", "bfloat16"))
         moved = (tokens - b.ids.shape[0]) / sec["compiled"] * block  # one block per token after the first
-        shown(lines, f"| {bname} | {fast:,.0f} | {slow:,.0f} | {moved / 1e9:.1f} GB/s | {moved / read:.0%} |")
+        moved16 = (tokens - b.ids.shape[0]) / sec["bfloat16"] * block / 2
+        shown(lines, f"| {bname} | {fast:,.0f} | {slow:,.0f} | {moved / 1e9:.1f} GB/s | {moved / read:.0%} | "
+                     f"{bf16:,.0f} ({bf16 / fast:.2f}x) | {moved16 / 1e9:.1f} GB/s | {moved16 / read:.0%} |")
     text = [*run_heading(info),
             f"Command: `python bench/blocked_sweeps.py --store STORE --model {args.model} --rounds {args.rounds}`. "
             f"{m.M} clusters x {m.k} states = {m.M * m.k:,}, float32; score only. Memory read bandwidth in this "
             f"process (a sum over the {m.trans.numel() * m.trans.element_size() / 2**30:.1f} GiB transition matrix): "
-            f"{read / 1e9:.1f} GB/s. Tokens/s, median of {args.rounds} interleaved rounds.", "",
+            f"{read / 1e9:.1f} GB/s. Tokens/s, median of {args.rounds} interleaved rounds. The last three columns: "
+            "the same sweep with bfloat16 storage (`LATENTLM_STORAGE_DTYPE=bfloat16`, opt-in: half the bytes per "
+            "block, each entry widened to float32 as it is read).", "",
             "| batch | compiled sweep (default), tokens/s | torch steps, tokens/s | blocks read by the sweep | "
-            "share of the read bandwidth |", "|---|---|---|---|---|", *lines, ""]
+            "share of the read bandwidth | bfloat16 storage, tokens/s (x float32) | its blocks read | its share |",
+            "|---|---|---|---|---|---|---|---|", *lines, ""]
     append_section(args.out, "Blocked HMM sweeps on CPU (`bench/blocked_sweeps.py`): compiled against torch steps",
                    text)
 

@@ -44,6 +44,15 @@ class LoadedModel:
         """What answers `op`: the ONNX Runtime scorer where one was attached (`use_onnx`), else the family."""
         return self.runners.get(op, self.impl)
 
+    def numerics(self) -> str:
+        """What this model's answers depend on besides its content, e.g. "float32-bfloat16-onnx": its dtype, the
+        storage precision of its scoring (`set_storage_dtype`: float32, tfloat32, bfloat16) and whether ONNX
+        Runtime scores it. Part of the response cache's key: servers set up differently never share answers."""
+        dtype = str(getattr(self.impl, "dtype", "")).removeprefix("torch.")
+        storage = "tfloat32" if getattr(self.impl, "allow_tf32", False) else \
+            str(getattr(self.impl, "storage_dtype", "")).removeprefix("torch.")
+        return "-".join(p for p in (dtype, storage, "onnx" if self.runners else "") if p)
+
     def use_onnx(self, cache_dir: Path) -> None:
         """Score through onnxruntime: export the scoring graph once per content hash into `cache_dir` (reused
         while the model is unchanged) and attach an `OnnxScorer` for `score`. Families the graph does not

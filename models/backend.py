@@ -27,7 +27,8 @@ The thresholds are module constants read at call time (tests lower them with `mo
 "cuda_fused" is not a chain-engine call: `ChainFamily.score` asks `score` whether the family's whole scoring
 (rank_hmm, blocked_hmm: `triton_chain.score_rank` / `score_blocked`) runs fused; every other operation
 (posteriors, Viterbi, sampling, filtered marginals) and every other family stays on the engines above. Its
-storage precision (`STORAGE_DTYPES`: float32, or bfloat16 opt-in) applies to that path alone.
+storage precision (`STORAGE_DTYPES`: float32, or bfloat16 opt-in) applies to that path, and on CPU to blocked_hmm's
+compiled `score` sweep (`BlockedHMM.set_storage_dtype`), alone.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ FUSED_MAX_TOKENS = LONG_MIN_TOKENS  # auto: wider (padded) batches score on the 
 #                                     sequences (the fused path runs, and graph-captures, every step in turn)
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # of the matrices on the fused path
+# Documented error bound of bfloat16 storage, on the fused CUDA path and blocked_hmm's CPU sweep (checked in
+# tests/models/test_triton.py and test_blocked_kernels.py on random Dirichlet models):
+# |log p(x_t | x_<t) (bfloat16 storage) - same (float64 reference)| per token, absolute.
+BF16_TOKEN_ABS_BOUND = 2e-2
 
 _FLOATS = (torch.float32, torch.float64)
 

@@ -195,7 +195,8 @@ class ChainFamily(ChainOps, Family):
     def set_storage_dtype(self, value: torch.dtype | str | None) -> None:
         """Precision of the fused scoring path: "float32" (default, exact), "tfloat32" (float32 storage, the
         matrix products on TF32 tensor cores; opt-in) or "bfloat16" (opt-in; its error bound is
-        `triton_chain.BF16_TOKEN_ABS_BOUND` per token). Every other path stays in the model's dtype."""
+        `backend.BF16_TOKEN_ABS_BOUND` per token). Every other path stays in the model's dtype (a family may apply it
+        to a CPU path too: blocked_hmm's `score`)."""
         self.allow_tf32 = isinstance(value, str) and value.lower() == "tfloat32"
         self.storage_dtype = dispatch.storage_dtype("float32" if self.allow_tf32 else value)
 

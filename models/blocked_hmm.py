@@ -48,6 +48,18 @@ class BlockedHMM(ChainFamily):
         self.extras = extras or {}
         self.device, self.dtype = trans.device, trans.dtype
         self.trans_blocks = trans.view(self.M, self.k, self.M, self.k)  # [c_prev, i, c_next, j]
+        self._trans_bf16: Tensor | None = None  # CPU scoring with bfloat16 storage: `trans` in bfloat16
+
+    def set_storage_dtype(self, value: torch.dtype | str | None) -> None:
+        """`ChainFamily.set_storage_dtype`; on CPU, bfloat16 storage also applies to the compiled `score` sweep:
+        it then reads a bfloat16 copy of `trans` (made here, once: Z^2 x 2 more bytes held; half the bytes of
+        memory traffic per step, which bounds a large model's scoring), widening each entry to float32 as it
+        reads it; alpha, the emissions and the sums stay float32 (error bound `backend.BF16_TOKEN_ABS_BOUND`).
+        Posteriors, decoding, sampling and `filtered_last` read `trans` itself."""
+        super().set_storage_dtype(value)
+        bf16 = self.storage_dtype == torch.bfloat16 and self.device.type == "cpu" and self.M > 1
+        self._trans_bf16 = (self._trans_bf16 if self._trans_bf16 is not None else self.trans.to(torch.bfloat16)) \
+            if bf16 else None
 
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
@@ -81,7 +93,7 @@ class BlockedHMM(ChainFamily):
 
     @classmethod
     def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None) -> BlockedHMM:
-        """`storage_dtype` ("float32" default, "bfloat16"): precision of the fused CUDA scoring path only."""
+        """`storage_dtype` ("float32" default, "tfloat32", "bfloat16"): `score`'s precision (`set_storage_dtype`)."""
         t = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
              for k, v in tensors.items()}
         extras = {k: v for k, v in t.items() if k not in ("start", "trans", "emit", "word_cluster")}
@@ -143,10 +155,12 @@ class BlockedHMM(ChainFamily):
 
     def score(self, batch: Batch, *, backend: Backend | str = Backend.AUTO) -> tuple[Tensor, Tensor]:
         """`ChainFamily.score`. With more than one cluster on CPU, "auto" and "groups" run the compiled sweep
-        (`kernels.blocked.score_cpu`: each step reads its k x k block where it lies, rows split over threads);
+        (`kernels.blocked.score_cpu`: each step reads its k x k block where it lies, rows split over threads; in
+        bfloat16 with that storage dtype, `set_storage_dtype`);
         "torch" runs the chain engine's torch steps (a gathered (B, k, k) block per step)."""
         if self.score_backend(backend, batch.ids.shape[1]) in (Backend.AUTO, Backend.GROUPS) and self._compiled():
-            log_cond, _ = self._sweep(self.to(batch), want_last=False)
+            trans = self.trans if self._trans_bf16 is None else self._trans_bf16
+            log_cond, _ = self._sweep(self.to(batch), trans, want_last=False)
             return log_cond.double().sum(1), log_cond
         return super().score(batch, backend=backend)
 
@@ -166,16 +180,16 @@ class BlockedHMM(ChainFamily):
         carries past it; `predictive` builds on it); on CPU by the compiled sweep."""
         if not self._compiled():
             return super().filtered_last(batch)
-        return self._sweep(self.to(batch), want_last=True)[1]  # type: ignore[return-value]
+        return self._sweep(self.to(batch), self.trans, want_last=True)[1]  # type: ignore[return-value]
 
     def _first(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """(init (B, k): the start distribution over each sequence's first cluster, clusters (B, T))."""
         clusters = self._clusters(batch)
         return self.start.view(self.M, self.k)[clusters[:, 0]], clusters
 
-    def _sweep(self, batch: Batch, want_last: bool) -> tuple[Tensor, Tensor | None]:
+    def _sweep(self, batch: Batch, trans: Tensor, want_last: bool) -> tuple[Tensor, Tensor | None]:
         init, clusters = self._first(batch)
-        return blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
+        return blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, trans,
                                          self._threads(batch), want_last)
 
     def _threads(self, batch: Batch) -> int:
@@ -184,7 +198,8 @@ class BlockedHMM(ChainFamily):
     def backends(self) -> dict[str, str]:
         if not self._compiled():
             return super().backends()
-        return {"score": Backend.GROUPS.value, "storage_dtype": str(self.dtype).removeprefix("torch.")}
+        stored = self.dtype if self._trans_bf16 is None else self._trans_bf16.dtype
+        return {"score": Backend.GROUPS.value, "storage_dtype": str(stored).removeprefix("torch.")}
 
     def viterbi(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """`ChainFamily.viterbi` with global state ids; with more than one cluster on CPU by the compiled

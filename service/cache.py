@@ -1,7 +1,9 @@
 """Response cache on Redis for deterministic operations (score, posterior, decode, embed).
 
-Keys hold the model's content hash (see `execute.cache_key`), so after a reload that changes a model no
-old answer can match. Cache failures never fail a request: they are counted and the request computes.
+Keys hold the model's content hash and numerics (dtype, scoring precision; see `execute.cache_key`), so after
+a reload that changes a model no old answer can match, and servers set up with other precisions sharing one
+Redis never answer with each other's numbers. Cache failures never fail a request: they are counted and the
+request computes.
 
 A slow or hung cache must not slow every request down: each command has a short socket timeout
 (`LATENTLM_CACHE_TIMEOUT_S`), and a circuit breaker skips the cache altogether for

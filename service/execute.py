@@ -146,8 +146,10 @@ def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
 
 
 def cache_key(prep: Prepared) -> str:
-    """model name + content hash + operation + every option + input hash (the name is in the body)."""
+    """model name + content hash + numerics (dtype, scoring precision, runner: `LoadedModel.numerics`) + operation
+    + every option + input hash (the name is in the body)."""
     opts = prep.request.model_dump(exclude={"model", "input"})
     h_opts = hashlib.sha256(json.dumps(opts, sort_keys=True).encode()).hexdigest()[:16]
     h_in = hashlib.sha256(json.dumps(prep.request.input, separators=(",", ":")).encode()).hexdigest()
-    return f"latentlm:cache:{prep.model.name}:{prep.model.content_hash}:{prep.op}:{h_opts}:{h_in}"
+    return (f"latentlm:cache:{prep.model.name}:{prep.model.content_hash}:{prep.model.numerics()}:{prep.op}:{h_opts}:"
+            f"{h_in}")

@@ -42,9 +42,9 @@ class ModelRegistry:
     def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32",
                  backend: str = "torch", storage_dtype: str | None = None, calibrate: bool | None = None):
         """`storage_dtype`: precision of the fused CUDA scoring path of rank_hmm / blocked_hmm ("float32", "tfloat32",
-        "bfloat16"); None reads the setting (LATENTLM_STORAGE_DTYPE, default float32). `calibrate`: time the
-        CPU batch engines and BLAS libraries on each chain model's matrix at load and keep the fastest
-        (`models.calibrate`); None reads LATENTLM_CALIBRATE (default on)."""
+        "bfloat16"; bfloat16 also of blocked_hmm's scoring on CPU); None reads the setting (LATENTLM_STORAGE_DTYPE,
+        default float32). `calibrate`: time the CPU batch engines and BLAS libraries on each chain model's matrix at
+        load and keep the fastest (`models.calibrate`); None reads LATENTLM_CALIBRATE (default on)."""
         self.store, self.device, self.dtype, self.backend = Path(store), device, dtype, backend
         self.calibrate = Settings.from_env().calibrate if calibrate is None else calibrate
         self.precision = Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype
@@ -120,7 +120,7 @@ class ModelRegistry:
                         continue
                     model = ops.load_model(self.store, name, device=self.device, dtype=self.dtype,
                                            backend=self.backend)
-                    if hasattr(model.impl, "set_storage_dtype"):  # chain families: fused CUDA scoring's precision
+                    if hasattr(model.impl, "set_storage_dtype"):  # chain families: scoring's precision
                         model.impl.set_storage_dtype("tfloat32" if self.allow_tf32 else self.storage_dtype)
                     new[name], verified[name] = model, sig
                     kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from latentlm.models.kernels.blas import as_array
-from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit, widen
 from latentlm.models.kernels.threads import run_ranges, run_split
 
 BIG = 1e280  # cap of beta and of emit * beta / c: sums of a few products stay finite, so 0 * overflow never
@@ -28,7 +28,8 @@ if HAVE_NUMBA:
     @njit(nogil=True, fastmath=FASTMATH, inline="always", cache=True)
     def _block_step(prev, trans, cp, cn, out):  # pragma: no cover - compiled
         """out (k,) = prev (k,) @ trans[cp:cp+k, cn:cn+k]: four block rows per sweep over contiguous row
-        segments (vectorised fused multiply-adds)."""
+        segments (vectorised fused multiply-adds). `trans` float32/float64, or bfloat16 bits (uint16: widened
+        to float32 as they are read, `jit.widen`)."""
         k = out.shape[0]
         for j in range(k):
             out[j] = 0.0
@@ -40,12 +41,12 @@ if HAVE_NUMBA:
             s2 = trans[cp + i + 2, cn : cn + k]
             s3 = trans[cp + i + 3, cn : cn + k]
             for j in range(k):
-                out[j] += (a0 * s0[j] + a1 * s1[j]) + (a2 * s2[j] + a3 * s3[j])
+                out[j] += (a0 * widen(s0[j]) + a1 * widen(s1[j])) + (a2 * widen(s2[j]) + a3 * widen(s3[j]))
         for i in range(k4, k):
             a = prev[i]
             seg = trans[cp + i, cn : cn + k]
             for j in range(k):
-                out[j] += a * seg[j]
+                out[j] += a * widen(seg[j])
 
     @njit(nogil=True, fastmath=FASTMATH, inline="always", cache=True)
     def _block_dots(trans, cp, cn, vec, out):  # pragma: no cover - compiled
@@ -353,13 +354,15 @@ def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, l
               threads: int, want_last: bool = False) -> tuple[Tensor, Tensor | None]:
     """(log_cond (B, T) in emit_table's dtype (0 at padding, -inf from an impossible position on), and with
     `want_last` each row's filtered marginal at its last position (B, k)) of `blocked_score` over init
-    (B, k), emit_table (V, k), ids and clusters (B, T), lengths (B,) and trans (Z, Z), the rows split over
-    `threads` threads. O(B T k^2)."""
+    (B, k), emit_table (V, k), ids and clusters (B, T), lengths (B,) and trans (Z, Z) (float32/float64, or
+    bfloat16: read as its uint16 bits, each entry widened to float32), the rows split over `threads` threads.
+    O(B T k^2)."""
     B, k = init.shape
     log_cond = torch.zeros(ids.shape, dtype=emit_table.dtype)
     last = torch.zeros(B if want_last else 0, k, dtype=emit_table.dtype)
     first, rows, cl, lens = (as_array(x) for x in (init, ids, clusters, lengths))
-    table, mat, out, out_last = as_array(emit_table), as_array(trans), log_cond.numpy(), last.numpy()
+    mat = as_array(trans.view(torch.uint16) if trans.dtype == torch.bfloat16 else trans)
+    table, out, out_last = as_array(emit_table), log_cond.numpy(), last.numpy()
 
     def part(lo: int, hi: int) -> None:
         blocked_score(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out[lo:hi],

@@ -166,7 +166,7 @@ def test_bf16_storage_applies_to_the_fused_path_only(make):
     _, lc = model.score(batch, backend="cuda_fused")
     _, want = torch_score(model, batch)
     err = (lc.double() - want.double()).abs().max().item()
-    assert err <= tc.BF16_TOKEN_ABS_BOUND
+    assert err <= dispatch.BF16_TOKEN_ABS_BOUND
     # the chain engine (every other operation too) keeps the model's float32 tensors
     _, lc32 = model.score(batch, backend="torch")
     assert torch.equal(lc32, want)

@@ -173,3 +173,34 @@ def test_logit_gradient_pass_equals_tensor_ops_for_any_threads(n, threads, dtype
     if n > 1:
         with pytest.raises(ValueError, match="contiguous"):
             blocked_kernels.logit_grad_cpu(counts.to(dtype).T, trans.to(dtype), 1.0, 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_bfloat16_storage_scores_exactly_the_rounded_matrix_within_the_bound(data):
+    """bfloat16 storage on CPU (`set_storage_dtype`): the sweep widens each stored entry exactly, so it gives the
+    same bits as the float32 sweep over the bfloat16-rounded matrix, stays within `BF16_TOKEN_ABS_BOUND` per token
+    of the float64 model, and a row scores alone what it scores in a padded batch; every other operation reads the
+    float32 matrix."""
+    M, k = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 9))
+    V = data.draw(st.integers(M, 12))
+    t, c = random_blocked_hmm(M, k, V, data.draw(st.integers(0, 10_000)),
+                              concentration=data.draw(st.sampled_from([0.3, 1.0])))
+    seqs = data.draw(st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=15), min_size=1, max_size=6))
+    batch = Batch.from_lists(seqs)
+    m = BlockedHMM.from_tensors(t, c, storage_dtype="bfloat16")
+    assert m.backends()["storage_dtype"] == "bfloat16" and m._trans_bf16 is not None
+    logp, cond = m.score(batch)
+    rounded = dict(t, trans=t["trans"].to(torch.bfloat16).to(torch.float32))
+    want_logp, want_cond = BlockedHMM.from_tensors(rounded, c).score(batch)
+    assert torch.equal(cond, want_cond) and torch.equal(logp, want_logp)
+    _, exact = BlockedHMM.from_tensors(t, c, dtype=torch.float64).score(batch)
+    assert (cond.double() - exact).abs().max().item() <= dispatch.BF16_TOKEN_ABS_BOUND
+    for i, x in enumerate(seqs):
+        one, one_cond = m.score(Batch.from_lists([x]))
+        assert torch.equal(one_cond[0], cond[i, : len(x)]) and one[0].item() == logp[i].item()
+    f32 = BlockedHMM.from_tensors(t, c)
+    assert torch.equal(m.posterior(batch)[1], f32.posterior(batch)[1])
+    assert torch.equal(m.filtered_last(batch), f32.filtered_last(batch))
+    m.set_storage_dtype("float32")
+    assert m._trans_bf16 is None and torch.equal(m.score(batch)[1], f32.score(batch)[1])

@@ -297,3 +297,21 @@ def test_coalescing_transport_sends_head_and_body_together():
         assert len(fake.writes) == 3  # the scheduled flush finds nothing held
 
     asyncio.run(go())
+
+
+def test_cache_key_holds_the_scoring_precision(tmp_path):
+    """A bfloat16-storage server and a float32 one sharing a Redis never answer with each other's numbers: the
+    key holds `LoadedModel.numerics`; everything else about the request keys the same."""
+    from latentlm.service import execute
+    from latentlm.service.schemas import ScoreRequest
+
+    add_model(tmp_path, "blk", "blocked_hmm")
+    req = ScoreRequest(model="blk", input=[[1, 2, 3]])
+    keys = {}
+    for precision in ("float32", "bfloat16", "tfloat32"):
+        m = ops.load_model(tmp_path, "blk")
+        m.impl.set_storage_dtype(precision)
+        assert m.numerics() == f"float32-{precision}"
+        keys[precision] = execute.cache_key(execute.Prepared(m, "score", {}, [[1, 2, 3]], req))
+    assert len(set(keys.values())) == 3
+    assert {k.replace(f"-{p}:", ":") for p, k in keys.items()} == {keys["float32"].replace("-float32:", ":")}
