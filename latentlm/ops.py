@@ -121,22 +121,33 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 BACKENDS = ("torch", "onnx")
+# scoring precisions of chain families (`ChainFamily.set_storage_dtype`): float32 (exact), tfloat32 (CUDA: float32
+# storage, TF32 tensor-core products), bfloat16 (half the bytes of each matrix read; CUDA, and blocked_hmm on CPU)
+STORAGE_DTYPES = ("float32", "tfloat32", "bfloat16")
 ONNX_CACHE = ".onnx"  # inside the store: exported graphs, named by model and content hash
 
 
 def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
-               dtype: str = "float32", backend: str = "torch") -> LoadedModel:
+               dtype: str = "float32", backend: str = "torch",
+               storage_dtype: str | torch.dtype | None = None) -> LoadedModel:
     """Verify and load `<store>/<name>` onto `device`; with `backend="onnx"`, scoring runs through
-    onnxruntime (the graph exported to `<store>/.onnx/` on first use)."""
+    onnxruntime (the graph exported to `<store>/.onnx/` on first use). `storage_dtype` (`STORAGE_DTYPES`; None:
+    float32): the precision of a chain family's scoring (`ChainFamily.set_storage_dtype`; other families have one
+    precision, the model's dtype)."""
     if backend not in BACKENDS:
         raise InputError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}", param="backend")
     if dtype not in DTYPES:
         raise InputError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}", param="dtype")
+    if isinstance(storage_dtype, str) and storage_dtype not in STORAGE_DTYPES:
+        raise InputError(f"storage_dtype: expected one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}",
+                         param="storage_dtype")
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     art = load_artifact(model_path(store, name), device=dev)  # read once, straight onto the device
     fam = get_family(art.family)
     impl = fam.from_tensors(art.tensors, art.config, device=dev, dtype=DTYPES[dtype])
     art.tensors.clear()  # the family holds them now (converted, for a dtype other than the file's): one copy
+    if storage_dtype is not None and hasattr(impl, "set_storage_dtype"):
+        impl.set_storage_dtype(storage_dtype)
     model = LoadedModel(name=name, artifact=art, impl=impl, device=dev)
     if backend == "onnx":
         model.use_onnx(Path(store) / ONNX_CACHE)

@@ -119,9 +119,8 @@ class ModelRegistry:
                         new[name], verified[name] = old, sig
                         continue
                     model = ops.load_model(self.store, name, device=self.device, dtype=self.dtype,
-                                           backend=self.backend)
-                    if hasattr(model.impl, "set_storage_dtype"):  # chain families: scoring's precision
-                        model.impl.set_storage_dtype("tfloat32" if self.allow_tf32 else self.storage_dtype)
+                                           backend=self.backend,
+                                           storage_dtype="tfloat32" if self.allow_tf32 else self.storage_dtype)
                     new[name], verified[name] = model, sig
                     kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
                     if self.calibrate and hasattr(model.impl, "calibrate"):  # the fastest engine/BLAS here

@@ -303,7 +303,7 @@ def train(ns: argparse.Namespace) -> Path:
 
 def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu", dtype: str = "float32",
                       max_batch_tokens: int = 16384, backend: str = "torch",
-                      running_text: bool = False) -> dict[str, Any]:
+                      running_text: bool = False, storage_dtype: str = "float32") -> dict[str, Any]:
     """Perplexity of a stored model on `data` through `latentlm.ops` (the service's code path):
     exp(-sum log p / sum tokens) over sentences, `<eos>` included (`"mode": "sentences"`, each sentence
     scored from the start distribution; the figure compared with KenLM).
@@ -312,12 +312,14 @@ def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu",
     scored exactly as one sequence, so every sentence is conditioned on the state carried over from the
     previous ones, as BPTT training sees the corpus (`"mode": "running_text"`). Only chain families (hmm,
     blocked_hmm, rank_hmm, tagging_hmm) carry a state across sentences; the others are refused
-    (InputError naming `--running-text`)."""
+    (InputError naming `--running-text`). `storage_dtype`: the scoring precision asked for (`ops.load_model`);
+    when not float32, the result reports the one scoring ran in (a path without it keeps the model's dtype)."""
     from latentlm.models.base import ChainFamily
     from latentlm.training.data import eval_corpus
     from latentlm.training.data import running_text as join_sentences
 
-    model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype, backend=backend)
+    model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype, backend=backend,
+                           storage_dtype=storage_dtype)
     if running_text and not isinstance(model.impl, ChainFamily):
         raise InputError(f"--running-text: model {name!r} is a {model.family} model, which scores sentences one "
                          "at a time and carries no state across them; running-text evaluation needs a chain "
@@ -331,5 +333,9 @@ def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu",
         rows = ops.run(model, "score", seqs, max_batch_tokens=max_batch_tokens)
     logp = math.fsum(r["logprob"] for r in rows)
     n = sum(r["num_tokens"] for r in rows)
-    return {"model": name, "data": data, "mode": "running_text" if running_text else "sentences",
-            "perplexity": math.exp(-logp / n), "logprob": logp, "num_tokens": n, "num_sequences": len(seqs)}
+    out = {"model": name, "data": data, "mode": "running_text" if running_text else "sentences",
+           "perplexity": math.exp(-logp / n), "logprob": logp, "num_tokens": n, "num_sequences": len(seqs)}
+    if storage_dtype == "float32":
+        return out
+    used = model.impl.backends().get("storage_dtype", dtype) if isinstance(model.impl, ChainFamily) else dtype
+    return {**out, "storage_dtype": used}  # what scoring ran in: bfloat16 asked of a path without it stays float32

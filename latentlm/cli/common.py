@@ -28,8 +28,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_backend(p: argparse.ArgumentParser) -> None:
+    """The scoring engine's options: `--backend`, `--storage-dtype`."""
     p.add_argument("--backend", choices=ops.BACKENDS, default="torch",
                    help="onnx: score through onnxruntime (hmm, blocked_hmm, rank_hmm; graph cached in the store)")
+    p.add_argument("--storage-dtype", choices=ops.STORAGE_DTYPES, default="float32",
+                   help="precision of the scoring path: float32 (exact, the default); bfloat16 (opt-in: a bfloat16 "
+                        "copy of the transition matrix, half the bytes read per step; blocked_hmm on CPU, rank_hmm "
+                        "and blocked_hmm on CUDA; within 0.02 nats per token); tfloat32 (CUDA: TF32 tensor cores). "
+                        "The service's LATENTLM_STORAGE_DTYPE")
 
 
 def positive_int(s: str) -> int:
@@ -50,4 +56,4 @@ def emit_json(rows: list[dict]) -> None:
 def load(args: argparse.Namespace) -> ops.LoadedModel:
     device = ops.resolve_device(getattr(args, "device", "cpu"))
     return ops.load_model(args.store, args.model, device=device, dtype=args.dtype,
-                          backend=getattr(args, "backend", "torch"))
+                          backend=getattr(args, "backend", "torch"), storage_dtype=getattr(args, "storage_dtype", None))

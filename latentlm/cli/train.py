@@ -21,7 +21,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_eval(args: argparse.Namespace) -> None:
     res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
                             max_batch_tokens=args.batch_tokens, backend=args.backend,
-                            running_text=args.running_text)
+                            running_text=args.running_text, storage_dtype=args.storage_dtype)
     print(ops.dumps(res).decode())
 
 

@@ -115,3 +115,35 @@ def test_running_text_refused_for_families_without_a_carried_state(tmp_path, cap
     rc = main(["eval", "--model", "g", "--data", str(text), "--store", str(store), "--running-text"])
     assert rc != 0
     assert "--running-text" in capsys.readouterr().err
+
+
+def test_eval_storage_dtype_scores_blocked_hmm_in_bfloat16_and_says_what_ran(tmp_path, capsys):
+    """`--storage-dtype bfloat16`: a blocked_hmm scores on CPU from its bfloat16 matrix (within the documented bound
+    per token of the float32 figure) and the output says so; an hmm has no such path and says float32; an unknown
+    precision is refused naming the field."""
+    from latentlm import ops
+    from latentlm.models import backend as dispatch
+    from latentlm.models.synthetic import random_blocked_hmm
+
+    store = tmp_path / "store"
+    t, cfg = random_blocked_hmm(3, 4, len(vocab()), seed=1, concentration=0.3)
+    save_artifact(store, "blk", "blocked_hmm", {k: v.float() if v.is_floating_point() else v for k, v in t.items()},
+                  vocab(), config=cfg)
+    save_hmm(store, "h", 6)
+    text = write_text(tmp_path / "text.txt", 30)
+    rows = {}
+    for name, precision in (("blk", "float32"), ("blk", "bfloat16"), ("h", "bfloat16")):
+        assert main(["eval", "--model", name, "--data", str(text), "--store", str(store),
+                     "--storage-dtype", precision]) == 0
+        rows[name, precision] = json.loads(capsys.readouterr().out)
+    f32, bf16 = rows["blk", "float32"], rows["blk", "bfloat16"]
+    assert "storage_dtype" not in f32 and bf16["storage_dtype"] == "bfloat16"
+    assert bf16["logprob"] != f32["logprob"]
+    assert abs(bf16["logprob"] - f32["logprob"]) <= dispatch.BF16_TOKEN_ABS_BOUND * f32["num_tokens"]
+    assert rows["h", "bfloat16"]["storage_dtype"] == "float32"
+    with pytest.raises(InputError, match="storage_dtype") as e:
+        ops.load_model(store, "blk", storage_dtype="float8")
+    assert e.value.param == "storage_dtype"
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--model", "blk", "--data", str(text), "--store", str(store), "--storage-dtype", "float8"])
+    assert exit_.value.code == 2 and "--storage-dtype" in capsys.readouterr().err
