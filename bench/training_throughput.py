@@ -31,7 +31,8 @@ from pathlib import Path
 
 import latentlm
 
-latentlm.tune_openmp_for_training()  # as `latentlm train` does, before torch loads
+latentlm.huge_pages()  # as `latentlm train` does, before torch loads (THP_MEM_ALLOC_ENABLE=0 to compare without)
+latentlm.tune_openmp_for_training()
 latentlm.flush_denormals_for_training()  # and before torch starts its threads
 
 import numpy as np  # noqa: E402
@@ -269,6 +270,7 @@ def main() -> None:
     write_section(args.out, f"{args.threads} torch threads, torch {torch.__version__}, "
                   f"{'freed memory kept in the heap (as the trainer)' if reuse else 'glibc malloc defaults'}, "
                   f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'libgomp default')}, "
+                  f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, "
                   f"load average before the run {' '.join(load)}", lines)
 
 

@@ -1,7 +1,7 @@
 """What each command sets in the environment before torch loads. `latentlm train` and `train-tagger` start torch with
 GOMP_SPINCOUNT set (`latentlm.tune_openmp_for_training`): the setting reaches libgomp only if it is in the environment
-before torch is imported, and a value the user set wins. Other commands (the service) keep libgomp's default and ask
-torch's allocator for huge pages instead (`latentlm.huge_pages_for_inference`)."""
+before torch is imported, and a value the user set wins. Other commands (the service) keep libgomp's default. Every
+command that loads or trains a model asks torch's allocator for huge pages (`latentlm.huge_pages`)."""
 
 from __future__ import annotations
 
@@ -63,21 +63,16 @@ def _thp(*args: str, env: dict[str, str] | None = None) -> str:
     return _probe(*args, env=env, var="THP_MEM_ALLOC_ENABLE")
 
 
-@pytest.mark.parametrize("command", ["serve", "worker", "score", "eval"])
-def test_inference_commands_ask_torch_for_huge_pages(command):
-    """`latentlm.huge_pages_for_inference`: set before torch loads in the commands that load a model; a value the
-    user set wins."""
+@pytest.mark.parametrize("command", ["serve", "worker", "score", "eval", "train", "train-tagger"])
+def test_model_commands_ask_torch_for_huge_pages(command):
+    """`latentlm.huge_pages`: set before torch loads in the commands that load or train a model; a value the user
+    set wins."""
     assert _thp(command) == "1"
     assert _thp(command, env={"THP_MEM_ALLOC_ENABLE": "0"}) == "0"
 
 
-@pytest.mark.parametrize("command", ["train", "train-tagger"])
-def test_training_commands_keep_the_default_allocator(command):
-    assert _thp(command) == "None"
-
-
 def test_every_command_is_classified_and_a_test_process_is_left_alone():
-    """Each subcommand is a training command, a model-loading one (huge pages) or one that loads no model (the
+    """Each subcommand is a training command, a model-loading one or one that loads no model (the
     store listing, the importers); a process that imports the CLI to run something else (pytest here) gets none
     of the settings."""
     import argparse

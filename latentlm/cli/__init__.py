@@ -16,15 +16,15 @@ TRAINING_COMMANDS = ("train", "train-tagger")
 # the commands that load a model to answer requests (the others list the store or import files)
 MODEL_LOADING_COMMANDS = ("decode", "embed", "eval", "export-onnx", "posterior", "sample", "score", "serve", "worker")
 
-# before torch loads (the subcommands import it): the training commands' OpenMP and denormal settings, the model
-# loading commands' huge pages. Only when this process runs that command: importing this module elsewhere (a test
-# process) changes nothing
+# before torch loads (the subcommands import it): the training commands' OpenMP and denormal settings, and huge
+# pages for both kinds. Only when this process runs that command: importing this module elsewhere (a test process)
+# changes nothing
 _command = sys.argv[1] if len(sys.argv) > 1 else ""
+if _command in TRAINING_COMMANDS or _command in MODEL_LOADING_COMMANDS:  # see `latentlm.huge_pages`
+    latentlm.huge_pages()
 if _command in TRAINING_COMMANDS:
     latentlm.tune_openmp_for_training()
     latentlm.flush_denormals_for_training()  # before torch's threads exist: they inherit it
-elif _command in MODEL_LOADING_COMMANDS:  # see `latentlm.huge_pages_for_inference`
-    latentlm.huge_pages_for_inference()
 
 from latentlm.cli import imports, infer, serve, train  # noqa: E402
 from latentlm.models.errors import LatentLMError  # noqa: E402
