@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 import torch
 
+from latentlm.models import backend as dispatch
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
 from latentlm.models.family import OPERATIONS, Family, length_batches
 from latentlm.models.registry import get_family, load_artifact
@@ -49,9 +50,7 @@ class LoadedModel:
         storage precision of its scoring (`set_storage_dtype`: float32, tfloat32, bfloat16) and whether ONNX
         Runtime scores it. Part of the response cache's key: servers set up differently never share answers."""
         dtype = str(getattr(self.impl, "dtype", "")).removeprefix("torch.")
-        storage = "tfloat32" if getattr(self.impl, "allow_tf32", False) else \
-            str(getattr(self.impl, "storage_dtype", "")).removeprefix("torch.")
-        return "-".join(p for p in (dtype, storage, "onnx" if self.runners else "") if p)
+        return "-".join(p for p in (dtype, getattr(self.impl, "precision", ""), "onnx" if self.runners else "") if p)
 
     def use_onnx(self, cache_dir: Path) -> None:
         """Score through onnxruntime: export the scoring graph once per content hash into `cache_dir` (reused
@@ -123,7 +122,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 BACKENDS = ("torch", "onnx")
 # scoring precisions of chain families (`ChainFamily.set_storage_dtype`): float32 (exact), tfloat32 (CUDA: float32
 # storage, TF32 tensor-core products), bfloat16 (half the bytes of each matrix read; CUDA, and blocked_hmm on CPU)
-STORAGE_DTYPES = ("float32", "tfloat32", "bfloat16")
+STORAGE_DTYPES = dispatch.PRECISIONS
 ONNX_CACHE = ".onnx"  # inside the store: exported graphs, named by model and content hash
 
 

@@ -79,6 +79,8 @@ FUSED_MAX_TOKENS = LONG_MIN_TOKENS  # auto: wider (padded) batches score on the 
 #                                     sequences (the fused path runs, and graph-captures, every step in turn)
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # of the matrices on the fused path
+# what `ChainFamily.set_storage_dtype` takes: a storage dtype, or "tfloat32" (CUDA: float32 storage, TF32 products)
+PRECISIONS = ("float32", "tfloat32", "bfloat16")
 # Documented error bound of bfloat16 storage, on the fused CUDA path and blocked_hmm's CPU sweep (checked in
 # tests/models/test_triton.py and test_blocked_kernels.py on random Dirichlet models):
 # |log p(x_t | x_<t) (bfloat16 storage) - same (float64 reference)| per token, absolute.

@@ -200,6 +200,11 @@ class ChainFamily(ChainOps, Family):
         self.allow_tf32 = isinstance(value, str) and value.lower() == "tfloat32"
         self.storage_dtype = dispatch.storage_dtype("float32" if self.allow_tf32 else value)
 
+    @property
+    def precision(self) -> str:
+        """The precision `set_storage_dtype` was given, by name ("float32", "tfloat32", "bfloat16")."""
+        return "tfloat32" if self.allow_tf32 else str(self.storage_dtype).removeprefix("torch.")
+
     def _grad(self) -> bool:
         return torch.is_grad_enabled() and any(isinstance(v, Tensor) and v.requires_grad for v in vars(self).values())
 
@@ -214,8 +219,7 @@ class ChainFamily(ChainOps, Family):
         storage dtype it scores in."""
         engine = self.score_backend()
         if engine is Backend.CUDA_FUSED:
-            precision = "tfloat32" if self.allow_tf32 else str(self.storage_dtype).removeprefix("torch.")
-            return {"score": engine.value, "storage_dtype": precision}
+            return {"score": engine.value, "storage_dtype": self.precision}
         rows = dispatch.LOCKSTEP_MIN_ROWS
         batch = Batch(torch.zeros(rows, 1, dtype=torch.long, device=self.device),
                       torch.ones(rows, dtype=torch.long, device=self.device))

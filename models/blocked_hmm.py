@@ -57,9 +57,10 @@ class BlockedHMM(ChainFamily):
         reads it; alpha, the emissions and the sums stay float32 (error bound `backend.BF16_TOKEN_ABS_BOUND`).
         Posteriors, decoding, sampling and `filtered_last` read `trans` itself."""
         super().set_storage_dtype(value)
-        bf16 = self.storage_dtype == torch.bfloat16 and self.device.type == "cpu" and self.M > 1
-        self._trans_bf16 = (self._trans_bf16 if self._trans_bf16 is not None else self.trans.to(torch.bfloat16)) \
-            if bf16 else None
+        if not (self.storage_dtype == torch.bfloat16 and self.device.type == "cpu" and self.M > 1):
+            self._trans_bf16 = None
+        elif self._trans_bf16 is None:
+            self._trans_bf16 = self.trans.to(torch.bfloat16)
 
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
