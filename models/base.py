@@ -285,7 +285,8 @@ class ChainFamily(ChainOps, Family):
     def sample(self, n: int, max_tokens: int, generator: torch.Generator, *, prefix: list[int] | None = None,
                temperature: float = 1.0, stop_id: int | None = None) -> Samples:
         """Draw n continuations of `prefix` (or unconditional samples) of up to `max_tokens` tokens;
-        a sample ends after `stop_id` when given. O(n max_tokens log(Z V))."""
+        a sample ends after `stop_id` when given. O(n max_tokens) draws, each O(1) or O(sqrt C) (C: the row's
+        categories, `sampling.CategoricalTable`), O(C) at a temperature other than 1 on a large table."""
         trans_table, emit_table, slot_token = self.sampling_tables(temperature)
         first = self.predictive(prefix) if prefix else self.start_probs()
         first_table = CategoricalTable(first[None].to(torch.float64), temperature)

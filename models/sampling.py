@@ -1,14 +1,17 @@
-"""Sampling shared by every family: categorical tables drawn in O(1) per sample, and the ancestral sampling
-loop of the HMM-like families.
+"""Sampling shared by every family: categorical tables (O(1) or O(sqrt C) per draw), and the ancestral
+sampling loop of the HMM-like families.
 
-`CategoricalTable` draws from many categorical distributions at once (alias tables built by a compiled
-kernel, `kernels.alias`; without numba, inverse CDF by binary search on one flat array). `run_sampler`
+`CategoricalTable` draws from many categorical distributions at once: alias tables built by a compiled
+kernel (`kernels.alias`) for tables up to `ALIAS_MAX_ENTRIES`, otherwise (or without numba) an inverse CDF
+that reads the probabilities where they lie (`ChunkedCDF`: a 32,768-state transition matrix needs 45 MiB
+besides itself, where its alias tables would hold 16 GiB). `run_sampler`
 is the generic loop token_t = emit(z_t), z_{t+1} = nxt(z_t) for n samples at once; the tree engine
 (`models.tree`) draws its rules from the same tables.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -22,48 +25,122 @@ from latentlm.models.kernels.jit import HAVE_NUMBA
 T = TypeVar("T")
 
 
-class CategoricalTable:
-    """Draws from many categorical distributions at once: probs (R, C), rows summing to 1 ->
-    `draw(rows (n,), generator) -> (n,)` column indices.
+# Alias tables hold 16 bytes per entry (float64 acceptance, int64 alias) and need 16 more while they are built;
+# a larger table is drawn by `ChunkedCDF`, which holds 8 bytes per sqrt(C) entries besides the probabilities.
+ALIAS_MAX_ENTRIES = 1 << 22  # 64 MiB of alias tables (a 2,048-state transition matrix)
+SLAB_ENTRIES = 1 << 23  # entries per slab when `ChunkedCDF` sums a table (64 MiB of float64 at a time)
 
-    With alias tables (Walker/Vose, built once in O(R C) by a compiled kernel; the default where numba is
-    present) a draw is one uniform column and one biased coin, O(1) per sample whatever C is, on any
-    device; `alias=False` (or no numba) draws by inverse CDF, O(log(R C)) per sample. `temperature`
-    sharpens (< 1) or flattens (> 1) every row: p^(1/temperature), renormalised."""
+
+class CategoricalTable:
+    """Draws from many categorical distributions at once: probs (R, C), rows summing to 1 (any positive
+    scale is fine) -> `draw(rows (n,), generator) -> (n,)` column indices.
+
+    `alias=None` (the default) picks the method by size: alias tables (Walker/Vose, built once in O(R C) by a
+    compiled kernel) when numba is present and R C <= `ALIAS_MAX_ENTRIES` (a draw is one uniform column and
+    one biased coin, O(1) whatever C is); otherwise `ChunkedCDF` (O(sqrt C) per draw, O(R sqrt C) memory
+    besides `probs`, which it keeps a reference to and reads in place). `alias=True` / `False` forces one.
+    `temperature` sharpens (< 1) or flattens (> 1) every row: p^(1/temperature), renormalised. Works on the
+    device of `probs`."""
 
     def __init__(self, probs: Tensor, temperature: float = 1.0, *, alias: bool | None = None):
-        p = probs.double()
-        if temperature != 1.0:
-            p = torch.softmax(p.clamp_min(0).log() / temperature, dim=-1)
-        self.num_cols = p.shape[1]
+        self.num_cols = probs.shape[1]
         if alias is None:
-            alias = HAVE_NUMBA
+            alias = HAVE_NUMBA and probs.shape[0] * probs.shape[1] <= ALIAS_MAX_ENTRIES
         elif alias and not HAVE_NUMBA:
             raise ValueError("alias tables need numba")
+        self.cdf: ChunkedCDF | None = None
         if alias:
+            p = probs.double()
+            if temperature != 1.0:
+                p = torch.softmax(p.clamp_min(0).log() / temperature, dim=-1)
             accept, table = alias_kernels.alias_tables(p)
             self.accept, self.alias = accept.to(probs.device), table.to(probs.device)
-            self.flat = None
-        else:  # inverse CDF on one flat monotone array: row r's cumulative sums shifted by r
-            cum = p.cumsum(-1)
-            cum = cum / cum[:, -1:].clamp_min(torch.finfo(torch.float64).tiny)
-            cum[:, -1] = 1.0
-            self.flat = (cum + torch.arange(p.shape[0], dtype=torch.float64, device=p.device)[:, None]).reshape(-1)
+        else:
+            self.cdf = ChunkedCDF(probs, temperature)
 
     def draw(self, rows: Tensor, generator: torch.Generator) -> Tensor:
-        if self.flat is not None:
+        if self.cdf is not None:
             u = torch.rand(rows.shape, dtype=torch.float64, device=rows.device, generator=generator)
-            idx = torch.searchsorted(self.flat, rows.double() + u, right=True)
-            return (idx - rows * self.num_cols).clamp_(0, self.num_cols - 1)
+            return self.cdf.invert(rows, u)
         u = torch.rand((2, *rows.shape), dtype=torch.float64, device=rows.device, generator=generator)
         col = (u[0] * self.num_cols).long().clamp_(max=self.num_cols - 1)
         keep = u[1] < self.accept[rows, col]
         return torch.where(keep, col, self.alias[rows, col])
 
 
+class ChunkedCDF:
+    """The inverse CDF of every row of probs (R, C), read where it lies (no copy of `probs`).
+
+    At temperature 1 each row's C columns are cut into chunks of w = ceil(sqrt C) and the table keeps the
+    cumulative mass of the chunks, `cum` (R, ceil(C / w)) float64, summed once in O(R C) (by a compiled pass
+    over rows on threads, `kernels.alias.chunk_masses`, where numba is present): `invert(rows, u)`
+    finds a draw's chunk by binary search on its row's `cum` and its column by a float64 cumulative sum over
+    that chunk's w entries, O(sqrt C) per draw. At another temperature (a table built per request,
+    `tables_at`) it keeps nothing and weighs each draw's whole row, exp((log p - max log p) / T) (the
+    renormalised p^(1/T) without overflow): O(C) per draw, nothing to build. A zero-probability column is
+    never drawn."""
+
+    def __init__(self, probs: Tensor, temperature: float = 1.0):
+        C = probs.shape[1]
+        self.probs, self.inv_temp = probs, 1.0 / temperature
+        self.cum: Tensor | None = None
+        if temperature != 1.0:
+            self.width = C
+            return
+        self.width = math.isqrt(C - 1) + 1  # ceil(sqrt C)
+        if HAVE_NUMBA and probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64):
+            mass = alias_kernels.chunk_masses(probs, self.width, torch.get_num_threads())
+        else:
+            mass = self._masses(probs)
+        self.cum = mass.cumsum(1)
+        self.last_chunk = (mass.shape[1] - 1) - (mass > 0).flip(1).int().argmax(1)  # the last chunk with mass
+
+    def _masses(self, probs: Tensor) -> Tensor:
+        """(R, ceil(C / width)) float64 chunk masses by torch, a slab of rows at a time (any device, dtype)."""
+        R, C = probs.shape
+        w, full, step = self.width, C // self.width, max(1, SLAB_ENTRIES // C)
+        masses = []
+        for lo in range(0, R, step):
+            slab = probs[lo: lo + step].double().clamp_min(0)
+            parts = [slab[:, : full * w].reshape(len(slab), full, w).sum(-1), slab[:, full * w:].sum(1, keepdim=True)]
+            masses.append(torch.cat(parts if C % w else parts[:1], 1))
+        return torch.cat(masses)
+
+    @property
+    def num_cols(self) -> int:
+        return self.probs.shape[1]
+
+    def invert(self, rows: Tensor, u: Tensor) -> Tensor:
+        """Columns (n,) of the draws u (n,) in [0, 1) from rows `rows` (n,): the first column whose cumulative
+        weight exceeds u times the row's total. Draws are taken a slab of rows at a time (bounded memory)."""
+        step = max(1, SLAB_ENTRIES // self.width)
+        return torch.cat([self._invert(rows[lo: lo + step], u[lo: lo + step]) for lo in range(0, len(rows), step)])
+
+    def _invert(self, rows: Tensor, u: Tensor) -> Tensor:
+        if self.cum is None:  # the whole row, weighed now
+            chunk = torch.zeros_like(rows)
+            w = self.probs[rows].double().clamp_min(0)
+            w = ((w.log() - w.amax(1, keepdim=True).log()) * self.inv_temp).exp()
+            rest = u * w.sum(1)
+        else:
+            cum = self.cum[rows]  # (n, chunks)
+            target = u * cum[:, -1]
+            chunk = torch.searchsorted(cum, target[:, None], right=True).squeeze(1)
+            chunk = torch.minimum(chunk, self.last_chunk[rows])  # u * total rounded up to the total
+            before = cum.gather(1, (chunk - 1).clamp_min(0)[:, None]).squeeze(1)
+            rest = target - torch.where(chunk > 0, before, torch.zeros_like(before))
+            cols = chunk[:, None] * self.width + torch.arange(self.width, device=rows.device)  # (n, w)
+            w = self.probs[rows[:, None], cols.clamp(max=self.num_cols - 1)].double().clamp_min(0)
+            w = torch.where(cols < self.num_cols, w, torch.zeros_like(w))
+        col = torch.searchsorted(w.cumsum(1), rest[:, None], right=True).squeeze(1)
+        last = (w.shape[1] - 1) - (w > 0).flip(1).int().argmax(1)  # the last column with weight
+        return chunk * self.width + torch.minimum(col, last)
+
+
 def tables_at(owner: object, temperature: float, build: Callable[[float], T]) -> T:
     """A family's sampling tables, `build(temperature)`. Those at temperature 1 (the default) are built once
-    and kept on `owner` (alias tables cost O(table size) to build); other temperatures are built per call."""
+    and kept on `owner` (alias tables and chunk masses cost O(table size) to build); other temperatures are
+    built per call."""
     if temperature != 1.0:
         return build(temperature)
     kept = owner.__dict__

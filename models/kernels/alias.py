@@ -1,5 +1,6 @@
-"""Walker/Vose alias tables, built by a compiled kernel: a categorical draw is then one uniform column and
-one biased coin, O(1) whatever the number of categories (used by `models.sampling.CategoricalTable`)."""
+"""Compiled builders of `models.sampling.CategoricalTable`'s tables: Walker/Vose alias tables (a categorical draw
+is then one uniform column and one biased coin, O(1) whatever the number of categories), and the float64 chunk
+masses of `models.sampling.ChunkedCDF` (one pass over the probabilities where they lie, rows over threads)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from latentlm.models.kernels.jit import HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.threads import run_ranges
 
 if HAVE_NUMBA:
 
@@ -46,6 +48,20 @@ if HAVE_NUMBA:
             for i in range(ns):  # leftovers from rounding: accept outright
                 accept[r, small[i]] = 1.0
 
+    @njit(nogil=True, fastmath=FASTMATH, cache=True)
+    def _chunk_masses(probs, width, lo, hi, out):  # pragma: no cover - compiled
+        """out[r, c] = sum of max(probs[r, j], 0) over the columns j of chunk c (width wide; the last may be
+        narrower), in float64, for rows lo <= r < hi. O((hi - lo) C)."""
+        C = probs.shape[1]
+        for r in range(lo, hi):
+            row = probs[r]
+            for c in range(out.shape[1]):
+                acc = 0.0
+                for j in range(c * width, min(C, (c + 1) * width)):
+                    v = np.float64(row[j])
+                    acc += v if v > 0.0 else 0.0
+                out[r, c] = acc
+
 
 def alias_tables(probs: Tensor) -> tuple[Tensor, Tensor]:
     """(R, C) row-stochastic -> (accept (R, C) float64, alias (R, C) int64) on CPU. O(R C)."""
@@ -55,3 +71,12 @@ def alias_tables(probs: Tensor) -> tuple[Tensor, Tensor]:
     alias = np.empty(p.shape, dtype=np.int64)
     _alias_rows(p, accept, alias)
     return torch.from_numpy(accept), torch.from_numpy(alias)
+
+
+def chunk_masses(probs: Tensor, width: int, threads: int) -> Tensor:
+    """(R, C) float32/float64 on CPU -> (R, ceil(C / width)) float64: each chunk's total of the clamped
+    probabilities, read in place (any strides), rows split over `threads` threads. O(R C)."""
+    p = probs.detach().numpy()
+    out = np.empty((p.shape[0], -(-p.shape[1] // width)))
+    run_ranges(np.full(p.shape[0], 1), threads, lambda lo, hi: _chunk_masses(p, width, lo, hi, out))
+    return torch.from_numpy(out)

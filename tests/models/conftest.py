@@ -1,6 +1,20 @@
 import pytest
 import torch
 
+from latentlm.models import backend as dispatch
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_choices():
+    """Every model test starts without measured engine choices (`backend.CHOICES`, which `calibrate` fills for
+    the whole process, as the service's registry does at load), and leaves none behind: the engine a test
+    sees must not depend on which tests ran before it in the same process."""
+    saved = dict(dispatch.CHOICES)
+    dispatch.CHOICES.clear()
+    yield
+    dispatch.CHOICES.clear()
+    dispatch.CHOICES.update(saved)
+
 
 @pytest.fixture(scope="module")
 def one_thread():

@@ -17,15 +17,6 @@ from latentlm.models.synthetic import random_hmm
 pytestmark = pytest.mark.skipif(not HAVE_NUMBA, reason="numba unavailable: no compiled engines to choose from")
 
 
-@pytest.fixture(autouse=True)
-def _no_leftover_choices():
-    saved = dict(dispatch.CHOICES)
-    dispatch.CHOICES.clear()
-    yield
-    dispatch.CHOICES.clear()
-    dispatch.CHOICES.update(saved)
-
-
 def _problem(K: int, dtype: torch.dtype, B: int = 7, T: int = 9):
     g = torch.Generator().manual_seed(K)
     trans = torch.softmax(torch.randn(K, K, generator=g, dtype=dtype) * 2, 1)

@@ -35,7 +35,7 @@ def chi_square_pvalue(counts: dict, probs: dict, n: int) -> float:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_unconditional_samples_follow_the_joint(family):
+def test_unconditional_samples_follow_the_joint(family, sampler):
     model = make(family, 7, Z=2, M=2, k=1, m=2, r=2)
     n, T = 20000, 2
     s = model.sample(n, T, torch.Generator().manual_seed(0))
@@ -54,7 +54,7 @@ def test_unconditional_samples_follow_the_joint(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_continuations_follow_the_conditional(family):
+def test_continuations_follow_the_conditional(family, sampler):
     model = make(family, 11, Z=3, M=2, k=2, m=3, r=2)
     prefix = [1, 4]
     n = 20000
@@ -93,19 +93,30 @@ def test_temperature_sharpens():
     assert (cold.states[:, 0] == top).float().mean() > 0.95
 
 
-@pytest.mark.parametrize("use_alias", [True, False])
-def test_categorical_table_frequencies(monkeypatch, use_alias):
-    """Both samplers (alias tables, flat inverse CDF) reproduce every row's distribution, zeros included."""
+@pytest.fixture(params=["alias", "chunked"])
+def sampler(request, monkeypatch):
+    """Each sampler of `CategoricalTable`: alias tables (numba) or the chunked inverse CDF (forced by a zero
+    size limit on alias tables, as a table larger than `ALIAS_MAX_ENTRIES` gets)."""
+    from latentlm.models import sampling
     from latentlm.models.kernels.jit import HAVE_NUMBA
+
+    if request.param == "alias" and not HAVE_NUMBA:
+        pytest.skip("alias tables need numba")
+    if request.param == "chunked":
+        monkeypatch.setattr(sampling, "ALIAS_MAX_ENTRIES", 0)
+    return request.param
+
+
+def test_categorical_table_frequencies(sampler):
+    """Both samplers reproduce every row's distribution, zeros included."""
     from latentlm.models.sampling import CategoricalTable
 
-    if use_alias and not HAVE_NUMBA:
-        pytest.skip("alias tables need numba")
     g = torch.Generator().manual_seed(3)
     probs = torch.rand(4, 7, generator=g, dtype=torch.float64) ** 3
     probs[:, 2] = 0.0
     probs /= probs.sum(1, keepdim=True)
-    table = CategoricalTable(probs, alias=use_alias)
+    table = CategoricalTable(probs)
+    assert (table.cdf is None) == (sampler == "alias")
     n = 40000
     for r in range(4):
         draws = table.draw(torch.full((n,), r), g)
@@ -113,3 +124,54 @@ def test_categorical_table_frequencies(monkeypatch, use_alias):
         assert counts[2] == 0
         p = chi_square_pvalue({c: int(counts[c]) for c in range(7)}, {c: probs[r, c].item() for c in range(7)}, n)
         assert p > 1e-3
+
+
+@pytest.mark.parametrize("C", [1, 2, 5, 16, 17, 50, 97])
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
+@pytest.mark.parametrize("slab, builder", [(1 << 23, "compiled"), (7, "torch"), (1 << 23, "torch")])
+def test_chunked_cdf_inverts_exactly(C, temperature, slab, builder, monkeypatch):
+    """`ChunkedCDF.invert` maps u to the column a float64 inverse CDF over the whole row gives (u away from a
+    boundary by 1e-9), for every chunk layout, with zero columns (a whole zero chunk, zeros at both ends),
+    float32 storage read through strides (a transposed table) and temperature (weights p^(1/T)), chunk masses
+    summed by the compiled pass or by torch in one slab or many; a zero-probability column is never drawn."""
+    from latentlm.models import sampling
+    from latentlm.models.sampling import ChunkedCDF
+
+    if builder == "compiled" and not sampling.HAVE_NUMBA:
+        pytest.skip("the compiled pass needs numba")
+    monkeypatch.setattr(sampling, "SLAB_ENTRIES", slab)
+    monkeypatch.setattr(sampling, "HAVE_NUMBA", builder == "compiled")
+    g = torch.Generator().manual_seed(C)
+    probs = torch.rand(5, C, generator=g, dtype=torch.float64) ** 2
+    probs[1, : C // 2] = 0.0  # zeros first, whole chunks of them
+    probs[2, C // 2:] = 0.0 if C > 1 else probs[2, C // 2:]  # zeros last
+    probs[3, ::3] = 0.0 if C > 2 else probs[3, ::3]
+    probs = (probs / probs.sum(1, keepdim=True)).float().T.contiguous().T
+    cdf = ChunkedCDF(probs, temperature)
+    weights = torch.softmax(probs.double().log() / temperature, dim=1)
+    cum = weights.cumsum(1)
+    cum = cum / cum[:, -1:]
+    u = torch.cat([torch.rand(4000, generator=g, dtype=torch.float64), torch.tensor([0.0, 1 - 2 ** -53])])
+    for r in range(5):
+        rows = torch.full(u.shape, r)
+        got = cdf.invert(rows, u)
+        assert torch.equal(got[:40], torch.cat([cdf.invert(rows[i: i + 1], u[i: i + 1]) for i in range(40)]))
+        want = torch.searchsorted(cum[r], u, right=True).clamp(max=C - 1)
+        clear = (cum[r][None, :] - u[:, None]).abs().min(1).values > 1e-9
+        assert torch.equal(got[clear], want[clear])
+        assert bool((weights[r][got] > 0).all())  # even at the edges (u = 0, u -> 1)
+
+
+def test_large_tables_are_drawn_in_place():
+    """A table above `ALIAS_MAX_ENTRIES` keeps no copy of its probabilities: the chunked sampler holds a
+    reference to them and O(R sqrt C) chunk masses."""
+    from latentlm.models.sampling import ALIAS_MAX_ENTRIES, CategoricalTable
+
+    C = 4096
+    R = ALIAS_MAX_ENTRIES // C + 1
+    probs = torch.full((R, C), 1.0 / C)
+    table = CategoricalTable(probs)
+    assert table.cdf is not None and table.cdf.probs is probs
+    assert table.cdf.cum.shape == (R, 64)
+    draws = table.draw(torch.arange(R), torch.Generator().manual_seed(0))
+    assert draws.shape == (R,) and bool(((draws >= 0) & (draws < C)).all())
