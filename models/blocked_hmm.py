@@ -129,14 +129,26 @@ class BlockedHMM(ChainFamily):
         return trans_at
 
     @cached_property
-    def _logs(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.start.log().view(self.M, self.k), self.trans_blocks.log(), self.emit.log()
+    def _log_start_emit(self) -> tuple[Tensor, Tensor]:
+        """log start (M, k) and log emit (V, k)."""
+        return self.start.log().view(self.M, self.k), self.emit.log()
+
+    @cached_property
+    def _log_blocks(self) -> Tensor:
+        """log trans (M, k, M, k): a second Z x Z matrix, made only for the torch steps (`log_chain`'s step when
+        it is called); the compiled Viterbi reads `trans` itself."""
+        return self.trans_blocks.log()
 
     def log_chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
-        log_start, log_blocks, log_emit = self._logs
+        log_start, log_emit = self._log_start_emit
         clusters = self._clusters(batch)
-        step = log_blocks.view(self.k, self.k) if self.M == 1 else self._block_fn(log_blocks, clusters)
-        return log_start[clusters[:, 0]], RowLookup(log_emit, batch.ids), step
+        first, emit = log_start[clusters[:, 0]], RowLookup(log_emit, batch.ids)
+        if self.M == 1:
+            return first, emit, self._log_blocks.view(self.k, self.k)
+
+        def step(t: int) -> Tensor:  # takes the log blocks on first use only
+            return self._block_fn(self._log_blocks, clusters)(t)
+        return first, emit, step
 
     @property
     def states_per_token(self) -> int:
@@ -204,7 +216,7 @@ class BlockedHMM(ChainFamily):
 
     def viterbi(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """`ChainFamily.viterbi` with global state ids; with more than one cluster on CPU by the compiled
-        sweep (`kernels.blocked.viterbi_cpu`)."""
+        sweep (`kernels.blocked.viterbi_cpu`: on the probabilities of `trans` where they lie, no log matrix)."""
         batch = self.to(batch)
         clusters = self._clusters(batch)
         if self._compiled():  # the emissions as `log_chain` gives them (a subclass may add to them)
@@ -214,8 +226,8 @@ class BlockedHMM(ChainFamily):
             else:  # dense (B, T, k): its B T rows in order
                 B, T, k = log_emit.shape
                 table, rows = log_emit.reshape(B * T, k), torch.arange(B * T).view(B, T)
-            path, logp = blocked_kernels.viterbi_cpu(log_init, table, rows, clusters, batch.lengths,
-                                                     self._logs[1].view(self.num_states, -1), self._threads(batch))
+            path, logp = blocked_kernels.viterbi_cpu(log_init, table, rows, clusters, batch.lengths, self.trans,
+                                                     self._threads(batch))
         else:
             path, logp = super().viterbi(batch)
         glob = clusters * self.k + path

@@ -73,5 +73,5 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
         blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans, 1, want_last)
     blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans.to(torch.bfloat16), 1)  # bfloat16 storage
     blocked.posterior_cpu(init, emit, clusters, lengths, trans, 1)
-    blocked.viterbi_cpu(init.log(), emit[0].log(), ids, clusters, lengths, log_trans, 1)
+    blocked.viterbi_cpu(init.log(), emit[0].log(), ids, clusters, lengths, trans, 1)
     _WARM.add(dtype)

@@ -131,52 +131,70 @@ if HAVE_NUMBA:
                     last[b, j] = alpha[j]
 
     @njit(nogil=True, cache=True)
-    def blocked_viterbi(log_init, log_table, ids, clusters, lengths, log_trans, path, score
+    def blocked_viterbi(log_init, log_table, ids, clusters, lengths, trans, path, score
                         ):  # pragma: no cover - compiled
-        """Max-product of a blocked HMM with k states per cluster, in log space (float32 or float64 data,
-        scores in float64). log_init (B, k), log_table (V, k) read by row for each token, ids and clusters
-        (B, T) int64, lengths (B,) int64, log_trans (Z, Z). Writes path[b, t] (the best state within each
-        position's cluster, for t < lengths[b]; padding untouched) and score[b] = log p(x, z*) (-inf for an
-        impossible sequence). Ties go to the lowest state. O(B T k^2) time, O(T k) backpointers."""
+        """Max-product of a blocked HMM with k states per cluster. log_init (B, k) and log_table (V, k) (read by
+        row for each token) in log space, float32 or float64; ids and clusters (B, T) int64, lengths (B,) int64;
+        trans (Z, Z) the transition probabilities themselves (float32/float64, or bfloat16 bits as uint16,
+        `jit.widen`), read where they lie: no log of the matrix is ever made. The recursion runs on
+        probabilities in float64, rescaled to a maximum of 1 after every step (the logs of the scales summed):
+        delta_t(j) = max_i delta_{t-1}(i) trans(i, j) x p(x_t | j). Writes path[b, t] (the best state within
+        each position's cluster, for t < lengths[b]; padding untouched) and score[b] = log p(x, z*) (-inf for
+        an impossible sequence). Ties go to the lowest state. O(B T k^2) time, O(T k) backpointers."""
         k = log_init.shape[1]
-        _blocked_viterbi(log_init, log_table, ids, clusters, lengths, log_trans, path, score,
+        _blocked_viterbi(log_init, log_table, ids, clusters, lengths, trans, path, score,
                          np.empty((ids.shape[1], k), dtype=np.int32), np.empty(k), np.empty(k))
 
     @njit(nogil=True, cache=True, **BORROWED)
-    def _blocked_viterbi(log_init, log_table, ids, clusters, lengths, log_trans, path, score, back, delta, nxt
+    def _blocked_viterbi(log_init, log_table, ids, clusters, lengths, trans, path, score, back, delta, nxt
                          ):  # pragma: no cover - compiled
         """`blocked_viterbi` with its scratch back (T, k), delta and nxt (k,) float64."""
         k = delta.shape[0]
         for b in range(ids.shape[0]):
             L = lengths[b]
             row = log_table[ids[b, 0]]
+            top = -np.inf
             for j in range(k):
-                delta[j] = log_init[b, j] + row[j]
+                nxt[j] = log_init[b, j] + row[j]
+                top = max(top, nxt[j])
+            log_scale = top  # log of what delta's entries are multiplied by (-inf: no path so far)
+            for j in range(k):
+                delta[j] = np.exp(nxt[j] - top) if top > -np.inf else 0.0
             for t in range(1, L):
                 cp, cn = clusters[b, t - 1] * k, clusters[b, t] * k
                 bt = back[t]
                 for j in range(k):
-                    nxt[j] = -np.inf
+                    nxt[j] = 0.0
                     bt[j] = 0
                 for i in range(k):  # row i of the block, contiguous: one candidate per next state
                     d = delta[i]
                     src = np.int32(i)
-                    seg = log_trans[cp + i, cn : cn + k]
+                    seg = trans[cp + i, cn : cn + k]
                     for j in range(k):  # branch-free selects (vectorisable); a tie keeps the lower state
-                        v = d + seg[j]
+                        v = d * widen(seg[j])
                         take = v > nxt[j]
                         nxt[j] = v if take else nxt[j]
                         bt[j] = src if take else bt[j]
                 row = log_table[ids[b, t]]
+                top = 0.0
                 for j in range(k):
-                    delta[j] = nxt[j] + row[j]
-            best = -np.inf
+                    v = nxt[j] * np.exp(np.float64(row[j]))
+                    delta[j] = v
+                    top = max(top, v)
+                if top > 0.0:
+                    inv = 1.0 / top
+                    for j in range(k):
+                        delta[j] *= inv
+                    log_scale += np.log(top)
+                else:
+                    log_scale = -np.inf
+            best = 0.0
             arg = 0
             for j in range(k):
                 if delta[j] > best:
                     best = delta[j]
                     arg = j
-            score[b] = best
+            score[b] = log_scale + np.log(best) if best > 0.0 else -np.inf
             path[b, L - 1] = arg
             for t in range(L - 1, 0, -1):
                 arg = back[t, arg]
@@ -361,7 +379,7 @@ def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, l
     log_cond = torch.zeros(ids.shape, dtype=emit_table.dtype)
     last = torch.zeros(B if want_last else 0, k, dtype=emit_table.dtype)
     first, rows, cl, lens = (as_array(x) for x in (init, ids, clusters, lengths))
-    mat = as_array(trans.view(torch.uint16) if trans.dtype == torch.bfloat16 else trans)
+    mat = _stored(trans)
     table, out, out_last = as_array(emit_table), log_cond.numpy(), last.numpy()
 
     def part(lo: int, hi: int) -> None:
@@ -372,15 +390,21 @@ def score_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, l
     return log_cond, (last if want_last else None)
 
 
+def _stored(trans: Tensor) -> np.ndarray:
+    """The transition matrix as the kernels read it: float32/float64 as is, bfloat16 as its uint16 bits."""
+    return as_array(trans.view(torch.uint16) if trans.dtype == torch.bfloat16 else trans)
+
+
 def viterbi_cpu(log_init: Tensor, log_table: Tensor, ids: Tensor, clusters: Tensor, lengths: Tensor,
-                log_trans: Tensor, threads: int) -> tuple[Tensor, Tensor]:
+                trans: Tensor, threads: int) -> tuple[Tensor, Tensor]:
     """(path (B, T) int64 within each position's cluster, -1 at padding; log p(x, z*) (B,) float64) of
-    `blocked_viterbi`, the rows split over `threads` threads. O(B T k^2)."""
+    `blocked_viterbi` over the transition probabilities `trans` (Z, Z) (float32, float64 or bfloat16), the
+    rows split over `threads` threads. O(B T k^2)."""
     B, T = ids.shape
     path = torch.full((B, T), -1, dtype=torch.long)
     score = torch.empty(B, dtype=torch.float64)
     first, rows, cl, lens = (as_array(x) for x in (log_init, ids, clusters, lengths))
-    table, mat, out_path, out_score = as_array(log_table), as_array(log_trans), path.numpy(), score.numpy()
+    table, mat, out_path, out_score = as_array(log_table), _stored(trans), path.numpy(), score.numpy()
 
     def part(lo: int, hi: int) -> None:
         blocked_viterbi(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out_path[lo:hi],

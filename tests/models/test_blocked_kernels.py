@@ -112,6 +112,42 @@ def test_impossible_sequence_is_minus_inf_from_its_impossible_step(dtype):
     assert torch.allclose(cond[finite], ref_cond[finite], rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_viterbi_on_probabilities_over_long_and_impossible_sequences(dtype):
+    """The compiled Viterbi runs on the probabilities of `trans` (rescaled every step) and never makes the log
+    matrix: over sequences of 400-900 tokens (products far below float64's range without the rescaling) it
+    gives the log-space torch steps' paths and scores; an impossible sequence scores -inf on both; and a
+    bfloat16 copy of the matrix gives the float32 model's result on the rounded matrix."""
+    t, c = random_blocked_hmm(3, 4, 12, 11, concentration=0.3)
+    trans = t["trans"].clone()
+    trans[:4, 4:8] = 0.0  # cluster 0 is never followed by cluster 1
+    t["trans"] = trans / trans.sum(1, keepdim=True)
+    m = BlockedHMM.from_tensors(t, c, dtype=dtype)
+    g = torch.Generator().manual_seed(2)
+    wc = t["word_cluster"]
+    w0, w1 = (int((wc == cl).nonzero()[0]) for cl in (0, 1))
+    seqs = [torch.randint(12, (int(n),), generator=g).tolist() for n in (900, 400, 650)]
+    seqs[2][100:102] = [w0, w1]  # impossible from position 101
+    batch = Batch.from_lists(seqs)
+    path, logp = m.viterbi(batch)
+    assert "_log_blocks" not in m.__dict__  # no Z x Z log matrix was made
+    ref_path, ref_logp = ChainFamily.viterbi(m, batch)
+    ref_path = torch.where(ref_path >= 0, m._clusters(batch) * m.k + ref_path, ref_path)
+    assert torch.isneginf(logp[2]) and torch.isneginf(ref_logp[2])
+    assert logp[0] < -900  # p(x, z*) ~ e^-1000: underflows float64 unless rescaled
+    tol = TOL[dtype]
+    assert torch.allclose(logp[:2], ref_logp[:2], rtol=tol, atol=tol * 10)
+    if dtype == torch.float64:
+        assert torch.equal(path[:2], ref_path[:2])
+    if dtype == torch.float32:  # the kernel on bfloat16 bits = the kernel on the float32 of those bits
+        rounded = m.trans.to(torch.bfloat16)
+        log_init, log_emit, _ = m.log_chain(batch)
+        args = (log_init, log_emit.table, batch.ids, m._clusters(batch), batch.lengths)
+        got = blocked_kernels.viterbi_cpu(*args, rounded, 1)
+        want = blocked_kernels.viterbi_cpu(*args, rounded.float(), 1)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_backend_choice_and_what_models_report():
     m = model(3, 2, 8, 0, torch.float32)
     assert m.backends()["score"] == "groups"
