@@ -32,11 +32,11 @@ ROOT = Path(__file__).resolve().parents[1]
 V = 10_000
 
 
-def load_revision(rev: str):
-    """models/kernels/maxplus.py at git revision `rev`, imported as a separate module."""
-    src = subprocess.run(["git", "show", f"{rev}:models/kernels/maxplus.py"], cwd=ROOT, check=True,
+def load_revision(rev: str, source: str = "models/kernels/maxplus.py"):
+    """`source` at git revision `rev`, imported as a separate module (the rest of the package as it is now)."""
+    src = subprocess.run(["git", "show", f"{rev}:{source}"], cwd=ROOT, check=True,
                          capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / f"maxplus_{rev[:12]}.py"
+    path = Path(tempfile.mkdtemp()) / f"{Path(source).stem}_{rev[:12]}.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

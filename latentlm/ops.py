@@ -121,7 +121,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 BACKENDS = ("torch", "onnx")
 # scoring precisions of chain families (`ChainFamily.set_storage_dtype`): float32 (exact), tfloat32 (CUDA: float32
-# storage, TF32 tensor-core products), bfloat16 (half the bytes of each matrix read; CUDA, and blocked_hmm on CPU)
+# storage, TF32 tensor-core products), bfloat16 (half the bytes of each matrix read; CUDA, and blocked_hmm on CPU,
+# where the bfloat16 matrix replaces the float32 one for every operation)
 STORAGE_DTYPES = dispatch.PRECISIONS
 ONNX_CACHE = ".onnx"  # inside the store: exported graphs, named by model and content hash
 

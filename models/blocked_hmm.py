@@ -48,19 +48,26 @@ class BlockedHMM(ChainFamily):
         self.extras = extras or {}
         self.device, self.dtype = trans.device, trans.dtype
         self.trans_blocks = trans.view(self.M, self.k, self.M, self.k)  # [c_prev, i, c_next, j]
-        self._trans_bf16: Tensor | None = None  # CPU scoring with bfloat16 storage: `trans` in bfloat16
 
     def set_storage_dtype(self, value: torch.dtype | str | None) -> None:
-        """`ChainFamily.set_storage_dtype`; on CPU, bfloat16 storage also applies to the compiled `score` sweep:
-        it then reads a bfloat16 copy of `trans` (made here, once: Z^2 x 2 more bytes held; half the bytes of
-        memory traffic per step, which bounds a large model's scoring), widening each entry to float32 as it
-        reads it; alpha, the emissions and the sums stay float32 (error bound `backend.BF16_TOKEN_ABS_BOUND`).
-        Posteriors, decoding, sampling and `filtered_last` read `trans` itself."""
+        """`ChainFamily.set_storage_dtype`. On CPU with more than one cluster, bfloat16 storage replaces `trans`
+        by its bfloat16 rounding (half the memory: 2 GiB instead of 4 at 2^15 states; the float32 matrix is
+        dropped, so a model cannot go back to float32 without a reload). Every path then serves that rounded
+        matrix: the compiled sweeps (score, posterior, Viterbi, `filtered_last`) widen each entry to float32 as
+        they read it (half the bytes of memory traffic per step, which bounds a large model's scoring; alpha,
+        the emissions and the sums stay float32/float64: error bound `backend.BF16_TOKEN_ABS_BOUND` per token
+        against the float32 model), sampling draws from it, and the torch steps widen the blocks they gather.
+        `self.dtype` stays the dtype of the computation."""
         super().set_storage_dtype(value)
-        if not (self.storage_dtype == torch.bfloat16 and self.device.type == "cpu" and self.M > 1):
-            self._trans_bf16 = None
-        elif self._trans_bf16 is None:
-            self._trans_bf16 = self.trans.to(torch.bfloat16)
+        bf16 = self.storage_dtype == torch.bfloat16 and self.device.type == "cpu" and self.M > 1
+        if bf16 and self.trans.dtype != torch.bfloat16:
+            self.trans = self.trans.to(torch.bfloat16)
+            self.trans_blocks = self.trans.view(self.M, self.k, self.M, self.k)
+            self.__dict__.pop("_log_blocks", None)
+            self.__dict__.pop("_sampling_tables_t1", None)
+        elif not bf16 and self.trans.dtype != self.dtype:
+            raise ValueError("this model's transition matrix is stored in bfloat16 (its float32 matrix was "
+                             "dropped): reload it for another storage dtype")
 
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
@@ -120,12 +127,12 @@ class BlockedHMM(ChainFamily):
         init, clusters = self._first(batch)
         if self.M == 1:  # no emission constraint: one shared matrix (GEMM steps, compiled engines)
             return init, RowLookup(self.emit, batch.ids), self.trans
-        return init, RowLookup(self.emit, batch.ids), self._block_fn(self.trans_blocks, clusters)
+        return init, RowLookup(self.emit, batch.ids), self._block_fn(self.trans_blocks, clusters, self.dtype)
 
     @staticmethod
-    def _block_fn(blocks: Tensor, clusters: Tensor):
-        def trans_at(t: int) -> Tensor:  # (B, k, k): block (cluster(x_{t-1}), cluster(x_t))
-            return blocks[clusters[:, t - 1], :, clusters[:, t], :]
+    def _block_fn(blocks: Tensor, clusters: Tensor, dtype: torch.dtype):
+        def trans_at(t: int) -> Tensor:  # (B, k, k) in `dtype`: block (cluster(x_{t-1}), cluster(x_t))
+            return blocks[clusters[:, t - 1], :, clusters[:, t], :].to(dtype)
         return trans_at
 
     @cached_property
@@ -137,7 +144,7 @@ class BlockedHMM(ChainFamily):
     def _log_blocks(self) -> Tensor:
         """log trans (M, k, M, k): a second Z x Z matrix, made only for the torch steps (`log_chain`'s step when
         it is called); the compiled Viterbi reads `trans` itself."""
-        return self.trans_blocks.log()
+        return self.trans_blocks.to(self.dtype).log()
 
     def log_chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         log_start, log_emit = self._log_start_emit
@@ -147,7 +154,7 @@ class BlockedHMM(ChainFamily):
             return first, emit, self._log_blocks.view(self.k, self.k)
 
         def step(t: int) -> Tensor:  # takes the log blocks on first use only
-            return self._block_fn(self._log_blocks, clusters)(t)
+            return self._block_fn(self._log_blocks, clusters, self.dtype)(t)
         return first, emit, step
 
     @property
@@ -172,8 +179,7 @@ class BlockedHMM(ChainFamily):
         bfloat16 with that storage dtype, `set_storage_dtype`);
         "torch" runs the chain engine's torch steps (a gathered (B, k, k) block per step)."""
         if self.score_backend(backend, batch.ids.shape[1]) in (Backend.AUTO, Backend.GROUPS) and self._compiled():
-            trans = self.trans if self._trans_bf16 is None else self._trans_bf16
-            log_cond, _ = self._sweep(self.to(batch), trans, want_last=False)
+            log_cond, _ = self._sweep(self.to(batch), want_last=False)
             return log_cond.double().sum(1), log_cond
         return super().score(batch, backend=backend)
 
@@ -193,16 +199,22 @@ class BlockedHMM(ChainFamily):
         carries past it; `predictive` builds on it); on CPU by the compiled sweep."""
         if not self._compiled():
             return super().filtered_last(batch)
-        return self._sweep(self.to(batch), self.trans, want_last=True)[1]  # type: ignore[return-value]
+        return self._sweep(self.to(batch), want_last=True)[1]  # type: ignore[return-value]
+
+    def predictive(self, prefix: list[int]) -> Tensor:
+        """`ChainFamily.predictive` from the k rows of `trans` of the last token's cluster (Z,): O(k Z)."""
+        batch = Batch.from_lists([prefix], self.device)
+        last = self.filtered_last(batch)[0]
+        return last @ self.trans[self.state_ids(batch)[0, -1]].to(self.dtype)
 
     def _first(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """(init (B, k): the start distribution over each sequence's first cluster, clusters (B, T))."""
         clusters = self._clusters(batch)
         return self.start.view(self.M, self.k)[clusters[:, 0]], clusters
 
-    def _sweep(self, batch: Batch, trans: Tensor, want_last: bool) -> tuple[Tensor, Tensor | None]:
+    def _sweep(self, batch: Batch, want_last: bool) -> tuple[Tensor, Tensor | None]:
         init, clusters = self._first(batch)
-        return blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, trans,
+        return blocked_kernels.score_cpu(init, self.emit, batch.ids, clusters, batch.lengths, self.trans,
                                          self._threads(batch), want_last)
 
     def _threads(self, batch: Batch) -> int:
@@ -211,22 +223,24 @@ class BlockedHMM(ChainFamily):
     def backends(self) -> dict[str, str]:
         if not self._compiled():
             return super().backends()
-        stored = self.dtype if self._trans_bf16 is None else self._trans_bf16.dtype
-        return {"score": Backend.GROUPS.value, "storage_dtype": str(stored).removeprefix("torch.")}
+        return {"score": Backend.GROUPS.value, "storage_dtype": str(self.trans.dtype).removeprefix("torch.")}
+
+    def _decode_emissions(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """What the compiled Viterbi decodes with, as probabilities: (init (B, k), a table (R, k), the row of it
+        for each token (B, T)); here the start distribution and `emit` read by token id. A subclass that
+        decodes with other emissions overrides this with `log_chain`."""
+        init, _ = self._first(batch)
+        return init, self.emit, batch.ids
 
     def viterbi(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """`ChainFamily.viterbi` with global state ids; with more than one cluster on CPU by the compiled
-        sweep (`kernels.blocked.viterbi_cpu`: on the probabilities of `trans` where they lie, no log matrix)."""
+        sweep (`kernels.blocked.viterbi_cpu`: on the probabilities of `trans` and `emit` where they lie, no log
+        of either)."""
         batch = self.to(batch)
         clusters = self._clusters(batch)
-        if self._compiled():  # the emissions as `log_chain` gives them (a subclass may add to them)
-            log_init, log_emit, _ = self.log_chain(batch)
-            if isinstance(log_emit, RowLookup):
-                table, rows = log_emit.table, log_emit.rows
-            else:  # dense (B, T, k): its B T rows in order
-                B, T, k = log_emit.shape
-                table, rows = log_emit.reshape(B * T, k), torch.arange(B * T).view(B, T)
-            path, logp = blocked_kernels.viterbi_cpu(log_init, table, rows, clusters, batch.lengths, self.trans,
+        if self._compiled():
+            init, table, rows = self._decode_emissions(batch)
+            path, logp = blocked_kernels.viterbi_cpu(init, table, rows, clusters, batch.lengths, self.trans,
                                                      self._threads(batch))
         else:
             path, logp = super().viterbi(batch)

@@ -28,6 +28,7 @@ T = TypeVar("T")
 # Alias tables hold 16 bytes per entry (float64 acceptance, int64 alias) and need 16 more while they are built;
 # a larger table is drawn by `ChunkedCDF`, which holds 8 bytes per sqrt(C) entries besides the probabilities.
 ALIAS_MAX_ENTRIES = 1 << 22  # 64 MiB of alias tables (a 2,048-state transition matrix)
+STORED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # what `kernels.alias.chunk_masses` reads
 SLAB_ENTRIES = 1 << 23  # entries per slab when `ChunkedCDF` sums a table (64 MiB of float64 at a time)
 
 
@@ -88,7 +89,7 @@ class ChunkedCDF:
             self.width = C
             return
         self.width = math.isqrt(C - 1) + 1  # ceil(sqrt C)
-        if HAVE_NUMBA and probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64):
+        if HAVE_NUMBA and probs.device.type == "cpu" and probs.dtype in STORED_DTYPES:
             mass = alias_kernels.chunk_masses(probs, self.width, torch.get_num_threads())
         else:
             mass = self._masses(probs)

@@ -42,9 +42,10 @@ class ModelRegistry:
     def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32",
                  backend: str = "torch", storage_dtype: str | None = None, calibrate: bool | None = None):
         """`storage_dtype`: precision of the fused CUDA scoring path of rank_hmm / blocked_hmm ("float32", "tfloat32",
-        "bfloat16"; bfloat16 also of blocked_hmm's scoring on CPU); None reads the setting (LATENTLM_STORAGE_DTYPE,
-        default float32). `calibrate`: time the CPU batch engines and BLAS libraries on each chain model's matrix at
-        load and keep the fastest (`models.calibrate`); None reads LATENTLM_CALIBRATE (default on)."""
+        "bfloat16"; on CPU, bfloat16 holds blocked_hmm's matrix in bfloat16 only, for every operation); None reads
+        the setting (LATENTLM_STORAGE_DTYPE, default float32). `calibrate`: time the CPU batch engines and BLAS
+        libraries on each chain model's matrix at load and keep the fastest (`models.calibrate`); None reads
+        LATENTLM_CALIBRATE (default on)."""
         self.store, self.device, self.dtype, self.backend = Path(store), device, dtype, backend
         self.calibrate = Settings.from_env().calibrate if calibrate is None else calibrate
         self.precision = Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype

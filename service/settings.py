@@ -29,7 +29,7 @@ class Settings:
     dtype: str = "float32"
     storage_dtype: str = "float32"       # fused CUDA scoring (rank_hmm, blocked_hmm) only: float32 (exact),
                                          # tfloat32 (TF32 tensor-core products) or bfloat16 (bf16 storage;
-                                         # bfloat16 also blocked_hmm's scoring on CPU)
+                                         # on CPU, blocked_hmm's matrix held in bfloat16 only)
     torch_threads: int = 0               # intra-op threads for inference; 0 = torch's default
     max_batch_tokens: int = 16384        # padded tokens of one batched call (`from_env` on CUDA: CUDA_DEFAULTS)
     max_queue_delay_ms: float = 2.0      # how long the first request of a batch waits for company

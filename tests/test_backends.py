@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from latentlm.cli import main
 from latentlm.models.base import Batch
+from latentlm.models.hmm import DenseHMM
 from latentlm.models.registry import save_artifact
 from latentlm.models.synthetic import random_blocked_hmm, random_hmm
 from latentlm.models.vocab import Preprocessing, Vocabulary
@@ -98,6 +99,40 @@ def test_fused_precision_setting_reaches_the_models(store, tmp_path):
     assert torch.equal(impl.score(batch)[0], ref.get("blocked").impl.score(batch)[0])
     with pytest.raises(ValueError, match="storage dtype"):
         ModelRegistry(store, device="cpu", storage_dtype="float16")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_service_with_bfloat16_storage_answers_every_operation(store, tmp_path):
+    """LATENTLM_STORAGE_DTYPE=bfloat16 on CPU: the blocked model holds its matrix in bfloat16 only and answers
+    score, posterior, decode and sample from it (as the float32 model of the rounded matrix would), says so in
+    /v1/models, and the dense model (no bfloat16 CPU path) answers exactly as before."""
+    from latentlm.models.blocked_hmm import BlockedHMM
+
+    app = create_app(Settings(store=store, device="cpu", state_dir=tmp_path, storage_dtype="bfloat16"))
+    body = {"model": "blocked", "input": [[0, 1, 2, 3], [4, 5]]}
+    with TestClient(app) as c:
+        while c.get("/ready").status_code != 200:
+            pass
+        assert c.get("/v1/models/blocked").json()["backend"]["storage_dtype"] == "bfloat16"
+        got = {op: c.post(f"/v1/{op}", json=body).json() for op in ("score", "posterior", "decode")}
+        sample = c.post("/v1/sample", json={"model": "blocked", "n": 3, "max_tokens": 6, "seed": 5,
+                                            "stop_at_eos": False})
+        assert sample.status_code == 200 and len(sample.json()["data"]) == 3
+        dense = c.post("/v1/score", json=dict(body, model="dense")).json()
+        assert app.state.registry.get("blocked").impl.trans.dtype == torch.bfloat16
+    t, cfg = random_blocked_hmm(3, 2, V, seed=2)
+    ref = BlockedHMM.from_tensors(dict(t, trans=t["trans"].to(torch.bfloat16).float()), cfg)
+    batch = Batch.from_lists(body["input"])
+    assert [d["logprob"] for d in got["score"]["data"]] == pytest.approx(ref.score(batch)[0].tolist(), abs=1e-5)
+    path, vlogp = ref.viterbi(batch)
+    assert [d["states"] for d in got["decode"]["data"]] == [path[0].tolist(), path[1, :2].tolist()]
+    assert [d["logprob"] for d in got["decode"]["data"]] == pytest.approx(vlogp.tolist(), abs=1e-5)
+    ids, probs = ref.posterior(batch)
+    first = got["posterior"]["data"][0]["marginals"][0]
+    assert dict(zip(first["states"], first["probs"], strict=True)) == pytest.approx(
+        dict(zip(ids[0, 0].tolist(), probs[0, 0].tolist(), strict=True)), abs=1e-6)
+    ref_dense = DenseHMM.from_tensors(*random_hmm(6, V, seed=1)).score(Batch.from_lists(body["input"]))[0]
+    assert [d["logprob"] for d in dense["data"]] == pytest.approx(ref_dense.tolist(), abs=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

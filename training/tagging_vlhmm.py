@@ -114,6 +114,13 @@ class BlockedTagger(BlockedHMM):
         log_start, log_emit, step = super().log_chain(batch)
         return log_start, chain.dense(log_emit) + self._best_tag[0][self.state_ids(batch)], step
 
+    def _decode_emissions(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """p(w | z) x max_y p(y | z) at each token (its B T rows in order), as `log_chain` has them in logs."""
+        init, table, rows = super()._decode_emissions(batch)
+        dense = table[rows] * self._best_tag[0].exp()[self.state_ids(batch)]  # (B, T, k)
+        B, T, k = dense.shape
+        return init, dense.reshape(B * T, k), torch.arange(B * T, device=dense.device).view(B, T)
+
     def tag_marginals(self, batch: Batch) -> Tensor:
         """p(y_t | w) (B, T, Y), zeros at padding. O(B T (k^2 + k Y))."""
         ids, gamma = self.posterior(batch)

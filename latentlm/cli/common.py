@@ -32,9 +32,10 @@ def add_backend(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=ops.BACKENDS, default="torch",
                    help="onnx: score through onnxruntime (hmm, blocked_hmm, rank_hmm; graph cached in the store)")
     p.add_argument("--storage-dtype", choices=ops.STORAGE_DTYPES, default="float32",
-                   help="precision of the scoring path: float32 (exact, the default); bfloat16 (opt-in: a bfloat16 "
-                        "copy of the transition matrix, half the bytes read per step; blocked_hmm on CPU, rank_hmm "
-                        "and blocked_hmm on CUDA; within 0.02 nats per token); tfloat32 (CUDA: TF32 tensor cores). "
+                   help="precision of the scoring path: float32 (exact, the default); bfloat16 (opt-in: the "
+                        "transition matrix in bfloat16, half the bytes read per step, within 0.02 nats per token; "
+                        "blocked_hmm on CPU, where it replaces the float32 matrix for every operation, and rank_hmm "
+                        "and blocked_hmm on CUDA); tfloat32 (CUDA: TF32 tensor cores). "
                         "The service's LATENTLM_STORAGE_DTYPE")
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from latentlm.models.kernels import blas, blocked, groups, maxplus, sum_product
+from latentlm.models.kernels import alias, blas, blocked, groups, maxplus, sum_product
 from latentlm.models.kernels import rows as row_ops
 from latentlm.models.kernels.jit import HAVE_NUMBA
 
@@ -69,9 +69,10 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
         maxplus.viterbi_cpu(init.log(), emit.log(), None, log_trans, lengths, threads)
         maxplus.viterbi_cpu(init[:1].log(), emit[:1].log(), None, log_trans, lengths[:1], threads)
     clusters = torch.zeros(B, T, dtype=torch.long)  # a blocked HMM's sweeps: one cluster of K states
-    for want_last in (False, True):
-        blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans, 1, want_last)
-    blocked.score_cpu(init, emit[0], ids, clusters, lengths, trans.to(torch.bfloat16), 1)  # bfloat16 storage
-    blocked.posterior_cpu(init, emit, clusters, lengths, trans, 1)
-    blocked.viterbi_cpu(init.log(), emit[0].log(), ids, clusters, lengths, trans, 1)
+    for stored in (trans, trans.to(torch.bfloat16)):  # the matrix as stored: float, or bfloat16 storage
+        for want_last in (False, True):
+            blocked.score_cpu(init, emit[0], ids, clusters, lengths, stored, 1, want_last)
+        blocked.posterior_cpu(init, emit, clusters, lengths, stored, 1)
+        blocked.viterbi_cpu(init, emit[0], ids, clusters, lengths, stored, 1)
+        alias.chunk_masses(stored, 3, 1)
     _WARM.add(dtype)

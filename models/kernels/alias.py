@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit
+from latentlm.models.kernels.jit import FASTMATH, HAVE_NUMBA, njit, widen
 from latentlm.models.kernels.threads import run_ranges
 
 if HAVE_NUMBA:
@@ -51,14 +51,15 @@ if HAVE_NUMBA:
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
     def _chunk_masses(probs, width, lo, hi, out):  # pragma: no cover - compiled
         """out[r, c] = sum of max(probs[r, j], 0) over the columns j of chunk c (width wide; the last may be
-        narrower), in float64, for rows lo <= r < hi. O((hi - lo) C)."""
+        narrower), in float64, for rows lo <= r < hi; probs float32/float64 or bfloat16 bits (`jit.widen`).
+        O((hi - lo) C)."""
         C = probs.shape[1]
         for r in range(lo, hi):
             row = probs[r]
             for c in range(out.shape[1]):
                 acc = 0.0
                 for j in range(c * width, min(C, (c + 1) * width)):
-                    v = np.float64(row[j])
+                    v = np.float64(widen(row[j]))
                     acc += v if v > 0.0 else 0.0
                 out[r, c] = acc
 
@@ -74,9 +75,9 @@ def alias_tables(probs: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def chunk_masses(probs: Tensor, width: int, threads: int) -> Tensor:
-    """(R, C) float32/float64 on CPU -> (R, ceil(C / width)) float64: each chunk's total of the clamped
-    probabilities, read in place (any strides), rows split over `threads` threads. O(R C)."""
-    p = probs.detach().numpy()
+    """(R, C) float32/float64/bfloat16 on CPU -> (R, ceil(C / width)) float64: each chunk's total of the
+    clamped probabilities, read in place (any strides), rows split over `threads` threads. O(R C)."""
+    p = (probs.view(torch.uint16) if probs.dtype == torch.bfloat16 else probs).detach().numpy()
     out = np.empty((p.shape[0], -(-p.shape[1] // width)))
     run_ranges(np.full(p.shape[0], 1), threads, lambda lo, hi: _chunk_masses(p, width, lo, hi, out))
     return torch.from_numpy(out)

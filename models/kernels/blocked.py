@@ -20,6 +20,7 @@ from latentlm.models.kernels.blas import as_array
 from latentlm.models.kernels.jit import BORROWED, FASTMATH, HAVE_NUMBA, njit, widen
 from latentlm.models.kernels.threads import run_ranges, run_split
 
+VITERBI_FLOOR = 1e-250  # `blocked_viterbi`: a state's max-product below this share of the step's best is 0
 BIG = 1e280  # cap of beta and of emit * beta / c: sums of a few products stay finite, so 0 * overflow never
 # turns counts into NaN (a capped entry meets alpha * trans below 1e-280 in any count it enters)
 
@@ -50,7 +51,8 @@ if HAVE_NUMBA:
 
     @njit(nogil=True, fastmath=FASTMATH, inline="always", cache=True)
     def _block_dots(trans, cp, cn, vec, out):  # pragma: no cover - compiled
-        """out (k,) = trans[cp:cp+k, cn:cn+k] @ vec (k,): four block rows per sweep, one running sum each."""
+        """out (k,) = trans[cp:cp+k, cn:cn+k] @ vec (k,): four block rows per sweep, one running sum each
+        (`trans` as in `_block_step`)."""
         k = out.shape[0]
         k4 = k - k % 4
         for i in range(0, k4, 4):
@@ -64,16 +66,16 @@ if HAVE_NUMBA:
             c3 = 0.0
             for j in range(k):
                 v = vec[j]
-                c0 += s0[j] * v
-                c1 += s1[j] * v
-                c2 += s2[j] * v
-                c3 += s3[j] * v
+                c0 += widen(s0[j]) * v
+                c1 += widen(s1[j]) * v
+                c2 += widen(s2[j]) * v
+                c3 += widen(s3[j]) * v
             out[i], out[i + 1], out[i + 2], out[i + 3] = c0, c1, c2, c3
         for i in range(k4, k):
             seg = trans[cp + i, cn : cn + k]
             c = 0.0
             for j in range(k):
-                c += seg[j] * vec[j]
+                c += widen(seg[j]) * vec[j]
             out[i] = c
 
     @njit(nogil=True, fastmath=FASTMATH, cache=True)
@@ -131,35 +133,50 @@ if HAVE_NUMBA:
                     last[b, j] = alpha[j]
 
     @njit(nogil=True, cache=True)
-    def blocked_viterbi(log_init, log_table, ids, clusters, lengths, trans, path, score
+    def blocked_viterbi(init, emit_table, ids, clusters, lengths, trans, path, score
                         ):  # pragma: no cover - compiled
-        """Max-product of a blocked HMM with k states per cluster. log_init (B, k) and log_table (V, k) (read by
-        row for each token) in log space, float32 or float64; ids and clusters (B, T) int64, lengths (B,) int64;
-        trans (Z, Z) the transition probabilities themselves (float32/float64, or bfloat16 bits as uint16,
-        `jit.widen`), read where they lie: no log of the matrix is ever made. The recursion runs on
-        probabilities in float64, rescaled to a maximum of 1 after every step (the logs of the scales summed):
-        delta_t(j) = max_i delta_{t-1}(i) trans(i, j) x p(x_t | j). Writes path[b, t] (the best state within
-        each position's cluster, for t < lengths[b]; padding untouched) and score[b] = log p(x, z*) (-inf for
-        an impossible sequence). Ties go to the lowest state. O(B T k^2) time, O(T k) backpointers."""
-        k = log_init.shape[1]
-        _blocked_viterbi(log_init, log_table, ids, clusters, lengths, trans, path, score,
+        """Max-product of a blocked HMM with k states per cluster, on probabilities: init (B, k) the start
+        distribution over each first token's cluster, emit_table (V, k) read by row for each token (float32 or
+        float64); ids and clusters (B, T) int64, lengths (B,) int64; trans (Z, Z) (float32/float64, or bfloat16
+        bits as uint16, `jit.widen`), read where it lies: no log of any table is made. The recursion runs in
+        float64, rescaled to a maximum of 1 after every step (the logs of the scales summed):
+        delta_t(j) = max_i delta_{t-1}(i) trans(i, j) x p(x_t | j); a state whose delta falls below
+        `VITERBI_FLOOR` (575 nats below the step's best) is set to 0, so that no product is subnormal (~100x
+        slower arithmetic on x86). That state could win a next state j only through a transition from the
+        step's best state below 1e-250, which in float32 or bfloat16 is an exact 0: only there can the result
+        differ from the log-space recursion. Writes path[b, t] (the best state within each position's cluster,
+        for t < lengths[b]; padding untouched) and score[b] = log p(x, z*) (-inf for an impossible sequence).
+        Ties go to the lowest state. O(B T k^2) time, O(T k) backpointers."""
+        k = init.shape[1]
+        _blocked_viterbi(init, emit_table, ids, clusters, lengths, trans, path, score,
                          np.empty((ids.shape[1], k), dtype=np.int32), np.empty(k), np.empty(k))
 
     @njit(nogil=True, cache=True, **BORROWED)
-    def _blocked_viterbi(log_init, log_table, ids, clusters, lengths, trans, path, score, back, delta, nxt
+    def _rescale(delta, log_scale):  # pragma: no cover - compiled
+        """delta /= max(delta) with entries below VITERBI_FLOOR set to 0; returns log_scale + log(max), or
+        -inf when every entry is 0 (no path so far)."""
+        top = 0.0
+        for j in range(delta.shape[0]):
+            top = max(top, delta[j])
+        if not top > 0.0:
+            return -np.inf
+        inv = 1.0 / top
+        for j in range(delta.shape[0]):
+            v = delta[j] * inv
+            delta[j] = v if v >= VITERBI_FLOOR else 0.0
+        return log_scale + np.log(top)
+
+    @njit(nogil=True, cache=True, **BORROWED)
+    def _blocked_viterbi(init, emit_table, ids, clusters, lengths, trans, path, score, back, delta, nxt
                          ):  # pragma: no cover - compiled
         """`blocked_viterbi` with its scratch back (T, k), delta and nxt (k,) float64."""
         k = delta.shape[0]
         for b in range(ids.shape[0]):
             L = lengths[b]
-            row = log_table[ids[b, 0]]
-            top = -np.inf
+            row = emit_table[ids[b, 0]]
             for j in range(k):
-                nxt[j] = log_init[b, j] + row[j]
-                top = max(top, nxt[j])
-            log_scale = top  # log of what delta's entries are multiplied by (-inf: no path so far)
-            for j in range(k):
-                delta[j] = np.exp(nxt[j] - top) if top > -np.inf else 0.0
+                delta[j] = np.float64(init[b, j]) * row[j]
+            log_scale = _rescale(delta, 0.0)
             for t in range(1, L):
                 cp, cn = clusters[b, t - 1] * k, clusters[b, t] * k
                 bt = back[t]
@@ -175,26 +192,17 @@ if HAVE_NUMBA:
                         take = v > nxt[j]
                         nxt[j] = v if take else nxt[j]
                         bt[j] = src if take else bt[j]
-                row = log_table[ids[b, t]]
-                top = 0.0
+                row = emit_table[ids[b, t]]
                 for j in range(k):
-                    v = nxt[j] * np.exp(np.float64(row[j]))
-                    delta[j] = v
-                    top = max(top, v)
-                if top > 0.0:
-                    inv = 1.0 / top
-                    for j in range(k):
-                        delta[j] *= inv
-                    log_scale += np.log(top)
-                else:
-                    log_scale = -np.inf
+                    delta[j] = nxt[j] * row[j]
+                log_scale = _rescale(delta, log_scale)
             best = 0.0
             arg = 0
             for j in range(k):
                 if delta[j] > best:
                     best = delta[j]
                     arg = j
-            score[b] = log_scale + np.log(best) if best > 0.0 else -np.inf
+            score[b] = log_scale if best > 0.0 else -np.inf  # best is 1 after the last rescale
             path[b, L - 1] = arg
             for t in range(L - 1, 0, -1):
                 arg = back[t, arg]
@@ -395,16 +403,17 @@ def _stored(trans: Tensor) -> np.ndarray:
     return as_array(trans.view(torch.uint16) if trans.dtype == torch.bfloat16 else trans)
 
 
-def viterbi_cpu(log_init: Tensor, log_table: Tensor, ids: Tensor, clusters: Tensor, lengths: Tensor,
+def viterbi_cpu(init: Tensor, emit_table: Tensor, ids: Tensor, clusters: Tensor, lengths: Tensor,
                 trans: Tensor, threads: int) -> tuple[Tensor, Tensor]:
     """(path (B, T) int64 within each position's cluster, -1 at padding; log p(x, z*) (B,) float64) of
-    `blocked_viterbi` over the transition probabilities `trans` (Z, Z) (float32, float64 or bfloat16), the
-    rows split over `threads` threads. O(B T k^2)."""
+    `blocked_viterbi` over probabilities: init (B, k), emit_table (V, k) read by the rows `ids`, and the
+    transition matrix `trans` (Z, Z) (float32, float64 or bfloat16), the rows split over `threads` threads.
+    O(B T k^2)."""
     B, T = ids.shape
     path = torch.full((B, T), -1, dtype=torch.long)
     score = torch.empty(B, dtype=torch.float64)
-    first, rows, cl, lens = (as_array(x) for x in (log_init, ids, clusters, lengths))
-    table, mat, out_path, out_score = as_array(log_table), _stored(trans), path.numpy(), score.numpy()
+    first, rows, cl, lens = (as_array(x) for x in (init, ids, clusters, lengths))
+    table, mat, out_path, out_score = as_array(emit_table), _stored(trans), path.numpy(), score.numpy()
 
     def part(lo: int, hi: int) -> None:
         blocked_viterbi(first[lo:hi], table, rows[lo:hi], cl[lo:hi], lens[lo:hi], mat, out_path[lo:hi],
@@ -418,12 +427,12 @@ def forward_backward_cpu(init: Tensor, emit: Tensor, clusters: Tensor, lengths: 
                          threads: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(log_cond (B, T), alphas, gamma, right (B, T, k)) of `blocked_forward_backward` over init (B, k), emit
     (B, T, k) (the tokens' emission rows, in the dtype of the DP), clusters (B, T), lengths (B,) and trans
-    (Z, Z), the rows split over `threads` threads. log_cond is 0 at padding, gamma and right too; alphas
-    there are undefined. O(B T k^2)."""
+    (Z, Z) (float32, float64 or bfloat16), the rows split over `threads` threads. log_cond is 0 at padding,
+    gamma and right too; alphas there are undefined. O(B T k^2)."""
     B, T, k = emit.shape
     log_cond = torch.zeros(B, T, dtype=emit.dtype)
     alphas, gamma, right = (torch.empty(B, T, k, dtype=emit.dtype) for _ in range(3))
-    first, em, cl, lens, mat = (as_array(x) for x in (init, emit, clusters, lengths, trans))
+    first, em, cl, lens, mat = (*(as_array(x) for x in (init, emit, clusters, lengths)), _stored(trans))
     outs = [x.numpy() for x in (log_cond, alphas, gamma, right)]
     run_ranges(lens, threads, lambda lo, hi: blocked_forward_backward(
         first[lo:hi], em[lo:hi], cl[lo:hi], lens[lo:hi], mat, *(x[lo:hi] for x in outs)))

@@ -114,8 +114,8 @@ def test_impossible_sequence_is_minus_inf_from_its_impossible_step(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_viterbi_on_probabilities_over_long_and_impossible_sequences(dtype):
-    """The compiled Viterbi runs on the probabilities of `trans` (rescaled every step) and never makes the log
-    matrix: over sequences of 400-900 tokens (products far below float64's range without the rescaling) it
+    """The compiled Viterbi runs on the probabilities of `trans` and `emit` (rescaled every step) and never makes
+    the log matrix: over sequences of 400-900 tokens (products far below float64's range without the rescaling) it
     gives the log-space torch steps' paths and scores; an impossible sequence scores -inf on both; and a
     bfloat16 copy of the matrix gives the float32 model's result on the rounded matrix."""
     t, c = random_blocked_hmm(3, 4, 12, 11, concentration=0.3)
@@ -141,8 +141,8 @@ def test_viterbi_on_probabilities_over_long_and_impossible_sequences(dtype):
         assert torch.equal(path[:2], ref_path[:2])
     if dtype == torch.float32:  # the kernel on bfloat16 bits = the kernel on the float32 of those bits
         rounded = m.trans.to(torch.bfloat16)
-        log_init, log_emit, _ = m.log_chain(batch)
-        args = (log_init, log_emit.table, batch.ids, m._clusters(batch), batch.lengths)
+        init, table, rows = m._decode_emissions(batch)
+        args = (init, table, rows, m._clusters(batch), batch.lengths)
         got = blocked_kernels.viterbi_cpu(*args, rounded, 1)
         want = blocked_kernels.viterbi_cpu(*args, rounded.float(), 1)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -213,11 +213,13 @@ def test_logit_gradient_pass_equals_tensor_ops_for_any_threads(n, threads, dtype
 
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
-def test_bfloat16_storage_scores_exactly_the_rounded_matrix_within_the_bound(data):
-    """bfloat16 storage on CPU (`set_storage_dtype`): the sweep widens each stored entry exactly, so it gives the
-    same bits as the float32 sweep over the bfloat16-rounded matrix, stays within `BF16_TOKEN_ABS_BOUND` per token
-    of the float64 model, and a row scores alone what it scores in a padded batch; every other operation reads the
-    float32 matrix."""
+def test_bfloat16_storage_serves_exactly_the_rounded_matrix_within_the_bound(data):
+    """bfloat16 storage on CPU (`set_storage_dtype`) keeps only the bfloat16 matrix (the float32 one is dropped)
+    and serves it: the sweeps widen each stored entry exactly, so score, posterior, `filtered_last` and
+    Viterbi give the same bits as the float32 model of the bfloat16-rounded matrix, as do the torch steps
+    (which widen the blocks they gather), `predictive` and sampling; scores stay within
+    `BF16_TOKEN_ABS_BOUND` per token of the float64 model, and a row scores alone what it scores in a padded
+    batch. Going back to float32 needs a reload (a clear error)."""
     M, k = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 9))
     V = data.draw(st.integers(M, 12))
     t, c = random_blocked_hmm(M, k, V, data.draw(st.integers(0, 10_000)),
@@ -225,18 +227,27 @@ def test_bfloat16_storage_scores_exactly_the_rounded_matrix_within_the_bound(dat
     seqs = data.draw(st.lists(st.lists(st.integers(0, V - 1), min_size=1, max_size=15), min_size=1, max_size=6))
     batch = Batch.from_lists(seqs)
     m = BlockedHMM.from_tensors(t, c, storage_dtype="bfloat16")
-    assert m.backends()["storage_dtype"] == "bfloat16" and m._trans_bf16 is not None
+    assert m.backends()["storage_dtype"] == "bfloat16" and m.trans.dtype == torch.bfloat16
+    assert m.dtype == torch.float32 and m.score(batch)[1].dtype == torch.float32
     logp, cond = m.score(batch)
     rounded = dict(t, trans=t["trans"].to(torch.bfloat16).to(torch.float32))
-    want_logp, want_cond = BlockedHMM.from_tensors(rounded, c).score(batch)
+    ref = BlockedHMM.from_tensors(rounded, c)
+    want_logp, want_cond = ref.score(batch)
     assert torch.equal(cond, want_cond) and torch.equal(logp, want_logp)
     _, exact = BlockedHMM.from_tensors(t, c, dtype=torch.float64).score(batch)
     assert (cond.double() - exact).abs().max().item() <= dispatch.BF16_TOKEN_ABS_BOUND
     for i, x in enumerate(seqs):
         one, one_cond = m.score(Batch.from_lists([x]))
         assert torch.equal(one_cond[0], cond[i, : len(x)]) and one[0].item() == logp[i].item()
-    f32 = BlockedHMM.from_tensors(t, c)
-    assert torch.equal(m.posterior(batch)[1], f32.posterior(batch)[1])
-    assert torch.equal(m.filtered_last(batch), f32.filtered_last(batch))
-    m.set_storage_dtype("float32")
-    assert m._trans_bf16 is None and torch.equal(m.score(batch)[1], f32.score(batch)[1])
+    assert torch.equal(m.posterior(batch)[1], ref.posterior(batch)[1])
+    assert torch.equal(m.filtered_last(batch), ref.filtered_last(batch))
+    for got, want in zip(m.viterbi(batch), ref.viterbi(batch), strict=True):
+        assert torch.equal(got, want)
+    assert torch.allclose(m.score(batch, backend="torch")[1], ref.score(batch, backend="torch")[1], atol=1e-6)
+    assert torch.equal(ChainFamily.viterbi(m, batch)[0], ChainFamily.viterbi(ref, batch)[0])
+    assert torch.equal(m.predictive(seqs[0]), ref.predictive(seqs[0]))
+    for a, b in zip(m.sample(5, 8, torch.Generator().manual_seed(1)).ids,
+                    ref.sample(5, 8, torch.Generator().manual_seed(1)).ids, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="reload"):
+        m.set_storage_dtype("float32")
