@@ -130,9 +130,10 @@ class BlockedHMM(ChainFamily):
         return init, RowLookup(self.emit, batch.ids), self._block_fn(self.trans_blocks, clusters, self.dtype)
 
     @staticmethod
-    def _block_fn(blocks: Tensor, clusters: Tensor, dtype: torch.dtype):
-        def trans_at(t: int) -> Tensor:  # (B, k, k) in `dtype`: block (cluster(x_{t-1}), cluster(x_t))
-            return blocks[clusters[:, t - 1], :, clusters[:, t], :].to(dtype)
+    def _block_fn(blocks: Tensor, clusters: Tensor, dtype: torch.dtype | None = None):
+        def trans_at(t: int) -> Tensor:  # (B, k, k): block (cluster(x_{t-1}), cluster(x_t)), in `dtype` if given
+            block = blocks[clusters[:, t - 1], :, clusters[:, t], :]
+            return block if dtype is None else block.to(dtype)
         return trans_at
 
     @cached_property
