@@ -10,6 +10,10 @@ load (VmHWM, reset just before through /proc/self/clear_refs) and what it keeps 
   row sums).
 The bf16 column is the size of the same floating-point tensors stored as bfloat16 (the fused CUDA path's
 `LATENTLM_STORAGE_DTYPE=bfloat16`, which keeps its bf16 copy beside the float32 one).
+For blocked_hmm two more paths load it for bfloat16 storage on the CPU (its transition matrix kept in bfloat16
+only): `latentlm, bfloat16 storage` (`ops.load_model(..., storage_dtype="bfloat16")`: the matrix read straight
+into bfloat16, a slab of rows at a time, its rows checked as stored) and `float32, then bfloat16` (the former
+path, kept as its baseline: read in float32, then `set_storage_dtype("bfloat16")`).
 
     python bench/load_memory.py [--store DIR] [--out bench/results/load_memory.md]
 """
@@ -17,7 +21,6 @@ The bf16 column is the size of the same floating-point tensors stored as bfloat1
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import subprocess
 import sys
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hmm_inference import machine  # noqa: E402
+from hmm_inference import append_section, machine, run_heading  # noqa: E402
 
 from latentlm.models.registry import save_artifact  # noqa: E402
 from latentlm.models.vocab import Preprocessing, Vocabulary  # noqa: E402
@@ -46,6 +49,13 @@ base = kib('VmRSS')
 open('/proc/self/clear_refs', 'w').write('5')
 if path == 'latentlm':
     m = ops.load_model(store_dir, name)
+elif path == 'latentlm, bfloat16 storage':
+    m = ops.load_model(store_dir, name, storage_dtype='bfloat16')
+    assert m.impl.trans.dtype == torch.bfloat16
+elif path == 'float32, then bfloat16':
+    m = ops.load_model(store_dir, name)
+    m.impl.set_storage_dtype('bfloat16')
+    assert m.impl.trans.dtype == torch.bfloat16
 else:
     from safetensors.torch import load_file
     d = Path(store_dir) / name
@@ -97,7 +107,7 @@ def main() -> None:
     store = args.store or Path(tempfile.mkdtemp(prefix="load-memory-"))
     models = {"blocked-2p15": ("blocked_hmm", "blocked_hmm, 2^15 states (128 x 256)", lambda: blocked(128, 256)),
               "rank-2p14-r4096": ("rank_hmm", "rank_hmm, 2^14 states, rank 4,096", lambda: rank(1 << 14, 4096))}
-    lines = [f"## {dt.date.today()}: {machine()}", "", "Command: `python bench/load_memory.py`", "",
+    lines = run_heading(machine()) + ["Command: `python " + " ".join(sys.argv) + "`", "",
              "| model | float32 tensors MiB | as bf16 MiB | path | RSS before MiB | peak added MiB | kept MiB | "
              "peak / float32 size |", "|---|---|---|---|---|---|---|---|"]
     for name, (family, label, make) in models.items():
@@ -107,16 +117,17 @@ def main() -> None:
         if not (store / name).is_dir():
             save_artifact(store, name, family, tensors, vocab(), config=config)
         del tensors
-        for path in ("latentlm", "hash, then load_file"):
+        paths = ["latentlm", "hash, then load_file"]
+        if family == "blocked_hmm":
+            paths[1:1] = ["latentlm, bfloat16 storage", "float32, then bfloat16"]
+        for path in paths:
             r = probe(store, name, path)
             lines.append(f"| {label} | {fp32:,.0f} | {bf16:,.0f} | {path} | {r['base']:,.0f} | {r['peak']:,.0f} | "
                          f"{r['kept']:,.0f} | {r['peak'] / fp32:.2f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
+    print("\n".join(lines))
     if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + text)
+        append_section(args.out, "Host memory of loading the largest models", lines + [""])
 
 
 if __name__ == "__main__":

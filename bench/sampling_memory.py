@@ -7,7 +7,9 @@ process's peak memory while building them and what they keep (VmHWM / VmRSS agai
 ms per sampling step (`BlockedHMM.sample`, n samples x 20 tokens, no stop token) at temperature 1 (tables
 built once) and 0.7 (tables built per request, as the service does for any temperature but 1: their build is
 in the figure, spread over the 20 steps). "default" is what `CategoricalTable` picks by size (the column
-names the transition table's sampler), "alias" forces alias tables on every table, as before. Alias tables
+names the transition table's sampler), "alias" forces alias tables on every table, as before, and "torch draws"
+is "default" with the chunked sampler's draws at T != 1 taken by its torch path instead of the compiled pass
+(`kernels.alias.tempered_draws`), their baseline. Alias tables
 are skipped where they would not fit (16 bytes per transition entry kept, 32 at the peak of their build: a
 2^15-state model's would keep 16 GiB); `--store DIR --model NAME` samples a stored blocked_hmm instead of a
 random one.
@@ -55,6 +57,9 @@ else:
     model = BlockedHMM(torch.full((Z,), 1.0 / Z), trans, emit, word_cluster, M)
 if method == 'alias':  # the baseline: alias tables whatever the size
     sampling.ALIAS_MAX_ENTRIES = 1 << 62
+if method == 'torch draws':  # the baseline of the compiled draws at T != 1: the torch path for them
+    compiled = sampling.ChunkedCDF._compiled
+    sampling.ChunkedCDF._compiled = lambda self: self.temperature == 1.0 and compiled(self)
 base = kib('VmRSS')
 open('/proc/self/clear_refs', 'w').write('5')
 t0 = time.perf_counter()
@@ -99,7 +104,7 @@ def main() -> None:
         else:
             M, k = (int(x) for x in shape.split("x"))
             Z = M * k
-        for method in ("default", "alias"):
+        for method in ("default", "torch draws", "alias"):
             if method == "alias" and 32 * Z * Z > ALIAS_FITS_BYTES:
                 got = {"error": f"not run: alias tables would peak at {32 * Z * Z / 2 ** 30:.0f} GiB "
                                 f"and keep {16 * Z * Z / 2 ** 30:.0f} GiB"}

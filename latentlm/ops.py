@@ -142,12 +142,11 @@ def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
         raise InputError(f"storage_dtype: expected one of {', '.join(STORAGE_DTYPES)}, got {storage_dtype!r}",
                          param="storage_dtype")
     dev = torch.device(device) if not isinstance(device, torch.device) else device
-    art = load_artifact(model_path(store, name), device=dev)  # read once, straight onto the device
+    # read once, straight onto the device, each tensor in the dtype the family keeps it in
+    art = load_artifact(model_path(store, name), device=dev, dtype=DTYPES[dtype], storage_dtype=storage_dtype)
     fam = get_family(art.family)
-    impl = fam.from_tensors(art.tensors, art.config, device=dev, dtype=DTYPES[dtype])
+    impl = fam.from_tensors(art.tensors, art.config, device=dev, dtype=DTYPES[dtype], storage_dtype=storage_dtype)
     art.tensors.clear()  # the family holds them now (converted, for a dtype other than the file's): one copy
-    if storage_dtype is not None and hasattr(impl, "set_storage_dtype"):
-        impl.set_storage_dtype(storage_dtype)
     model = LoadedModel(name=name, artifact=art, impl=impl, device=dev)
     if backend == "onnx":
         model.use_onnx(Path(store) / ONNX_CACHE)

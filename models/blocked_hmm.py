@@ -46,7 +46,7 @@ class BlockedHMM(ChainFamily):
         self.M = num_clusters
         self.k = emit.shape[1]
         self.extras = extras or {}
-        self.device, self.dtype = trans.device, trans.dtype
+        self.device, self.dtype = trans.device, start.dtype  # trans may be stored in bfloat16 (`set_storage_dtype`)
         self.trans_blocks = trans.view(self.M, self.k, self.M, self.k)  # [c_prev, i, c_next, j]
 
     def set_storage_dtype(self, value: torch.dtype | str | None) -> None:
@@ -59,7 +59,7 @@ class BlockedHMM(ChainFamily):
         against the float32 model), sampling draws from it, and the torch steps widen the blocks they gather.
         `self.dtype` stays the dtype of the computation."""
         super().set_storage_dtype(value)
-        bf16 = self.storage_dtype == torch.bfloat16 and self.device.type == "cpu" and self.M > 1
+        bf16 = self._trans_in_bf16(self.storage_dtype, self.device, self.M)
         if bf16 and self.trans.dtype != torch.bfloat16:
             self.trans = self.trans.to(torch.bfloat16)
             self.trans_blocks = self.trans.view(self.M, self.k, self.M, self.k)
@@ -68,6 +68,21 @@ class BlockedHMM(ChainFamily):
         elif not bf16 and self.trans.dtype != self.dtype:
             raise ValueError("this model's transition matrix is stored in bfloat16 (its float32 matrix was "
                              "dropped): reload it for another storage dtype")
+
+    @staticmethod
+    def _trans_in_bf16(storage_dtype: torch.dtype | str | None, device: torch.device, num_clusters: Any) -> bool:
+        """Whether bfloat16 storage holds `trans` in bfloat16 only: on CPU, with more than one cluster."""
+        tf32 = isinstance(storage_dtype, str) and storage_dtype.lower() == "tfloat32"  # float32 storage
+        return (not tf32 and dispatch.storage_dtype(storage_dtype) == torch.bfloat16 and device.type == "cpu"
+                and isinstance(num_clusters, int) and num_clusters > 1)
+
+    @classmethod
+    def read_dtypes(cls, config: dict[str, Any], *, device: torch.device, dtype: torch.dtype,
+                    storage_dtype: torch.dtype | str | None = None) -> dict[str, torch.dtype]:
+        """`Family.read_dtypes`: `trans` as bfloat16 when bfloat16 storage keeps it so (`set_storage_dtype`; the
+        2^15-state model then loads in 2.4 GiB instead of peaking at 6.4), otherwise in `dtype`."""
+        bf16 = cls._trans_in_bf16(storage_dtype, torch.device(device), config.get("num_clusters"))
+        return {"trans": torch.bfloat16 if bf16 else dtype}
 
     @staticmethod
     def validate_tensors(tensors: dict[str, Tensor], config: dict[str, Any], vocab_size: int, where: str) -> None:
@@ -102,8 +117,9 @@ class BlockedHMM(ChainFamily):
     @classmethod
     def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None) -> BlockedHMM:
         """`storage_dtype` ("float32" default, "tfloat32", "bfloat16"): `score`'s precision (`set_storage_dtype`)."""
-        t = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
-             for k, v in tensors.items()}
+        keep_bf16 = cls._trans_in_bf16(storage_dtype, torch.device(device), config["num_clusters"])
+        t = {k: (v.to(device=device, dtype=torch.bfloat16 if k == "trans" and keep_bf16 else dtype)
+                 if v.is_floating_point() else v.to(device)) for k, v in tensors.items()}
         extras = {k: v for k, v in t.items() if k not in ("start", "trans", "emit", "word_cluster")}
         model = cls(t["start"], t["trans"], t["emit"], t["word_cluster"], config["num_clusters"], extras)
         model.set_storage_dtype(storage_dtype)
@@ -228,8 +244,9 @@ class BlockedHMM(ChainFamily):
 
     def _decode_emissions(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """What the compiled Viterbi decodes with, as probabilities: (init (B, k), a table (R, k), the row of it
-        for each token (B, T)); here the start distribution and `emit` read by token id. A subclass that
-        decodes with other emissions overrides this with `log_chain`."""
+        for each token (B, T)); here the start distribution and `emit` read by token id. `log_chain` is the
+        same chain in logs (for the torch Viterbi): a subclass that changes the emissions it decodes with
+        overrides both (as `training.tagging_vlhmm.BlockedTagger` does)."""
         init, _ = self._first(batch)
         return init, self.emit, batch.ids
 

@@ -46,9 +46,26 @@ def all_finite(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in slices(t)[1])
 
 
+STORED_SUMS = "stored_sums"  # attribute of a tensor narrowed as it was read (`mark_stored_sums`)
+
+
+def mark_stored_sums(t: torch.Tensor, sums: torch.Tensor) -> None:
+    """Record on `t`, a tensor read into a narrower dtype than its file's (bfloat16 from float32: the artifact
+    reader's `cast`), the float64 sums over its last dimension of the values as stored: `check_distribution`
+    checks those, so a narrowed matrix passes or fails exactly as its stored one would. The mark is the
+    tensor object's own: views and copies do not carry it. `unmark_stored_sums` removes it after the checks."""
+    setattr(t, STORED_SUMS, sums)
+
+
+def unmark_stored_sums(t: torch.Tensor) -> None:
+    if hasattr(t, STORED_SUMS):
+        delattr(t, STORED_SUMS)
+
+
 def check_distribution(t: torch.Tensor, key: str, dim: int, where: str, tol: float = NORMALISATION_TOL) -> None:
     """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`. Slice by slice,
-    so a multi-GB matrix is checked with ~30 MB of temporaries."""
+    so a multi-GB matrix is checked with ~30 MB of temporaries. For a tensor narrowed as it was read
+    (`mark_stored_sums`) and `dim` its last, the sums are those of the stored values."""
     if not t.is_floating_point():
         raise ArtifactError(f"{where}: tensor {key!r} must be floating point, got {t.dtype}", param=key)
     if not all_finite(t):
@@ -56,8 +73,12 @@ def check_distribution(t: torch.Tensor, key: str, dim: int, where: str, tol: flo
     cut, parts = slices(t, keep=dim)
     if any(bool((p < 0).any()) for p in parts):
         raise ArtifactError(f"{where}: tensor {key!r} has negative entries", param=key)
-    part_sums = [p.double().sum(dim) for p in parts]
-    sums = part_sums[0] if cut is None else torch.cat(part_sums, cut if cut < dim else cut - 1)
+    stored = getattr(t, STORED_SUMS, None) if dim % max(1, t.dim()) == t.dim() - 1 else None
+    if stored is not None:
+        sums = stored
+    else:
+        part_sums = [p.double().sum(dim) for p in parts]
+        sums = part_sums[0] if cut is None else torch.cat(part_sums, cut if cut < dim else cut - 1)
     bad = (sums - 1).abs() > tol
     if bool(bad.any()):
         idx = bad.nonzero()[0].tolist()

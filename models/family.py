@@ -80,8 +80,20 @@ class Family:
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], config: dict[str, Any], *, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32) -> Family:
+                     dtype: torch.dtype = torch.float32, storage_dtype: str | torch.dtype | None = None) -> Family:
+        """The family instance from verified artifact tensors on `device`, computing in `dtype`. `storage_dtype`
+        (`ops.STORAGE_DTYPES`; None: float32): a chain family's scoring precision
+        (`ChainFamily.set_storage_dtype`); families with one precision ignore it."""
         raise NotImplementedError
+
+    @classmethod
+    def read_dtypes(cls, config: dict[str, Any], *, device: torch.device, dtype: torch.dtype,
+                    storage_dtype: str | torch.dtype | None = None) -> dict[str, torch.dtype]:
+        """Tensors that `from_tensors` keeps in a dtype other than their file's, by name, for the artifact
+        reader to convert as it reads them (`models.store.read_weights`' `cast`), so that loading never holds
+        both precisions of a large matrix. `config` is the manifest's, not yet checked. Default: none (a
+        family converts after reading)."""
+        return {}
 
     @property
     def num_states(self) -> int:

@@ -52,10 +52,12 @@ class DenseHMM(ChainFamily):
             check_shape(tensors, "state_vectors", (Z, tensors["state_vectors"].shape[1]), where)
 
     @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32) -> DenseHMM:
+    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None) -> DenseHMM:
         t = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
         extras = {k: v for k, v in t.items() if k not in ("start", "trans", "emit")}
-        return cls(t["start"], t["trans"], t["emit"], extras)
+        model = cls(t["start"], t["trans"], t["emit"], extras)
+        model.set_storage_dtype(storage_dtype)
+        return model
 
     @property
     def num_states(self) -> int:

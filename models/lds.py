@@ -216,7 +216,7 @@ class LDS(Family):
                 raise ArtifactError(f"{where}: tensor {k!r} has spectral radius {rho:.4g} >= 1 (unstable)", param=k)
 
     @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32) -> LDS:
+    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None) -> LDS:
         return cls({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, config)
 
     @property

@@ -111,7 +111,7 @@ class NGramLM(Family):
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, Tensor], config: dict[str, Any], *, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32) -> NGramLM:
+                     dtype: torch.dtype = torch.float32, storage_dtype: str | torch.dtype | None = None) -> NGramLM:
         return cls({k: v.to(device) for k, v in tensors.items()}, config, dtype)
 
     @property

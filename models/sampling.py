@@ -28,7 +28,6 @@ T = TypeVar("T")
 # Alias tables hold 16 bytes per entry (float64 acceptance, int64 alias) and need 16 more while they are built;
 # a larger table is drawn by `ChunkedCDF`, which holds 8 bytes per sqrt(C) entries besides the probabilities.
 ALIAS_MAX_ENTRIES = 1 << 22  # 64 MiB of alias tables (a 2,048-state transition matrix)
-STORED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)  # what `kernels.alias.chunk_masses` reads
 SLAB_ENTRIES = 1 << 23  # entries per slab when `ChunkedCDF` sums a table (64 MiB of float64 at a time)
 
 
@@ -78,23 +77,27 @@ class ChunkedCDF:
     finds a draw's chunk by binary search on its row's `cum` and its column by a float64 cumulative sum over
     that chunk's w entries, O(sqrt C) per draw. At another temperature (a table built per request,
     `tables_at`) it keeps nothing and weighs each draw's whole row, exp((log p - max log p) / T) (the
-    renormalised p^(1/T) without overflow): O(C) per draw, nothing to build. A zero-probability column is
-    never drawn."""
+    renormalised p^(1/T) without overflow): O(C) per draw, nothing to build (by a compiled pass over the draws on
+    threads, `kernels.alias.tempered_draws`, where numba is present). A zero-probability column is never drawn."""
 
     def __init__(self, probs: Tensor, temperature: float = 1.0):
         C = probs.shape[1]
-        self.probs, self.inv_temp = probs, 1.0 / temperature
+        self.probs, self.temperature, self.inv_temp = probs, temperature, 1.0 / temperature
         self.cum: Tensor | None = None
         if temperature != 1.0:
             self.width = C
             return
         self.width = math.isqrt(C - 1) + 1  # ceil(sqrt C)
-        if HAVE_NUMBA and probs.device.type == "cpu" and probs.dtype in STORED_DTYPES:
+        if self._compiled():
             mass = alias_kernels.chunk_masses(probs, self.width, torch.get_num_threads())
         else:
             mass = self._masses(probs)
         self.cum = mass.cumsum(1)
-        self.last_chunk = (mass.shape[1] - 1) - (mass > 0).flip(1).int().argmax(1)  # the last chunk with mass
+        self.last_chunk = last_positive(mass)
+
+    def _compiled(self) -> bool:
+        """Whether the compiled passes (`kernels.alias`) can read `probs` where it lies."""
+        return HAVE_NUMBA and self.probs.device.type == "cpu" and self.probs.dtype in alias_kernels.CHUNK_MASS_DTYPES
 
     def _masses(self, probs: Tensor) -> Tensor:
         """(R, ceil(C / width)) float64 chunk masses by torch, a slab of rows at a time (any device, dtype)."""
@@ -118,6 +121,8 @@ class ChunkedCDF:
         return torch.cat([self._invert(rows[lo: lo + step], u[lo: lo + step]) for lo in range(0, len(rows), step)])
 
     def _invert(self, rows: Tensor, u: Tensor) -> Tensor:
+        if self.cum is None and self._compiled():  # the whole row, weighed now, by a compiled pass
+            return alias_kernels.tempered_draws(self.probs, rows, u, self.temperature, torch.get_num_threads())
         if self.cum is None:  # the whole row, weighed now
             chunk = torch.zeros_like(rows)
             w = self.probs[rows].double().clamp_min(0)
@@ -134,8 +139,13 @@ class ChunkedCDF:
             w = self.probs[rows[:, None], cols.clamp(max=self.num_cols - 1)].double().clamp_min(0)
             w = torch.where(cols < self.num_cols, w, torch.zeros_like(w))
         col = torch.searchsorted(w.cumsum(1), rest[:, None], right=True).squeeze(1)
-        last = (w.shape[1] - 1) - (w > 0).flip(1).int().argmax(1)  # the last column with weight
-        return chunk * self.width + torch.minimum(col, last)
+        return chunk * self.width + torch.minimum(col, last_positive(w))
+
+
+def last_positive(w: Tensor) -> Tensor:
+    """Index (R,) of the last positive entry of each row of w (R, C) (C - 1 for a row without one): where an
+    inverse CDF must stop when u times a row's total rounds up to the total."""
+    return (w.shape[1] - 1) - (w > 0).flip(1).int().argmax(1)
 
 
 def tables_at(owner: object, temperature: float, build: Callable[[float], T]) -> T:

@@ -10,19 +10,20 @@ import datetime as _dt
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors.torch import save_file
 
-from latentlm.models.checks import Validator, all_finite
+from latentlm.models.checks import Validator, all_finite, mark_stored_sums, unmark_stored_sums
 from latentlm.models.errors import ArtifactError, ModelNotFound
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
@@ -215,8 +216,8 @@ MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on its JSON h
 READ_CHUNK = 16 << 20  # bytes per read (and per host-to-device copy): the only staging memory of a load
 
 
-def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", staged: bool | None = None
-                 ) -> dict[str, torch.Tensor]:
+def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", staged: bool | None = None,
+                 cast: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, read once, straight into tensors on `device`, while the same bytes
     are hashed: the SHA-256 checked against `digest` (the manifest's) is that of exactly the bytes loaded (no
     window in which the file could change between a check and a read), and there is one copy of the weights
@@ -226,7 +227,14 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
     the next reload. `staged` (default: for every device but the CPU) reads through the staging buffer; tests
     force it on the CPU, so the accelerator path runs in CI. ArtifactError (naming the file) for a malformed
     header, offsets that leave holes or run past the end, trailing bytes, or a hash mismatch. O(file size)
-    time."""
+    time.
+
+    `cast` (name -> floating dtype) converts those floating tensors as they are read (`_read_cast`: a slab of
+    whole rows at a time), so a model kept in another precision never holds its stored one whole: a bfloat16
+    copy of a float32 matrix is read in half the float32 size, a float64 one in 2x instead of 3x. A narrowed
+    tensor carries the float64 sums over its last dimension of its values as stored (`checks.mark_stored_sums`),
+    which `checks.check_distribution` checks in place of its own: the normalisation check stays the one of
+    the bytes in the file."""
     dev = torch.device(device)
     staged = dev.type != "cpu" if staged is None else staged
     h = hashlib.sha256()
@@ -253,11 +261,18 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
         for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
             if begin != pos:
                 raise bad(f"tensor {name!r} starts at byte {begin}, expected {pos} (holes or overlaps)")
-            t = torch.empty(shape, dtype=dtype, device=dev)
-            if t.numel() * t.element_size() != end - begin:
+            if math.prod(shape) * dtype.itemsize != end - begin:
                 raise bad(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
             if end > data_len:
                 raise bad(f"tensor {name!r} runs past the end of the file")
+            target = (cast or {}).get(name, dtype)
+            if target != dtype and not (dtype.is_floating_point and target.is_floating_point):
+                raise bad(f"tensor {name!r}: cannot be read as {target} (stored as {dtype})")
+            if target != dtype:
+                tensors[name] = _read_cast(f, h, name, shape, dtype, target, dev, bad)
+                pos = end
+                continue
+            t = torch.empty(shape, dtype=dtype, device=dev)
             flat = t.reshape(-1).view(torch.uint8)
             view = memoryview(flat.numpy()) if not staged else None
             for lo in range(0, end - begin, READ_CHUNK):
@@ -278,6 +293,36 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
         raise ArtifactError(f"{fpath}: SHA-256 mismatch (manifest {digest[:12]}…, file {h.hexdigest()[:12]}…)",
                             param=WEIGHTS)
     return tensors
+
+
+def _read_cast(f: BinaryIO, h: Any, name: str, shape: list[int], stored: torch.dtype, target: torch.dtype,
+               device: torch.device, bad: Callable[[str], ArtifactError]) -> torch.Tensor:
+    """Tensor `name` of `shape` stored as `stored` at the file's position, read into a new `target` tensor on
+    `device` a slab of whole rows (about READ_CHUNK bytes, at least one row) at a time, each slab hashed into
+    `h` and converted. Narrowed (`target` cannot hold every stored value), the result carries the float64
+    sums over its last dimension of the stored values (`checks.mark_stored_sums`). O(size) time; memory: the
+    result and one slab."""
+    out = torch.empty(shape, dtype=target, device=device)
+    row = shape[-1] if shape else 1
+    rows = out.numel() // row if row else 0
+    exact = target == torch.float64 or (target == torch.float32 and stored.itemsize == 2)  # holds every stored value
+    sums = None if exact else torch.zeros(rows, dtype=torch.float64)
+    per = max(1, READ_CHUNK // max(1, row * stored.itemsize))
+    slab = torch.empty(min(per, rows) * row, dtype=stored)
+    flat = out.view(-1)
+    for lo in range(0, rows, per):
+        n = min(per, rows - lo)
+        part = slab[: n * row]
+        buf = memoryview(part.view(torch.uint8).numpy())
+        if f.readinto(buf) != len(buf):
+            raise bad(f"file ended inside tensor {name!r}")
+        h.update(buf)
+        flat[lo * row: (lo + n) * row].copy_(part)
+        if sums is not None:
+            sums[lo: lo + n] = part.view(n, row).double().sum(1)
+    if sums is not None:
+        mark_stored_sums(out, sums.reshape(shape[:-1]))
+    return out
 
 
 def _safetensors_entries(raw: bytes, bad: Callable[[str], ArtifactError]
@@ -339,10 +384,12 @@ def file_signature(path: Path, manifest: dict[str, Any]) -> tuple:
 
 
 def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
-                  device: torch.device | str = "cpu") -> Artifact:
+                  device: torch.device | str = "cpu",
+                  cast_for: Callable[[str, dict[str, Any]], Mapping[str, torch.dtype]] | None = None) -> Artifact:
     """Read and verify a model directory: file hashes, tensor shapes against the manifest, finiteness
     and the family's own checks (`validate_for(family)`: normalisation of every distribution within 1e-4).
-    The weights are read once, straight onto `device` (`read_weights`: hashed as they are read, one copy).
+    The weights are read once, straight onto `device` (`read_weights`: hashed as they are read, one copy),
+    each tensor named by `cast_for(family, config)` converted to its dtype as it is read (checked as stored).
     Use `latentlm.models.registry.load_artifact`, which looks the family up."""
     path = Path(path)
     if not path.is_dir():
@@ -352,7 +399,9 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
         if required not in manifest["files"]:
             raise ArtifactError(f"{path / MANIFEST}: no hash recorded for {required}", param=required)
     verify_files(path, manifest, skip=(WEIGHTS,))  # every listed file checked to be a regular file inside
-    tensors = read_weights(path / WEIGHTS, manifest["files"][WEIGHTS], device)
+    config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
+    cast = cast_for(manifest["family"], config) if cast_for is not None else None
+    tensors = read_weights(path / WEIGHTS, manifest["files"][WEIGHTS], device, cast=cast)
     expected = manifest["shapes"]
     if set(expected) != set(tensors):
         raise ArtifactError(
@@ -374,6 +423,8 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
             param=VOCAB,
         )
     validate_for(manifest["family"])(tensors, manifest.get("config", {}), len(vocab), str(path / WEIGHTS))
+    for t in tensors.values():
+        unmark_stored_sums(t)
     return Artifact(path=path, manifest=manifest, vocab=vocab, tensors=tensors)
 
 

@@ -50,10 +50,12 @@ class TaggingHMM(DenseHMM):
         check_distribution(check_shape(tensors, "tag_emit", (Z, len(tags)), where), "tag_emit", 1, where)
 
     @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32) -> TaggingHMM:
+    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None) -> TaggingHMM:
         t = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
         extras = {k: v for k, v in t.items() if k not in ("start", "trans", "emit", "tag_emit")}
-        return cls(t["start"], t["trans"], t["emit"], t["tag_emit"], config["tags"], extras)
+        model = cls(t["start"], t["trans"], t["emit"], t["tag_emit"], config["tags"], extras)
+        model.set_storage_dtype(storage_dtype)
+        return model
 
     def describe(self) -> dict[str, Any]:
         return {"num_states": self.num_states, "tags": self.tags}

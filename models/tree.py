@@ -425,8 +425,9 @@ class PCFGOps:
     `X`; Viterbi trees carry the grammar's symbol names."""
 
     @classmethod
-    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32):
-        """Family instance from verified artifact tensors, moved to `device` / `dtype`."""
+    def from_tensors(cls, tensors, config, *, device="cpu", dtype=torch.float32, storage_dtype=None):
+        """Family instance from verified artifact tensors, moved to `device` / `dtype` (one precision:
+        `storage_dtype` is ignored)."""
         return cls({k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}, config)
 
     @property

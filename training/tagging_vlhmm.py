@@ -107,17 +107,21 @@ class BlockedTagger(BlockedHMM):
 
     @cached_property
     def _best_tag(self) -> tuple[Tensor, Tensor]:
-        p, y = self.tag_emit.max(-1)
-        return p.log(), y
+        """(max_y p(y | z), its argmax y), each (Z,)."""
+        return self.tag_emit.max(-1)
+
+    @cached_property
+    def _log_best_tag(self) -> Tensor:
+        return self._best_tag[0].log()
 
     def log_chain(self, batch: Batch) -> tuple[Tensor, Tensor, Trans]:
         log_start, log_emit, step = super().log_chain(batch)
-        return log_start, chain.dense(log_emit) + self._best_tag[0][self.state_ids(batch)], step
+        return log_start, chain.dense(log_emit) + self._log_best_tag[self.state_ids(batch)], step
 
     def _decode_emissions(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """p(w | z) x max_y p(y | z) at each token (its B T rows in order), as `log_chain` has them in logs."""
         init, table, rows = super()._decode_emissions(batch)
-        dense = table[rows] * self._best_tag[0].exp()[self.state_ids(batch)]  # (B, T, k)
+        dense = table[rows] * self._best_tag[0][self.state_ids(batch)]  # (B, T, k)
         B, T, k = dense.shape
         return init, dense.reshape(B * T, k), torch.arange(B * T, device=dense.device).view(B, T)
 

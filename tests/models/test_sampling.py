@@ -133,7 +133,8 @@ def test_chunked_cdf_inverts_exactly(C, temperature, slab, builder, monkeypatch)
     """`ChunkedCDF.invert` maps u to the column a float64 inverse CDF over the whole row gives (u away from a
     boundary by 1e-9), for every chunk layout, with zero columns (a whole zero chunk, zeros at both ends),
     float32 storage read through strides (a transposed table) and temperature (weights p^(1/T)), chunk masses
-    summed by the compiled pass or by torch in one slab or many; a zero-probability column is never drawn."""
+    summed (and draws at T != 1 taken) by the compiled pass or by torch in one slab or many; a zero-probability
+    column is never drawn."""
     from latentlm.models import sampling
     from latentlm.models.sampling import ChunkedCDF
 
@@ -160,6 +161,27 @@ def test_chunked_cdf_inverts_exactly(C, temperature, slab, builder, monkeypatch)
         clear = (cum[r][None, :] - u[:, None]).abs().min(1).values > 1e-9
         assert torch.equal(got[clear], want[clear])
         assert bool((weights[r][got] > 0).all())  # even at the edges (u = 0, u -> 1)
+
+
+def test_tempered_draws_read_bfloat16_as_its_float32():
+    """The compiled draws at a temperature other than 1 read a bfloat16 table (stored as its bits) exactly as
+    the float32 table of the same values, threads or not."""
+    from latentlm.models.kernels import alias
+    from latentlm.models.kernels.jit import HAVE_NUMBA
+    from latentlm.models.sampling import ChunkedCDF
+
+    if not HAVE_NUMBA:
+        pytest.skip("the compiled pass needs numba")
+    g = torch.Generator().manual_seed(5)
+    probs = (torch.rand(6, 300, generator=g) ** 4).to(torch.bfloat16)
+    probs[2, 100:] = 0
+    rows = torch.randint(0, 6, (3000,), generator=g)
+    u = torch.rand(3000, generator=g, dtype=torch.float64)
+    for temperature in (0.5, 2.0):
+        want = ChunkedCDF(probs.float(), temperature).invert(rows, u)
+        assert torch.equal(ChunkedCDF(probs, temperature).invert(rows, u), want)
+        assert torch.equal(alias.tempered_draws(probs, rows, u, temperature, 1), want)
+        assert bool((probs[rows, want] > 0).all())
 
 
 def test_large_tables_are_drawn_in_place():

@@ -193,24 +193,145 @@ def test_read_weights_refuses_malformed_files(tmp_path):
                 store.read_weights(f, store.sha256_file(f), staged=staged)
 
 
+def load_memory_mib(store, name: str, storage_dtype: str | None = None) -> tuple[float, float]:
+    """(peak, kept) MiB of resident memory that `ops.load_model(store, name, storage_dtype=...)` adds in a fresh
+    process (VmHWM reset just before the load, VmRSS after it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from latentlm import ops; from latentlm.models import registry;"
+            "kib = lambda key: int(open('/proc/self/status').read().split(key + ':')[1].split()[0]);"
+            "base = kib('VmRSS'); open('/proc/self/clear_refs', 'w').write('5');"
+            "m = ops.load_model(sys.argv[1], sys.argv[2], storage_dtype=sys.argv[3] or None);"
+            "print((kib('VmHWM') - base) / 1024, (kib('VmRSS') - base) / 1024)")
+    out = subprocess.run([sys.executable, "-c", code, str(store), name, storage_dtype or ""], capture_output=True,
+                         text=True, check=True)
+    peak_mib, kept_mib = (float(x) for x in out.stdout.split()[-2:])
+    return peak_mib, kept_mib
+
+
 def test_loading_keeps_one_copy_of_the_weights(tmp_path):
     """Peak memory of loading a 256 MiB model in a fresh process: one copy of the weights plus bounded
     temporaries (hashing and then loading held two copies; a float64 sum for the normalisation check two
     more)."""
-    import subprocess
-    import sys
-
     t, c = random_hmm(8192, 16)
     t = {k: v.float() for k, v in t.items()}  # trans: 8192^2 float32 = 256 MiB
     save_artifact(tmp_path, "big", "hmm", t, vocab(16), config=c)
     del t
-    code = ("import sys; from latentlm import ops; from latentlm.models import registry;"
-            "kib = lambda key: int(open('/proc/self/status').read().split(key + ':')[1].split()[0]);"
-            "base = kib('VmRSS'); open('/proc/self/clear_refs', 'w').write('5');"
-            "m = ops.load_model(sys.argv[1], 'big');"
-            "print((kib('VmHWM') - base) / 1024, (kib('VmRSS') - base) / 1024)")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
-    peak_mib, kept_mib = (float(x) for x in out.stdout.split()[-2:])
+    peak_mib, kept_mib = load_memory_mib(tmp_path, "big")
     # one copy kept (two would be 512+): the rest is modules imported on first load and the allocator's cache
     assert 256 <= kept_mib < 256 * 1.5, kept_mib
     assert peak_mib < 256 * 1.75, peak_mib  # and no second copy at any moment (the old path peaked at 3x)
+
+
+def test_read_weights_casts_as_it_reads(tmp_path):
+    """`cast` converts tensors as they are read, a slab of rows at a time: exactly `tensor.to(dtype)` for
+    tensors of one row, several slabs, rows wider than a slab, 0-d and empty; a narrowed tensor carries the
+    float64 sums of its stored rows; the hash, truncation and dtype checks hold on that path too."""
+    from latentlm.models import checks, store
+
+    g = torch.Generator().manual_seed(1)
+    wide = store.READ_CHUNK // 4 + 3  # one float32 row is more than a read chunk
+    tensors = {"slabs": torch.rand(3 * (store.READ_CHUNK // 4 // 1000) + 7, 1000, generator=g),
+               "wide": torch.rand(2, wide, generator=g), "vec": torch.rand(5, generator=g),
+               "scalar": torch.tensor(0.25), "empty": torch.zeros(0, 4), "f64": torch.rand(3, 4, dtype=torch.float64,
+                                                                                         generator=g),
+               "ids": torch.arange(6)}
+    f = tmp_path / WEIGHTS
+    save_file(tensors, str(f))
+    digest = store.sha256_file(f)
+    for target in (torch.bfloat16, torch.float64, torch.float16):
+        cast = {k: target for k, v in tensors.items() if v.is_floating_point()}
+        got = store.read_weights(f, digest, cast=cast)
+        assert torch.equal(got["ids"], tensors["ids"])
+        for k in cast:
+            v = tensors[k]
+            assert got[k].dtype == target and torch.equal(got[k], v.to(target)), (k, target)
+            sums = getattr(got[k], checks.STORED_SUMS, None)
+            if target == torch.float64:
+                assert sums is None, k  # float64 holds every stored value: nothing to carry
+            else:
+                want = v.double().sum(-1) if v.dim() else v.double()
+                assert sums.shape == want.shape and torch.allclose(sums, want, rtol=1e-12, atol=0), k
+    with pytest.raises(ArtifactError, match="SHA-256 mismatch"):
+        store.read_weights(f, "0" * 64, cast={"slabs": torch.bfloat16})
+    with pytest.raises(ArtifactError, match=r"tensor 'ids': cannot be read as torch.float32"):
+        store.read_weights(f, digest, cast={"ids": torch.float32})
+    good = f.read_bytes()
+    f.write_bytes(good[: len(good) // 2])  # ends inside "slabs" or "wide", the largest tensors
+    with pytest.raises(ArtifactError, match="file ended inside tensor|runs past the end"):
+        store.read_weights(f, store.sha256_file(f), cast={"slabs": torch.bfloat16, "wide": torch.bfloat16})
+
+
+def uniform_blocked(M: int, k: int, V: int, row_scale: float = 1.0):
+    """A blocked model whose transition rows are uniform (1/Z each): 1/6 rounds to 0.16699 in bfloat16, so
+    the rounded rows of a 6-state model sum to 1.00195, outside the 1e-4 normalisation tolerance."""
+    t, c = random_blocked_hmm(M, k, V)
+    Z = M * k
+    t = {n: v.float() if v.is_floating_point() else v for n, v in t.items()}
+    t["trans"] = torch.full((Z, Z), 1.0 / Z)
+    t["trans"][1] *= row_scale
+    return t, c
+
+
+def test_bfloat16_load_checks_the_stored_rows(tmp_path):
+    """Loaded for bfloat16 storage on CPU, blocked_hmm's matrix is read straight into bfloat16 and its rows
+    are checked as stored: a matrix that is normalised in float32 loads (its bfloat16 rounding alone would
+    fail the check), one that is not is refused with the float32 load's very message."""
+    from latentlm import ops
+    from latentlm.models import checks
+
+    t, c = uniform_blocked(2, 3, 8)
+    save_artifact(tmp_path, "uniform", "blocked_hmm", t, vocab(8), config=c)
+    with pytest.raises(ArtifactError, match="not normalised"):  # what an unmarked bfloat16 matrix would meet
+        checks.check_distribution(t["trans"].to(torch.bfloat16), "trans", 1, "here")
+    m = ops.load_model(tmp_path, "uniform", storage_dtype="bfloat16").impl
+    assert m.trans.dtype == torch.bfloat16 and torch.equal(m.trans, t["trans"].to(torch.bfloat16))
+    assert not hasattr(m.trans, checks.STORED_SUMS)  # the mark is dropped once checked
+    assert m.dtype == torch.float32 and m.start.dtype == torch.float32
+
+    bad, c = uniform_blocked(2, 3, 8, row_scale=1.001)
+    save_artifact(tmp_path, "bad", "blocked_hmm", t, vocab(8), config=c)
+    rewrite_weights(tmp_path / "bad", bad)
+    messages = []
+    for storage in ("float32", "bfloat16"):
+        with pytest.raises(ArtifactError, match=r"tensor 'trans' is not normalised: entry \[1\]") as e:
+            ops.load_model(tmp_path, "bad", storage_dtype=storage)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("dtype,storage", [("float32", "bfloat16"), ("float64", None), ("float32", "tfloat32")])
+def test_loading_in_another_precision_equals_converting_after(tmp_path, dtype, storage):
+    """Read straight into the precision the model keeps (`Family.read_dtypes`): the same matrices and the same
+    scores as loading as stored and converting afterwards (`from_tensors`, `set_storage_dtype`)."""
+    from latentlm import ops
+    from latentlm.models.blocked_hmm import BlockedHMM
+    from latentlm.models.store import read_artifact
+
+    t, c = random_blocked_hmm(4, 3, 20, seed=3)
+    t = {n: v.float() if v.is_floating_point() else v for n, v in t.items()}
+    path = save_artifact(tmp_path, "b", "blocked_hmm", t, vocab(20), config=c)
+    loaded = ops.load_model(tmp_path, "b", dtype=dtype, storage_dtype=storage).impl
+    as_stored = read_artifact(path, lambda f: BlockedHMM.validate_tensors).tensors
+    assert as_stored["trans"].dtype == torch.float32
+    ref = BlockedHMM.from_tensors(as_stored, c, dtype=getattr(torch, dtype))
+    ref.set_storage_dtype(storage)
+    assert loaded.trans.dtype == ref.trans.dtype and torch.equal(loaded.trans, ref.trans)
+    assert loaded.dtype == ref.dtype == getattr(torch, dtype)
+    seqs = [[1, 5, 7, 2], [3], [19, 0, 4, 4, 8, 11]]
+    assert loaded.op_score(seqs, token_logprobs=True) == ref.op_score(seqs, token_logprobs=True)
+
+
+def test_bfloat16_load_never_holds_the_float32_matrix(tmp_path):
+    """Peak memory of loading a blocked model with a 256 MiB float32 matrix for bfloat16 storage, in a fresh
+    process: the 128 MiB bfloat16 matrix plus bounded temporaries. Reading it as stored and converting after
+    held both (384 MiB)."""
+    M, k = 32, 256  # 8,192 states
+    t, c = random_blocked_hmm(M, k, 64)
+    t = {n: v.float() if v.is_floating_point() else v for n, v in t.items()}
+    save_artifact(tmp_path, "big", "blocked_hmm", t, vocab(64), config=c)
+    del t
+    peak_mib, kept_mib = load_memory_mib(tmp_path, "big", "bfloat16")
+    assert 128 <= kept_mib < 128 * 1.5, kept_mib  # the bfloat16 matrix, not the float32 one (256)
+    assert peak_mib < 256, peak_mib  # less than the float32 matrix alone: it is never held whole
