@@ -1,8 +1,9 @@
-"""Host memory of loading the largest models: a 2^15-state blocked_hmm (128 clusters x 256 states, a 4 GiB
-transition matrix) and a rank-space HMM with 2^14 states and rank 4,096, in float32.
+"""Host memory and time of loading the largest models: a 2^15-state blocked_hmm (128 clusters x 256 states, a
+4 GiB transition matrix) and a rank-space HMM with 2^14 states and rank 4,096, in float32.
 
-Each load runs in a fresh process, which reports its resident memory before the load, its peak during the
-load (VmHWM, reset just before through /proc/self/clear_refs) and what it keeps after it. Two paths:
+Each load runs in a fresh process (huge pages on, as the CLI and the service ask), which reports its resident
+memory before the load, its peak during the load (VmHWM, reset just before through /proc/self/clear_refs), what
+it keeps after it and the load's wall time (the file in the page cache after the first run). Paths:
 - `latentlm`: `ops.load_model` (the weights read once, straight into their tensors, hashed as they are read;
   checks slice by slice);
 - `hash, then load_file`: the former path, kept here as a baseline: SHA-256 of every file, then
@@ -13,9 +14,11 @@ The bf16 column is the size of the same floating-point tensors stored as bfloat1
 For blocked_hmm two more paths load it for bfloat16 storage on the CPU (its transition matrix kept in bfloat16
 only): `latentlm, bfloat16 storage` (`ops.load_model(..., storage_dtype="bfloat16")`: the matrix read straight
 into bfloat16, a slab of rows at a time, its rows checked as stored) and `float32, then bfloat16` (the former
-path, kept as its baseline: read in float32, then `set_storage_dtype("bfloat16")`).
+path, kept as its baseline: read in float32, then `set_storage_dtype("bfloat16")`). `latentlm, torch-slice
+checks` is `latentlm` with the artifact checks made as before the reader took row statistics (every check a
+torch pass over slices: isfinite, a negative test, float64 sums), the baseline of the load's time.
 
-    python bench/load_memory.py [--store DIR] [--out bench/results/load_memory.md]
+    python bench/load_memory.py [--store DIR] [--repeat N] [--out bench/results/load_memory.md]
 """
 
 from __future__ import annotations
@@ -38,16 +41,22 @@ from latentlm.models.vocab import Preprocessing, Vocabulary  # noqa: E402
 V = 10_000
 
 PROBE = r"""
-import json, sys
+import json, sys, time
 from pathlib import Path
 kib = lambda key: int(open('/proc/self/status').read().split(key + ':')[1].split()[0])
+import latentlm
+latentlm.huge_pages()
 import torch
 from latentlm import ops
 from latentlm.models import registry, store, checks
 store_dir, name, path = sys.argv[1], sys.argv[2], sys.argv[3]
 base = kib('VmRSS')
 open('/proc/self/clear_refs', 'w').write('5')
+t0 = time.perf_counter()
 if path == 'latentlm':
+    m = ops.load_model(store_dir, name)
+elif path == 'latentlm, torch-slice checks':
+    checks.screened_stats = lambda t: None
     m = ops.load_model(store_dir, name)
 elif path == 'latentlm, bfloat16 storage':
     m = ops.load_model(store_dir, name, storage_dtype='bfloat16')
@@ -67,7 +76,9 @@ else:
         if v.is_floating_point():
             assert bool(torch.isfinite(v).all()) and not bool((v < 0).any())
             v.double().sum(-1)
-print(json.dumps({'base': base / 1024, 'peak': (kib('VmHWM') - base) / 1024, 'kept': (kib('VmRSS') - base) / 1024}))
+seconds = time.perf_counter() - t0
+print(json.dumps({'base': base / 1024, 'peak': (kib('VmHWM') - base) / 1024, 'kept': (kib('VmRSS') - base) / 1024,
+                  'seconds': seconds}))
 """
 
 
@@ -103,13 +114,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", type=Path, default=None, help="where to write the two models (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None, help="append the table to this markdown file")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every path (load times vary between runs)")
     args = ap.parse_args()
     store = args.store or Path(tempfile.mkdtemp(prefix="load-memory-"))
     models = {"blocked-2p15": ("blocked_hmm", "blocked_hmm, 2^15 states (128 x 256)", lambda: blocked(128, 256)),
               "rank-2p14-r4096": ("rank_hmm", "rank_hmm, 2^14 states, rank 4,096", lambda: rank(1 << 14, 4096))}
     lines = run_heading(machine()) + ["Command: `python " + " ".join(sys.argv) + "`", "",
              "| model | float32 tensors MiB | as bf16 MiB | path | RSS before MiB | peak added MiB | kept MiB | "
-             "peak / float32 size |", "|---|---|---|---|---|---|---|---|"]
+             "peak / float32 size | load s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, (family, label, make) in models.items():
         tensors, config = make()
         fp32 = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
@@ -117,13 +129,13 @@ def main() -> None:
         if not (store / name).is_dir():
             save_artifact(store, name, family, tensors, vocab(), config=config)
         del tensors
-        paths = ["latentlm", "hash, then load_file"]
+        paths = ["latentlm", "latentlm, torch-slice checks", "hash, then load_file"]
         if family == "blocked_hmm":
-            paths[1:1] = ["latentlm, bfloat16 storage", "float32, then bfloat16"]
-        for path in paths:
+            paths[2:2] = ["latentlm, bfloat16 storage", "float32, then bfloat16"]
+        for path in [p for _ in range(args.repeat) for p in paths]:  # the paths in turn, `--repeat` rounds
             r = probe(store, name, path)
             lines.append(f"| {label} | {fp32:,.0f} | {bf16:,.0f} | {path} | {r['base']:,.0f} | {r['peak']:,.0f} | "
-                         f"{r['kept']:,.0f} | {r['peak'] / fp32:.2f} |")
+                         f"{r['kept']:,.0f} | {r['peak'] / fp32:.2f} | {r['seconds']:.1f} |")
             print(lines[-1], flush=True)
     print("\n".join(lines))
     if args.out:

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 
 from latentlm.models.errors import ArtifactError
+from latentlm.models.kernels import stats
+from latentlm.models.kernels.jit import HAVE_NUMBA
 
 NORMALISATION_TOL = 1e-4
 Validator = Callable[[dict[str, torch.Tensor], dict[str, Any], int, str], None]
@@ -41,41 +43,75 @@ def slices(t: torch.Tensor, keep: int | None = None) -> tuple[int | None, tuple[
     return cut, t.split(step, cut)
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """No NaN or infinite entry, checked slice by slice (`slices`)."""
+COMPILED_MIN_ENTRIES = 1 << 20  # from this size a tensor's entries are screened by row statistics (`row_stats`)
+
+
+def row_stats(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(float64 sums over the last dimension (x.shape[:-1]), the smallest entry (inf when empty)) of x, at
+    least 1-D: one compiled pass over a contiguous CPU tensor (`kernels.stats.row_sums_and_min`, rows over
+    threads), torch otherwise. A NaN or infinite entry makes its row's sum non-finite (the minimum may skip a
+    NaN); so do float64 sums that overflow, which float32 entries cannot reach."""
+    if HAVE_NUMBA and x.device.type == "cpu" and x.dtype in stats.DTYPES and x.is_contiguous():
+        return stats.row_sums_and_min(x.detach(), torch.get_num_threads())
+    low = float(x.detach().min()) if x.numel() else float("inf")
+    return x.detach().double().sum(-1).cpu(), low
+
+
+STORED_STATS = "stored_stats"  # attribute of a tensor the artifact reader took statistics of (`mark_stored_stats`)
+
+
+def mark_stored_stats(t: torch.Tensor, sums: torch.Tensor, low: float) -> None:
+    """Record on `t` the `row_stats` of its values as stored in the artifact file (float64 sums over its last
+    dimension, smallest entry), which the artifact reader takes from each slab as it reads it (cache-hot, no
+    second pass over a multi-GB matrix), also for a tensor read into a narrower dtype (bfloat16 from float32:
+    its stored rows are checked, not their rounding). `all_finite` and `check_distribution` use them. The mark
+    is the tensor object's own: views and copies do not carry it; `unmark_stored_stats` removes it."""
+    setattr(t, STORED_STATS, (sums, low))
+
+
+def unmark_stored_stats(t: torch.Tensor) -> None:
+    if hasattr(t, STORED_STATS):
+        delattr(t, STORED_STATS)
+
+
+def screened_stats(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """`t`'s stored statistics (`mark_stored_stats`), else its `row_stats` when it is large enough
+    (`COMPILED_MIN_ENTRIES`) for one pass to beat torch's slices, else None."""
+    marked = getattr(t, STORED_STATS, None)
+    if marked is not None:
+        return marked
+    if t.numel() >= COMPILED_MIN_ENTRIES and t.dim() >= 1 and t.device.type == "cpu":
+        return row_stats(t)
+    return None
+
+
+def _finite_slices(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in slices(t)[1])
 
 
-STORED_SUMS = "stored_sums"  # attribute of a tensor narrowed as it was read (`mark_stored_sums`)
-
-
-def mark_stored_sums(t: torch.Tensor, sums: torch.Tensor) -> None:
-    """Record on `t`, a tensor read into a narrower dtype than its file's (bfloat16 from float32: the artifact
-    reader's `cast`), the float64 sums over its last dimension of the values as stored: `check_distribution`
-    checks those, so a narrowed matrix passes or fails exactly as its stored one would. The mark is the
-    tensor object's own: views and copies do not carry it. `unmark_stored_sums` removes it after the checks."""
-    setattr(t, STORED_SUMS, sums)
-
-
-def unmark_stored_sums(t: torch.Tensor) -> None:
-    if hasattr(t, STORED_SUMS):
-        delattr(t, STORED_SUMS)
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinite entry: finite row sums (`screened_stats`) prove it; otherwise, or when they do not,
+    checked slice by slice (`slices`)."""
+    stats_ = screened_stats(t)
+    return (stats_ is not None and bool(torch.isfinite(stats_[0]).all())) or _finite_slices(t)
 
 
 def check_distribution(t: torch.Tensor, key: str, dim: int, where: str, tol: float = NORMALISATION_TOL) -> None:
-    """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`. Slice by slice,
-    so a multi-GB matrix is checked with ~30 MB of temporaries. For a tensor narrowed as it was read
-    (`mark_stored_sums`) and `dim` its last, the sums are those of the stored values."""
+    """Entries finite and >= 0, and every distribution along `dim` sums to 1 within `tol`. From the row
+    statistics where there are some (`screened_stats`: taken as the artifact was read, or one pass over a large
+    tensor; the sums serve when `dim` is the last), otherwise slice by slice, so a multi-GB matrix is checked
+    with ~30 MB of temporaries."""
     if not t.is_floating_point():
         raise ArtifactError(f"{where}: tensor {key!r} must be floating point, got {t.dtype}", param=key)
-    if not all_finite(t):
+    stats_ = screened_stats(t)
+    finite = stats_ is not None and bool(torch.isfinite(stats_[0]).all())
+    if not finite and not _finite_slices(t):
         raise ArtifactError(f"{where}: tensor {key!r} has NaN or infinite entries", param=key)
     cut, parts = slices(t, keep=dim)
-    if any(bool((p < 0).any()) for p in parts):
+    if (stats_[1] < 0) if stats_ is not None else any(bool((p < 0).any()) for p in parts):
         raise ArtifactError(f"{where}: tensor {key!r} has negative entries", param=key)
-    stored = getattr(t, STORED_SUMS, None) if dim % max(1, t.dim()) == t.dim() - 1 else None
-    if stored is not None:
-        sums = stored
+    if stats_ is not None and dim % max(1, t.dim()) == t.dim() - 1:
+        sums = stats_[0]
     else:
         part_sums = [p.double().sum(dim) for p in parts]
         sums = part_sums[0] if cut is None else torch.cat(part_sums, cut if cut < dim else cut - 1)

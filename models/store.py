@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 import torch
 from safetensors.torch import save_file
 
-from latentlm.models.checks import Validator, all_finite, mark_stored_sums, unmark_stored_sums
+from latentlm.models.checks import Validator, all_finite, mark_stored_stats, row_stats, unmark_stored_stats
 from latentlm.models.errors import ArtifactError, ModelNotFound
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
@@ -229,12 +229,13 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
     header, offsets that leave holes or run past the end, trailing bytes, or a hash mismatch. O(file size)
     time.
 
-    `cast` (name -> floating dtype) converts those floating tensors as they are read (`_read_cast`: a slab of
-    whole rows at a time), so a model kept in another precision never holds its stored one whole: a bfloat16
-    copy of a float32 matrix is read in half the float32 size, a float64 one in 2x instead of 3x. A narrowed
-    tensor carries the float64 sums over its last dimension of its values as stored (`checks.mark_stored_sums`),
-    which `checks.check_distribution` checks in place of its own: the normalisation check stays the one of
-    the bytes in the file."""
+    Floating tensors are read a slab of whole rows at a time (`_read_rows`), each slab's row sums and minimum
+    taken as it is read: every such tensor carries the statistics of its stored values
+    (`checks.mark_stored_stats`), from which `checks.all_finite` and `checks.check_distribution` check it
+    without another pass. `cast` (name -> floating dtype) converts those tensors as they are read, so a model
+    kept in another precision never holds its stored one whole (a bfloat16 copy of a float32 matrix is read in
+    half the float32 size, a float64 one in 2x instead of 3x), and a narrowed tensor is still checked as
+    stored."""
     dev = torch.device(device)
     staged = dev.type != "cpu" if staged is None else staged
     h = hashlib.sha256()
@@ -268,8 +269,8 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
             target = (cast or {}).get(name, dtype)
             if target != dtype and not (dtype.is_floating_point and target.is_floating_point):
                 raise bad(f"tensor {name!r}: cannot be read as {target} (stored as {dtype})")
-            if target != dtype:
-                tensors[name] = _read_cast(f, h, name, shape, dtype, target, dev, bad)
+            if dtype.is_floating_point:
+                tensors[name] = _read_rows(f, h, name, shape, dtype, target, dev, staged, bad)
                 pos = end
                 continue
             t = torch.empty(shape, dtype=dtype, device=dev)
@@ -295,33 +296,41 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
     return tensors
 
 
-def _read_cast(f: BinaryIO, h: Any, name: str, shape: list[int], stored: torch.dtype, target: torch.dtype,
-               device: torch.device, bad: Callable[[str], ArtifactError]) -> torch.Tensor:
-    """Tensor `name` of `shape` stored as `stored` at the file's position, read into a new `target` tensor on
-    `device` a slab of whole rows (about READ_CHUNK bytes, at least one row) at a time, each slab hashed into
-    `h` and converted. Narrowed (`target` cannot hold every stored value), the result carries the float64
-    sums over its last dimension of the stored values (`checks.mark_stored_sums`). O(size) time; memory: the
-    result and one slab."""
+def _read_rows(f: BinaryIO, h: Any, name: str, shape: list[int], stored: torch.dtype, target: torch.dtype,
+               device: torch.device, staged: bool, bad: Callable[[str], ArtifactError]) -> torch.Tensor:
+    """Floating tensor `name` of `shape`, stored as `stored` at the file's position, read into a new `target`
+    tensor on `device` a slab of whole rows (about READ_CHUNK bytes; a row longer than that in pieces) at a
+    time: each slab is
+    hashed into `h`, its `checks.row_stats` taken while it is fresh in cache, and converted. Straight into the
+    tensor when it is on the CPU in its stored dtype and not `staged`, otherwise through one host slab (pinned
+    for CUDA). The result carries the statistics of its stored values (`checks.mark_stored_stats`), so the
+    artifact checks need no second pass and check a narrowed tensor as stored. O(size) time; memory: the
+    result and at most one slab."""
     out = torch.empty(shape, dtype=target, device=device)
     row = shape[-1] if shape else 1
     rows = out.numel() // row if row else 0
-    exact = target == torch.float64 or (target == torch.float32 and stored.itemsize == 2)  # holds every stored value
-    sums = None if exact else torch.zeros(rows, dtype=torch.float64)
-    per = max(1, READ_CHUNK // max(1, row * stored.itemsize))
-    slab = torch.empty(min(per, rows) * row, dtype=stored)
+    width = min(row, max(1, READ_CHUNK // stored.itemsize))  # columns per piece: whole rows unless one is too long
+    per = max(1, READ_CHUNK // max(1, row * stored.itemsize)) if width == row else 1  # rows per piece
+    direct = device.type == "cpu" and target == stored and not staged
+    slab = None if direct else torch.empty(min(per, rows) * width, dtype=stored, pin_memory=device.type == "cuda")
     flat = out.view(-1)
+    sums, low = torch.zeros(rows, dtype=torch.float64), math.inf
     for lo in range(0, rows, per):
         n = min(per, rows - lo)
-        part = slab[: n * row]
-        buf = memoryview(part.view(torch.uint8).numpy())
-        if f.readinto(buf) != len(buf):
-            raise bad(f"file ended inside tensor {name!r}")
-        h.update(buf)
-        flat[lo * row: (lo + n) * row].copy_(part)
-        if sums is not None:
-            sums[lo: lo + n] = part.view(n, row).double().sum(1)
-    if sums is not None:
-        mark_stored_sums(out, sums.reshape(shape[:-1]))
+        for col in range(0, row, width):
+            w = min(width, row - col)
+            at = lo * row + col  # n rows of w entries from here, contiguous (n = 1 or w = row)
+            part = flat[at: at + n * w] if slab is None else slab[: n * w]
+            buf = memoryview(part.view(torch.uint8).numpy())
+            if f.readinto(buf) != len(buf):
+                raise bad(f"file ended inside tensor {name!r}")
+            h.update(buf)
+            part_sums, part_low = row_stats(part.view(n, w))
+            sums[lo: lo + n] += part_sums
+            low = min(low, part_low)
+            if slab is not None:  # synchronous: the slab is reused next
+                flat[at: at + n * w].copy_(part)
+    mark_stored_stats(out, sums.reshape(shape[:-1]), low)
     return out
 
 
@@ -424,7 +433,7 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
         )
     validate_for(manifest["family"])(tensors, manifest.get("config", {}), len(vocab), str(path / WEIGHTS))
     for t in tensors.values():
-        unmark_stored_sums(t)
+        unmark_stored_stats(t)
     return Artifact(path=path, manifest=manifest, vocab=vocab, tensors=tensors)
 
 
