@@ -56,7 +56,7 @@ else:
     emit /= torch.zeros(M, k).index_add_(0, word_cluster, emit)[word_cluster]
     model = BlockedHMM(torch.full((Z,), 1.0 / Z), trans, emit, word_cluster, M)
 if method == 'alias':  # the baseline: alias tables whatever the size
-    sampling.ALIAS_MAX_ENTRIES = 1 << 62
+    sampling.ALIAS_MAX_ENTRIES = sampling.TEMPERED_ALIAS_MAX_ENTRIES = 1 << 62
 if method == 'torch draws':  # the baseline of the compiled draws at T != 1: the torch path for them
     compiled = sampling.ChunkedCDF._compiled
     sampling.ChunkedCDF._compiled = lambda self: self.temperature == 1.0 and compiled(self)

@@ -28,6 +28,10 @@ T = TypeVar("T")
 # Alias tables hold 16 bytes per entry (float64 acceptance, int64 alias) and need 16 more while they are built;
 # a larger table is drawn by `ChunkedCDF`, which holds 8 bytes per sqrt(C) entries besides the probabilities.
 ALIAS_MAX_ENTRIES = 1 << 22  # 64 MiB of alias tables (a 2,048-state transition matrix)
+# At a temperature other than 1 tables are built per request (`tables_at`): an alias table's O(R C) build then
+# costs more than the O(C) draws of the chunked sampler's whole-row weighing unless the table is small (a
+# single row drawn many times: the start of every sample) or the draws outnumber its rows.
+TEMPERED_ALIAS_MAX_ENTRIES = 1 << 16
 SLAB_ENTRIES = 1 << 23  # entries per slab when `ChunkedCDF` sums a table (64 MiB of float64 at a time)
 
 
@@ -37,15 +41,18 @@ class CategoricalTable:
 
     `alias=None` (the default) picks the method by size: alias tables (Walker/Vose, built once in O(R C) by a
     compiled kernel) when numba is present and R C <= `ALIAS_MAX_ENTRIES` (a draw is one uniform column and
-    one biased coin, O(1) whatever C is); otherwise `ChunkedCDF` (O(sqrt C) per draw, O(R sqrt C) memory
-    besides `probs`, which it keeps a reference to and reads in place). `alias=True` / `False` forces one.
+    one biased coin, O(1) whatever C is), or `TEMPERED_ALIAS_MAX_ENTRIES` at a temperature other than 1 (a
+    table built per request); otherwise `ChunkedCDF` (O(sqrt C) per draw, O(C) at a temperature other than 1,
+    O(R sqrt C) memory besides `probs`, which it keeps a reference to and reads in place). `alias=True` /
+    `False` forces one.
     `temperature` sharpens (< 1) or flattens (> 1) every row: p^(1/temperature), renormalised. Works on the
     device of `probs`."""
 
     def __init__(self, probs: Tensor, temperature: float = 1.0, *, alias: bool | None = None):
         self.num_cols = probs.shape[1]
         if alias is None:
-            alias = HAVE_NUMBA and probs.shape[0] * probs.shape[1] <= ALIAS_MAX_ENTRIES
+            limit = ALIAS_MAX_ENTRIES if temperature == 1.0 else TEMPERED_ALIAS_MAX_ENTRIES
+            alias = HAVE_NUMBA and probs.shape[0] * probs.shape[1] <= limit
         elif alias and not HAVE_NUMBA:
             raise ValueError("alias tables need numba")
         self.cdf: ChunkedCDF | None = None

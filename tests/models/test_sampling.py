@@ -104,6 +104,7 @@ def sampler(request, monkeypatch):
         pytest.skip("alias tables need numba")
     if request.param == "chunked":
         monkeypatch.setattr(sampling, "ALIAS_MAX_ENTRIES", 0)
+        monkeypatch.setattr(sampling, "TEMPERED_ALIAS_MAX_ENTRIES", 0)
     return request.param
 
 
@@ -182,6 +183,22 @@ def test_tempered_draws_read_bfloat16_as_its_float32():
         assert torch.equal(ChunkedCDF(probs, temperature).invert(rows, u), want)
         assert torch.equal(alias.tempered_draws(probs, rows, u, temperature, 1), want)
         assert bool((probs[rows, want] > 0).all())
+
+
+def test_tables_built_per_request_are_alias_tables_only_when_small():
+    """At a temperature other than 1 (tables built per request) a table gets alias tables only up to
+    `TEMPERED_ALIAS_MAX_ENTRIES` (one row drawn by every sample: the first states); a larger one (a VL-HMM's
+    emissions) is drawn by whole-row weighing, which builds nothing."""
+    from latentlm.models.kernels.jit import HAVE_NUMBA
+    from latentlm.models.sampling import ALIAS_MAX_ENTRIES, TEMPERED_ALIAS_MAX_ENTRIES, CategoricalTable
+
+    if not HAVE_NUMBA:
+        pytest.skip("alias tables need numba")
+    small = torch.full((1, TEMPERED_ALIAS_MAX_ENTRIES), 1.0 / TEMPERED_ALIAS_MAX_ENTRIES)
+    large = torch.full((4, TEMPERED_ALIAS_MAX_ENTRIES), 1.0 / TEMPERED_ALIAS_MAX_ENTRIES)
+    assert 4 * TEMPERED_ALIAS_MAX_ENTRIES <= ALIAS_MAX_ENTRIES
+    assert CategoricalTable(small, 0.7).cdf is None and CategoricalTable(large, 1.0).cdf is None
+    assert CategoricalTable(large, 0.7).cdf is not None
 
 
 def test_large_tables_are_drawn_in_place():
