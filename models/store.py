@@ -343,10 +343,9 @@ def _read_rows(f: BinaryIO, h: _BackgroundHash, name: str, shape: list[int], sto
     need no second pass and check a narrowed tensor as stored. O(size) time; memory: the result and at most
     two slabs."""
     out = torch.empty(shape, dtype=target, device=device)
-    row = shape[-1] if shape else 1
-    rows = out.numel() // row if row else 0
-    width = min(row, max(1, READ_CHUNK // stored.itemsize))  # columns per piece: whole rows unless one is too long
-    per = max(1, READ_CHUNK // max(1, row * stored.itemsize)) if width == row else 1  # rows per piece
+    row, rows = (shape[-1], math.prod(shape[:-1])) if shape else (1, 1)
+    width = max(1, min(row, READ_CHUNK // stored.itemsize))  # columns per piece: whole rows unless one is too long
+    per = max(1, READ_CHUNK // max(1, row * stored.itemsize)) if width >= row else 1  # rows per piece
     direct = device.type == "cpu" and target == stored and not staged
     slabs = [] if direct else [torch.empty(min(per, rows) * width, dtype=stored, pin_memory=device.type == "cuda")
                                for _ in range(2)]

@@ -235,8 +235,8 @@ def test_read_weights_casts_as_it_reads(tmp_path):
     wide = store.READ_CHUNK // 4 + 3  # one float32 row is more than a read chunk
     tensors = {"slabs": torch.rand(3 * (store.READ_CHUNK // 4 // 1000) + 7, 1000, generator=g),
                "wide": torch.rand(2, wide, generator=g), "vec": torch.rand(5, generator=g),
-               "scalar": torch.tensor(0.25), "empty": torch.zeros(0, 4), "f64": torch.rand(3, 4, dtype=torch.float64,
-                                                                                         generator=g),
+               "scalar": torch.tensor(0.25), "empty": torch.zeros(0, 4), "empty_rows": torch.zeros(3, 0),
+               "empty_1d": torch.zeros(0), "f64": torch.rand(3, 4, dtype=torch.float64, generator=g),
                "ids": torch.arange(6)}
     f = tmp_path / WEIGHTS
     save_file(tensors, str(f))
