@@ -80,7 +80,7 @@ class BlockedHMM(ChainFamily):
     def read_dtypes(cls, config: dict[str, Any], *, device: torch.device, dtype: torch.dtype,
                     storage_dtype: torch.dtype | str | None = None) -> dict[str, torch.dtype]:
         """`Family.read_dtypes`: `trans` as bfloat16 when bfloat16 storage keeps it so (`set_storage_dtype`; the
-        2^15-state model then loads in 2.4 GiB instead of peaking at 6.4), otherwise in `dtype`."""
+        2^15-state model then loads in 2.1 GiB instead of peaking at 6.2), otherwise in `dtype`."""
         bf16 = cls._trans_in_bf16(storage_dtype, torch.device(device), config.get("num_clusters"))
         return {"trans": torch.bfloat16 if bf16 else dtype}
 

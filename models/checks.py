@@ -51,10 +51,15 @@ def row_stats(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     least 1-D: one compiled pass over a contiguous CPU tensor (`kernels.stats.row_sums_and_min`, rows over
     threads), torch otherwise. A NaN or infinite entry makes its row's sum non-finite (the minimum may skip a
     NaN); so do float64 sums that overflow, which float32 entries cannot reach."""
-    if HAVE_NUMBA and x.device.type == "cpu" and x.dtype in stats.DTYPES and x.is_contiguous():
+    if _compiled_reads(x):
         return stats.row_sums_and_min(x.detach(), torch.get_num_threads())
     low = float(x.detach().min()) if x.numel() else float("inf")
     return x.detach().double().sum(-1).cpu(), low
+
+
+def _compiled_reads(x: torch.Tensor) -> bool:
+    """Whether `kernels.stats.row_sums_and_min` reads x in place."""
+    return HAVE_NUMBA and x.device.type == "cpu" and x.dtype in stats.DTYPES and x.is_contiguous() and x.dim() >= 1
 
 
 STORED_STATS = "stored_stats"  # attribute of a tensor the artifact reader took statistics of (`mark_stored_stats`)
@@ -75,12 +80,13 @@ def unmark_stored_stats(t: torch.Tensor) -> None:
 
 
 def screened_stats(t: torch.Tensor) -> tuple[torch.Tensor, float] | None:
-    """`t`'s stored statistics (`mark_stored_stats`), else its `row_stats` when it is large enough
-    (`COMPILED_MIN_ENTRIES`) for one pass to beat torch's slices, else None."""
+    """`t`'s stored statistics (`mark_stored_stats`), else its `row_stats` by the compiled pass when that reads
+    it in place and it is large enough (`COMPILED_MIN_ENTRIES`) for one pass to beat torch's slices, else None
+    (never a whole-tensor temporary)."""
     marked = getattr(t, STORED_STATS, None)
     if marked is not None:
         return marked
-    if t.numel() >= COMPILED_MIN_ENTRIES and t.dim() >= 1 and t.device.type == "cpu":
+    if t.numel() >= COMPILED_MIN_ENTRIES and _compiled_reads(t):
         return row_stats(t)
     return None
 
