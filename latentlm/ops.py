@@ -241,9 +241,22 @@ def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens:
     return out
 
 
+MAX_STOP_SEQUENCES = 4  # as OpenAI-style servers allow
+MAX_STOP_TOKENS = 64  # tokens per stop sequence
+
+
 def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0,
-           prefix: str | list[int] | None = None, temperature: float = 1.0, stop_at_eos: bool = True) -> list[dict]:
-    """n samples (continuations of `prefix` when given, which is tokenised without `<eos>`)."""
+           prefix: str | list[int] | None = None, temperature: float = 1.0, stop_at_eos: bool = True,
+           stop: str | Sequence[str | list[int]] | None = None) -> list[dict]:
+    """n samples (continuations of `prefix` when given, which is tokenised without `<eos>`). `stop`: up to
+    `MAX_STOP_SEQUENCES` stop sequences (text, tokenised without `<eos>`, or token-id lists; one string alone
+    is one sequence): a sample of a chain family ends before the first place its drawn tokens spell one (the
+    sequence itself left out, as OpenAI-style servers do). Cutting a drawn sample there gives exactly the
+    distribution of stopping there: what follows a position never changes what precedes it. Chain families
+    report each sample's `finish_reason`: "stop" (a stop sequence), "eos" (ended by `<eos>`) or "length"
+    (`max_tokens` drawn)."""
+    from latentlm.models.tree import PCFGOps
+
     check_supported(model, "sample")
     if n < 1 or max_tokens < 1:
         raise InputError("n and max_tokens must be >= 1", param="n" if n < 1 else "max_tokens")
@@ -256,10 +269,66 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
             prefix_ids = model.vocab.encode(prefix, add_eos=False, where="prefix")
         else:
             prefix_ids = model.vocab.check_ids(list(prefix), where="prefix")
+    stops = encode_stops(model.vocab, stop)
+    trees = isinstance(model.impl, PCFGOps)
+    if stops and trees:
+        raise UnsupportedOperation("stop: a PCFG samples whole sentences with their trees; stop sequences apply to "
+                                   "the chain families", param="stop")
     stop_id = model.vocab.eos_id if stop_at_eos else None
     res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids,
                                temperature=temperature, stop_id=stop_id)
+    if not trees:
+        res = [cut_at_stop(r, stops, stop_id, max_tokens) for r in res]
     return [{"index": i, "tokens": model.vocab.decode(r["ids"]), **r} for i, r in enumerate(res)]
+
+
+def encode_stops(vocab: Vocabulary, stop: Any) -> list[list[int]]:
+    """Token-id lists of `sample`'s stop sequences; InputError naming `stop` (or `stop[i]`) for anything but a
+    string, or a list of up to `MAX_STOP_SEQUENCES` non-empty strings or token-id lists of at most
+    `MAX_STOP_TOKENS` tokens."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or len(items) > MAX_STOP_SEQUENCES:
+        raise InputError(f"stop: expected a string or a list of at most {MAX_STOP_SEQUENCES} strings or token-id "
+                         f"lists, got {stop!r}"[:300], param="stop")
+    out = []
+    for i, item in enumerate(items):
+        where = f"stop[{i}]" if not isinstance(stop, str) else "stop"
+        if isinstance(item, str):
+            words = vocab.tokenize(item)
+            unknown = next((w for w in words if w not in vocab.index), None)
+            if unknown is not None:  # it would match <unk>: a sample never spells the word itself
+                raise InputError(f"{where}: {unknown!r} is not in the model's vocabulary, so no sample spells it "
+                                 f"(write {vocab.tokens[vocab.unk_id]!r} to stop at an unknown word)"
+                                 if vocab.unk_id is not None else f"{where}: {unknown!r} is not in the model's "
+                                 "vocabulary, so no sample spells it", param="stop")
+            ids = [vocab.index[w] for w in words]
+        elif isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+            ids = list(item)
+            if ids and not all(0 <= t < len(vocab) for t in ids):
+                raise InputError(f"{where}: token ids must lie in [0, {len(vocab)}), got {item!r}"[:300], param="stop")
+        else:
+            raise InputError(f"{where}: expected a string or a list of token ids, got {item!r}"[:300], param="stop")
+        if not 1 <= len(ids) <= MAX_STOP_TOKENS:
+            raise InputError(f"{where}: a stop sequence needs 1 to {MAX_STOP_TOKENS} tokens, got {len(ids)}",
+                             param="stop")
+        out.append(ids)
+    return out
+
+
+def cut_at_stop(sample: dict, stops: list[list[int]], stop_id: int | None, max_tokens: int) -> dict:
+    """A chain family's drawn sample {"ids", "states"} cut before the first stop sequence its ids spell (the
+    first to be complete; of those complete at the same token, the longest), with its `finish_reason` ("stop",
+    "eos" or "length"). O(len(ids) x total stop length)."""
+    ids = sample["ids"]
+    for end in range(1, len(ids) + 1):  # the first place a stop sequence is complete; there, the longest one
+        hit = max((len(s) for s in stops if len(s) <= end and ids[end - len(s): end] == s), default=0)
+        if hit:
+            keep = end - hit
+            return {**sample, "ids": ids[:keep], "states": sample["states"][:keep], "finish_reason": "stop"}
+    eos = stop_id is not None and bool(ids) and ids[-1] == stop_id
+    return {**sample, "finish_reason": "eos" if eos else "length"}
 
 
 MAX_SEED = 1 << 63  # seeds are 0 <= seed < 2^63 (torch's generator takes 64 bits; JSON clients often only 63)

@@ -137,7 +137,7 @@ def prefix_tokens(model: ops.LoadedModel | None, prefix: str | list[int] | None)
 def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
     """Blocking: draw the samples and shape the response body."""
     data = ops.sample(model, n=req.n, max_tokens=req.max_tokens, seed=req.seed, prefix=req.prefix,
-                      temperature=req.temperature, stop_at_eos=req.stop_at_eos)
+                      temperature=req.temperature, stop_at_eos=req.stop_at_eos, stop=req.stop)
     out_tokens = sum(len(d["ids"]) for d in data)
     n_prefix = prefix_tokens(model, req.prefix)
     return {"object": "list", "model": model.name, "data": data,

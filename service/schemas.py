@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
 
 from latentlm.models.family import OPERATIONS
+from latentlm.ops import MAX_STOP_SEQUENCES
 
 INPUT_SCHEMA = {
     "description": "a string, a list of strings, or a list of token-id lists (ids taken as is, no <eos> added)",
@@ -101,6 +102,10 @@ class SampleRequest(_Base):
     prefix: str | list[StrictInt] | None = Field(None, description="text or token ids to continue")
     temperature: float = Field(1.0, description="> 0; below 1 sharpens, above 1 flattens")
     stop_at_eos: StrictBool = Field(True, description="end a sample after <eos>")
+    stop: str | list[str | list[StrictInt]] | None = Field(
+        None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids): a sample ends before the "
+                          "first it spells, which is left out; chain families (each sample then says its "
+                          "`finish_reason`: stop, eos or length for all of them)")
     stream: StrictBool = Field(False, description="server-sent events, one per sample, ending 'data: [DONE]'")
 
     @field_validator("temperature", mode="before")

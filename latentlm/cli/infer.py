@@ -70,8 +70,11 @@ def cmd_sample(args: argparse.Namespace) -> None:
     prefix = None
     if args.prefix is not None:
         prefix = [int(t) for t in args.prefix.split()] if args.ids else args.prefix
+    stop = None
+    if args.stop:
+        stop = [[int(t) for t in s.split()] for s in args.stop] if args.ids else args.stop
     emit_json(ops.sample(model, n=args.n, max_tokens=args.max_tokens, seed=args.seed, prefix=prefix,
-                         temperature=args.temperature, stop_at_eos=not args.no_stop))
+                         temperature=args.temperature, stop_at_eos=not args.no_stop, stop=stop))
 
 
 def cmd_list(args: argparse.Namespace) -> None:
@@ -134,4 +137,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ids", action="store_true", help="--prefix is space-separated token ids")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--no-stop", action="store_true", help="do not stop a sample at <eos>")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help=f"end a sample before this text (ids with --ids; repeatable, at most "
+                        f"{ops.MAX_STOP_SEQUENCES}); chain families")
     p.set_defaults(func=cmd_sample)

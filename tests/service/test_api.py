@@ -97,6 +97,36 @@ def test_sample_stream(c):
     assert chunks[3]["usage"] == plain["usage"]
 
 
+def test_sample_stop_sequences(c):
+    """`stop` through the service: each sample is the one drawn without it (same seed), cut before the first
+    place its tokens spell a stop sequence, with `finish_reason`; the stop list is checked field by field."""
+    body = {"model": "tiny", "n": 24, "max_tokens": 12, "seed": 5}
+    plain = c.post("/v1/sample", json=body).json()["data"]
+    assert {d["finish_reason"] for d in plain} <= {"eos", "length"}
+    assert all((d["finish_reason"] == "eos") == (d["tokens"][-1] == "<eos>") for d in plain)
+    long = next(d for d in plain if len(d["tokens"]) >= 5)
+    stops = [long["tokens"][3], " ".join(long["tokens"][1:3])]  # a word, and a two-word sequence before it
+    got = c.post("/v1/sample", json={**body, "stop": stops}).json()["data"]
+    words = [s.split() for s in stops]
+    for d, g in zip(plain, got, strict=True):
+        ends = [e for e in range(1, len(d["tokens"]) + 1) if any(d["tokens"][e - len(w): e] == w for w in words
+                                                                  if len(w) <= e)]
+        if not ends:
+            assert g == d
+            continue
+        e = ends[0]
+        keep = e - max(len(w) for w in words if len(w) <= e and d["tokens"][e - len(w): e] == w)
+        assert g == {**d, "tokens": d["tokens"][:keep], "ids": d["ids"][:keep], "states": d["states"][:keep],
+                     "finish_reason": "stop"}
+    assert got[plain.index(long)]["tokens"] == long["tokens"][:1]  # the two-word stop completes first
+    err(c.post("/v1/sample", json={**body, "stop": ["w1"] * 5}), 422, "stop", "at most 4")
+    err(c.post("/v1/sample", json={**body, "stop": ["w1 nosuchword"]}), 422, "stop", "stop[0]: 'nosuchword'")
+    err(c.post("/v1/sample", json={**body, "stop": [[1, 400]]}), 422, "stop", "[0, 40)")
+    err(c.post("/v1/sample", json={**body, "stop": [""]}), 422, "stop", "1 to 64 tokens")
+    err(c.post("/v1/sample", json={**body, "stop": 5}), 422, "stop")
+    err(c.post("/v1/sample", json={"model": "pcfg", "stop": "w1"}), 400, "stop", "whole sentences")
+
+
 def test_other_families(c, store):
     names = {m["id"] for m in c.get("/v1/models").json()["data"]}
     assert {"lds", "pcfg"} <= names, names  # the fixture store always holds both

@@ -1,0 +1,38 @@
+"""`ops.cut_at_stop`, the stop sequences of sampling, against its definition on random token strings over a
+three-letter alphabet (overlapping and nested stop sequences are then common)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from latentlm import ops
+
+
+def occurs_within(ids: list[int], stops: list[list[int]], upto: int) -> bool:
+    """Whether some stop sequence lies wholly within ids[:upto]."""
+    return any(ids[i: i + len(s)] == s for s in stops for i in range(0, upto - len(s) + 1))
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_cut_at_stop_is_the_first_completed_stop_sequence(seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(3) for _ in range(rng.randint(0, 12))]
+    stops = [[rng.randrange(3) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(0, 4))]
+    eos = 2 if rng.random() < 0.5 else None
+    sample = {"ids": ids, "states": [10 + i for i in ids], "extra": 1}
+    got = ops.cut_at_stop(sample, stops, eos, max_tokens=12)
+    keep = len(got["ids"])
+    assert got["ids"] == ids[:keep] and got["states"] == sample["states"][:keep] and got["extra"] == 1
+    if got["finish_reason"] == "stop":
+        # a stop sequence starts where the sample was cut and completes at `end`, where none had completed before;
+        # it is the longest completing there (the cut removes all of it)
+        ends = [keep + len(s) for s in stops if ids[keep: keep + len(s)] == s]
+        assert ends
+        end = min(ends)
+        assert not occurs_within(ids, stops, end - 1)
+        assert all(not (len(s) > end - keep and ids[end - len(s): end] == s) for s in stops)
+    else:
+        assert keep == len(ids) and not occurs_within(ids, stops, len(ids))
+        assert got["finish_reason"] == ("eos" if eos is not None and ids and ids[-1] == eos else "length")
