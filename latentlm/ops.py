@@ -275,8 +275,8 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
         raise UnsupportedOperation("stop: a PCFG samples whole sentences with their trees; stop sequences apply to "
                                    "the chain families", param="stop")
     stop_id = model.vocab.eos_id if stop_at_eos else None
-    res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids,
-                               temperature=temperature, stop_id=stop_id)
+    res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids, temperature=temperature,
+                               stop_id=stop_id, **({"stop_seqs": stops} if stops else {}))
     if not trees:
         res = [cut_at_stop(r, stops, stop_id, max_tokens) for r in res]
     return [{"index": i, "tokens": model.vocab.decode(r["ids"]), **r} for i, r in enumerate(res)]

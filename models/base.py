@@ -7,6 +7,7 @@ sampling come from here and from `models.chain`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,9 +90,11 @@ class ChainOps:
                  "expected_correct": float(p[i, : len(s)].sum())} for i, s in enumerate(seqs)]
 
     def op_sample(self, *, n: int, max_tokens: int, seed: int, prefix: list[int] | None = None,
-                  temperature: float = 1.0, stop_id: int | None = None) -> list[dict]:
+                  temperature: float = 1.0, stop_id: int | None = None,
+                  stop_seqs: Sequence[Sequence[int]] = ()) -> list[dict]:
         g = torch.Generator(device=self.device).manual_seed(seed)
-        s = self.sample(n, max_tokens, g, prefix=prefix, temperature=temperature, stop_id=stop_id)
+        s = self.sample(n, max_tokens, g, prefix=prefix, temperature=temperature, stop_id=stop_id,
+                        stop_seqs=stop_seqs)
         ids, states, lengths = s.ids.cpu(), s.states.cpu(), s.lengths.cpu()
         return [{"ids": ids[i, : lengths[i]].tolist(), "states": states[i, : lengths[i]].tolist()}
                 for i in range(n)]
@@ -283,15 +286,17 @@ class ChainFamily(ChainOps, Family):
         return states, p
 
     def sample(self, n: int, max_tokens: int, generator: torch.Generator, *, prefix: list[int] | None = None,
-               temperature: float = 1.0, stop_id: int | None = None) -> Samples:
+               temperature: float = 1.0, stop_id: int | None = None,
+               stop_seqs: Sequence[Sequence[int]] = ()) -> Samples:
         """Draw n continuations of `prefix` (or unconditional samples) of up to `max_tokens` tokens;
-        a sample ends after `stop_id` when given. O(n max_tokens) draws, each O(1) or O(sqrt C) (C: the row's
-        categories, `sampling.CategoricalTable`), O(C) at a temperature other than 1 on a large table."""
+        a sample ends after `stop_id` when given, or once it completes one of `stop_seqs` (`run_sampler`).
+        O(n max_tokens) draws, each O(1) or O(sqrt C) (C: the row's categories, `sampling.CategoricalTable`),
+        O(C) at a temperature other than 1 on a large table."""
         trans_table, emit_table, slot_token = self.sampling_tables(temperature)
         first = self.predictive(prefix) if prefix else self.start_probs()
         first_table = CategoricalTable(first[None].to(torch.float64), temperature)
         z = first_table.draw(torch.zeros(n, dtype=torch.long, device=self.device), generator)
         return run_sampler(n, max_tokens, generator, z, stop_id,
                            emit=lambda z: slot_to_token(emit_table.draw(z, generator), z, slot_token),
-                           nxt=lambda z: trans_table.draw(z, generator))
+                           nxt=lambda z: trans_table.draw(z, generator), stop_seqs=stop_seqs)
 

@@ -18,6 +18,7 @@ matrix U^T diag(W[:, x_t]) V: O(T m^2 r) time and O(m^2) memory, refused beyond 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -156,7 +157,8 @@ class RankHMM(ChainFamily):
                 CategoricalTable(self.state_in, temperature))
 
     def sample(self, n: int, max_tokens: int, generator: torch.Generator, *, prefix: list[int] | None = None,
-               temperature: float = 1.0, stop_id: int | None = None) -> Samples:
+               temperature: float = 1.0, stop_id: int | None = None,
+               stop_seqs: Sequence[Sequence[int]] = ()) -> Samples:
         word_t, state_t, rank_t = tables_at(self, temperature, self._tables)
         if prefix:
             batch = Batch.from_lists([prefix], self.device)
@@ -174,7 +176,8 @@ class RankHMM(ChainFamily):
             return word_t.draw(q, generator)
 
         return run_sampler(n, max_tokens, generator, q, stop_id, emit=emit_fn,
-                            nxt=lambda q: rank_t.draw(cur["z"], generator), state_of=lambda q: cur["z"])
+                            nxt=lambda q: rank_t.draw(cur["z"], generator), state_of=lambda q: cur["z"],
+                            stop_seqs=stop_seqs)
 
 
 _CORE = ("start", "state_in", "state_out", "emit", "rank_start", "rank_trans")

@@ -12,7 +12,7 @@ is the generic loop token_t = emit(z_t), z_{t+1} = nxt(z_t) for n samples at onc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -177,28 +177,33 @@ class Samples:
 
 
 def slot_to_token(slot: Tensor, z: Tensor, slot_token: Tensor | None) -> Tensor:
-    """Token ids of emission slots drawn in states z (slot_token (Z, W) maps a state's slots to tokens; None:
-    the slot is the token)."""
-    return slot if slot_token is None else slot_token[z, slot]
+    """Token ids (int64) of emission slots drawn in states z (slot_token (Z, W), any integer dtype, maps a
+    state's slots to tokens; None: the slot is the token)."""
+    return slot if slot_token is None else slot_token[z, slot].long()
 
 
 def run_sampler(n: int, max_tokens: int, generator: torch.Generator, z: Tensor, stop_id: int | None,
                 emit: Callable[[Tensor], Tensor], nxt: Callable[[Tensor], Tensor],
-                state_of: Callable[[Tensor], Tensor] = lambda z: z) -> Samples:
+                state_of: Callable[[Tensor], Tensor] = lambda z: z,
+                stop_seqs: Sequence[Sequence[int]] = ()) -> Samples:
     """Generic ancestral sampling loop for n samples from first states z (n,): token_t = emit(z_t),
-    z_{t+1} = nxt(z_t), up to `max_tokens` tokens; a sample ends after `stop_id` when given. O(n max_tokens)
-    draws."""
+    z_{t+1} = nxt(z_t), up to `max_tokens` tokens; a sample ends after `stop_id` when given, or once its
+    tokens complete one of `stop_seqs` (which it keeps: `ops.cut_at_stop` cuts it). Every step draws for all n
+    samples, so a sample's draws do not depend on when the others end. O(n max_tokens) draws."""
     device = z.device
     ids = torch.full((n, max_tokens), -1, dtype=torch.long, device=device)
     states = torch.full((n, max_tokens), -1, dtype=torch.long, device=device)
     lengths = torch.full((n,), max_tokens, dtype=torch.long, device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
+    seqs = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_seqs]
     for t in range(max_tokens):
         x = emit(z)
         ids[:, t] = torch.where(done, -1, x)
         states[:, t] = torch.where(done, -1, state_of(z))
-        if stop_id is not None:
-            newly = (~done) & (x == stop_id)
+        ends = [(~done) & (x == stop_id)] if stop_id is not None else []
+        ends += [(~done) & (ids[:, t + 1 - len(s): t + 1] == s).all(1) for s in seqs if len(s) <= t + 1]
+        if ends:
+            newly = torch.stack(ends).any(0)
             lengths = torch.where(newly, t + 1, lengths)
             done |= newly
             if bool(done.all()):

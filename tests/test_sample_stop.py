@@ -36,3 +36,28 @@ def test_cut_at_stop_is_the_first_completed_stop_sequence(seed):
     else:
         assert keep == len(ids) and not occurs_within(ids, stops, len(ids))
         assert got["finish_reason"] == ("eos" if eos is not None and ids and ids[-1] == eos else "length")
+
+
+@pytest.mark.parametrize("family", ["hmm", "blocked_hmm", "rank_hmm"])
+def test_sampling_ends_at_stop_sequences_as_cutting_would(family):
+    """Each chain family's sampler, told the stop sequences, ends a sample where its tokens complete one (and
+    stops drawing once every sample has ended) with exactly the samples that drawing to `max_tokens` and
+    cutting give: every step draws for all samples, so a sample's draws do not depend on when others end."""
+    from latentlm.models.blocked_hmm import BlockedHMM
+    from latentlm.models.hmm import DenseHMM
+    from latentlm.models.rank_hmm import RankHMM
+    from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
+
+    V = 6
+    cls, (t, c) = {"hmm": (DenseHMM, random_hmm(5, V, seed=1)),
+                   "blocked_hmm": (BlockedHMM, random_blocked_hmm(2, 3, V, seed=1)),
+                   "rank_hmm": (RankHMM, random_rank_hmm(5, 3, V, seed=1))}[family]
+    model = cls.from_tensors(t, c)
+    for seed in range(5):
+        stops = [[seed % V], [(seed + 1) % V, (seed + 2) % V]]
+        for eos in (None, V - 1):
+            full = model.op_sample(n=40, max_tokens=30, seed=seed, stop_id=eos)
+            early = model.op_sample(n=40, max_tokens=30, seed=seed, stop_id=eos, stop_seqs=stops)
+            cut = [ops.cut_at_stop(r, stops, eos, 30) for r in full]
+            assert [ops.cut_at_stop(r, stops, eos, 30) for r in early] == cut
+            assert all(len(e["ids"]) <= len(f["ids"]) for e, f in zip(early, full, strict=True))
