@@ -247,14 +247,19 @@ MAX_STOP_TOKENS = 64  # tokens per stop sequence
 
 def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0,
            prefix: str | list[int] | None = None, temperature: float = 1.0, stop_at_eos: bool = True,
-           stop: str | Sequence[str | list[int]] | None = None) -> list[dict]:
+           stop: str | Sequence[str | list[int]] | None = None, top_k: int | None = None,
+           top_p: float | None = None) -> list[dict]:
     """n samples (continuations of `prefix` when given, which is tokenised without `<eos>`). `stop`: up to
     `MAX_STOP_SEQUENCES` stop sequences (text, tokenised without `<eos>`, or token-id lists; one string alone
     is one sequence): a sample of a chain family ends before the first place its drawn tokens spell one (the
     sequence itself left out, as OpenAI-style servers do). Cutting a drawn sample there gives exactly the
     distribution of stopping there: what follows a position never changes what precedes it. Chain families
     report each sample's `finish_reason`: "stop" (a stop sequence), "eos" (ended by `<eos>`) or "length"
-    (`max_tokens` drawn)."""
+    (`max_tokens` drawn). `top_k` / `top_p`: each token is drawn from the model's next-token distribution
+    p(x_t | x_<t), `temperature` applied to it, cut to its `top_k` most probable tokens and to the fewest whose
+    mass reaches `top_p`, as LM servers do (forward filtering; the states then from p(z | x); families with
+    `predictive_sampling`: hmm, tagging_hmm, blocked_hmm). Without them a sample is drawn ancestrally, state
+    then token, `temperature` applied to each table."""
     from latentlm.models.tree import PCFGOps
 
     check_supported(model, "sample")
@@ -269,6 +274,7 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
             prefix_ids = model.vocab.encode(prefix, add_eos=False, where="prefix")
         else:
             prefix_ids = model.vocab.check_ids(list(prefix), where="prefix")
+    shaping = check_shaping(model, top_k, top_p)
     stops = encode_stops(model.vocab, stop)
     trees = isinstance(model.impl, PCFGOps)
     if stops and trees:
@@ -276,10 +282,28 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
                                    "the chain families", param="stop")
     stop_id = model.vocab.eos_id if stop_at_eos else None
     res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids, temperature=temperature,
-                               stop_id=stop_id, **({"stop_seqs": stops} if stops else {}))
+                               stop_id=stop_id, **({"stop_seqs": stops} if stops else {}), **shaping)
     if not trees:
         res = [cut_at_stop(r, stops, stop_id, max_tokens) for r in res]
     return [{"index": i, "tokens": model.vocab.decode(r["ids"]), **r} for i, r in enumerate(res)]
+
+
+def check_shaping(model: LoadedModel, top_k: Any, top_p: Any) -> dict[str, Any]:
+    """`sample`'s top_k / top_p as keyword arguments of `op_sample` (none when both are None); InputError naming
+    the field for a top_k that is not a positive integer or a top_p outside (0, 1], UnsupportedOperation for a
+    family that samples only ancestrally."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InputError(f"top_k: expected a positive integer, got {top_k!r}", param="top_k")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise InputError(f"top_p: expected a number in (0, 1], got {top_p!r}", param="top_p")
+    given = {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None}
+    if given and not getattr(model.impl, "predictive_sampling", False):
+        name = next(iter(given))
+        raise UnsupportedOperation(f"{name}: family {model.family!r} samples ancestrally only (state, then token); "
+                                   "sampling from the next-token distribution (top_k, top_p) is offered by hmm, "
+                                   "tagging_hmm and blocked_hmm", param=name)
+    return given
 
 
 def encode_stops(vocab: Vocabulary, stop: Any) -> list[list[int]]:
@@ -384,9 +408,10 @@ def chain_width(impl: Any) -> int:
 
 def operation_cost(model: LoadedModel, op: str, seqs: Sequence[Sequence[int]] = (), *,
                    method: str | None = None, top_k: int | None = None, n: int = 1, max_tokens: int = 0,
-                   prefix_tokens: int = 0) -> int:
+                   prefix_tokens: int = 0, predictive: bool = False) -> int:
     """Estimated work of `op` over `seqs` (or, for `sample`, of n x max_tokens steps after a prefix of
-    `prefix_tokens`), in the units above (~0.05-0.1 ns each on one AVX2 core); known before any work."""
+    `prefix_tokens`; `predictive`: drawn from the next-token distribution, top_k / top_p), in the units above
+    (~0.05-0.1 ns each on one AVX2 core); known before any work."""
     from latentlm.models.dense_pcfg import DensePCFG
     from latentlm.models.lds import LDS
     from latentlm.models.ngram import NGramLM
@@ -411,7 +436,8 @@ def operation_cost(model: LoadedModel, op: str, seqs: Sequence[Sequence[int]] = 
         return int(work + TOKEN_COST * ntok)
     if op == "sample":
         w = chain_width(impl)
-        return int(max_tokens * (SAMPLE_STEP_COST + n * (w * w + TOKEN_COST)) + prefix_tokens * (w * w + TOKEN_COST))
+        step = w * (impl.num_states + len(model.vocab)) if predictive else w * w  # filtering: K (Z + V)
+        return int(max_tokens * (SAMPLE_STEP_COST + n * (step + TOKEN_COST)) + prefix_tokens * (w * w + TOKEN_COST))
     if op == "embed" and isinstance(impl, LDS):
         d = impl.num_states
         lags = int((getattr(impl, "config", None) or {}).get("lags") or 1)

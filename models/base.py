@@ -22,7 +22,7 @@ from latentlm.models.backend import Backend
 from latentlm.models.chain import Emit, Trans
 from latentlm.models.errors import InputError
 from latentlm.models.family import Family, perplexity
-from latentlm.models.sampling import CategoricalTable, Samples, run_sampler, slot_to_token
+from latentlm.models.sampling import CategoricalTable, Samples, draw_rows, run_sampler, slot_to_token, truncated
 
 
 @dataclass
@@ -91,10 +91,17 @@ class ChainOps:
 
     def op_sample(self, *, n: int, max_tokens: int, seed: int, prefix: list[int] | None = None,
                   temperature: float = 1.0, stop_id: int | None = None,
-                  stop_seqs: Sequence[Sequence[int]] = ()) -> list[dict]:
+                  stop_seqs: Sequence[Sequence[int]] = (), top_k: int | None = None,
+                  top_p: float | None = None) -> list[dict]:
+        """n samples; with `top_k` or `top_p`, each token drawn from the shaped next-token distribution
+        (`sample_predictive`), otherwise ancestrally (`sample`)."""
         g = torch.Generator(device=self.device).manual_seed(seed)
-        s = self.sample(n, max_tokens, g, prefix=prefix, temperature=temperature, stop_id=stop_id,
-                        stop_seqs=stop_seqs)
+        if top_k is not None or top_p is not None:
+            s = self.sample_predictive(n, max_tokens, g, prefix=prefix, temperature=temperature, top_k=top_k,
+                                       top_p=top_p, stop_id=stop_id, stop_seqs=stop_seqs)
+        else:
+            s = self.sample(n, max_tokens, g, prefix=prefix, temperature=temperature, stop_id=stop_id,
+                            stop_seqs=stop_seqs)
         ids, states, lengths = s.ids.cpu(), s.states.cpu(), s.lengths.cpu()
         return [{"ids": ids[i, : lengths[i]].tolist(), "states": states[i, : lengths[i]].tolist()}
                 for i in range(n)]
@@ -299,4 +306,60 @@ class ChainFamily(ChainOps, Family):
         return run_sampler(n, max_tokens, generator, z, stop_id,
                            emit=lambda z: slot_to_token(emit_table.draw(z, generator), z, slot_token),
                            nxt=lambda z: trans_table.draw(z, generator), stop_seqs=stop_seqs)
+
+    # -- sampling from the next-token distribution (top_k / top_p) --------------------------------------
+    predictive_sampling: bool = False  # the family supplies the four hooks below
+
+    def _token_probs(self, pi: Tensor) -> Tensor:
+        """p(x_t | x_<t) (n, V) from pi (n, Z) = p(z_t | x_<t)."""
+        raise NotImplementedError
+
+    def _condition(self, pi: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(alpha (n, K) proportional to p(z_t | x_<=t) over the states that can emit x (n,), their global ids
+        (n, K))."""
+        raise NotImplementedError
+
+    def _propagate(self, alpha: Tensor, ids: Tensor) -> Tensor:
+        """pi (n, Z) = sum_i alpha[:, i] trans[ids[:, i], :] (alpha normalised)."""
+        raise NotImplementedError
+
+    def _trans_into(self, ids: Tensor, z_next: Tensor) -> Tensor:
+        """trans[ids[b, i], z_next[b]] (n, K)."""
+        raise NotImplementedError
+
+    def sample_predictive(self, n: int, max_tokens: int, generator: torch.Generator, *,
+                          prefix: list[int] | None = None, temperature: float = 1.0, top_k: int | None = None,
+                          top_p: float | None = None, stop_id: int | None = None,
+                          stop_seqs: Sequence[Sequence[int]] = ()) -> Samples:
+        """n continuations drawn token by token from the model's next-token distribution p(x_t | x_<t) as LM
+        samplers shape it (`sampling.truncated`: temperature, `top_k`, `top_p`), carried by forward filtering
+        (pi = p(z_t | x_<t), updated by each drawn token); each sample's states are then drawn from the
+        model's posterior p(z | x) by backward sampling. Per step and sample O(K (Z + V)) (K: the states one
+        token can be emitted by: Z dense, k blocked)."""
+        first = (self.predictive(prefix) if prefix else self.start_probs()).to(self.dtype)
+        cur: dict[str, Tensor] = {"pi": first.expand(n, -1)}
+        history: list[tuple[Tensor, Tensor]] = []
+
+        def emit(_: Tensor) -> Tensor:
+            x = draw_rows(truncated(self._token_probs(cur["pi"]), temperature, top_k, top_p), generator)
+            alpha, ids = self._condition(cur["pi"], x)
+            history.append((alpha / alpha.sum(1, keepdim=True), ids))
+            return x
+
+        def nxt(z: Tensor) -> Tensor:
+            cur["pi"] = self._propagate(*history[-1])
+            return z
+
+        out = run_sampler(n, max_tokens, generator, torch.zeros(n, dtype=torch.long, device=self.device), stop_id,
+                          emit=emit, nxt=nxt, stop_seqs=stop_seqs)
+        z = torch.zeros(n, dtype=torch.long, device=self.device)
+        for t in range(len(history) - 1, -1, -1):  # backward sampling: z_t ~ alpha_t(z) trans(z, z_{t+1})
+            alpha, ids = history[t]
+            w = alpha.double()
+            inner = t + 1 < out.lengths
+            if t + 1 < len(history):
+                w = torch.where(inner[:, None], w * self._trans_into(ids, z).double(), w)
+            z = ids.gather(1, draw_rows(w, generator)[:, None]).squeeze(1)
+            out.states[:, t] = torch.where(t < out.lengths, z, -1)
+        return out
 

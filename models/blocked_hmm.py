@@ -293,6 +293,43 @@ class BlockedHMM(ChainFamily):
         per_state = probs.permute(0, 2, 1).reshape(self.num_states, -1)  # (Z, W)
         return per_state, words.to(torch.int32).repeat_interleave(self.k, dim=0)
 
+    # hooks of `ChainFamily.sample_predictive`: a token is emitted only by the k states of its cluster
+    predictive_sampling = True
+
+    @cached_property
+    def _cluster_emissions(self) -> list[tuple[Tensor, Tensor]]:
+        """Per cluster: (its word ids, their emission probabilities transposed (k, words))."""
+        out = []
+        for words in self._cluster_words:
+            words = words[words >= 0]
+            out.append((words, self.emit[words].T.contiguous()))
+        return out
+
+    def _token_probs(self, pi: Tensor) -> Tensor:
+        """q[:, x] = sum_i pi[:, c(x) k + i] emit[x, i], one (n, k) x (k, words) product per cluster: O(n k V)."""
+        q = torch.empty(len(pi), len(self.word_cluster), dtype=pi.dtype, device=self.device)
+        blocks = pi.view(len(pi), self.M, self.k)
+        for c, (words, emit_t) in enumerate(self._cluster_emissions):
+            q[:, words] = blocks[:, c] @ emit_t.to(pi.dtype)
+        return q
+
+    def _condition(self, pi: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        c = self.word_cluster[x]
+        alpha = pi.view(len(pi), self.M, self.k)[torch.arange(len(x), device=self.device), c] * self.emit[x]
+        return alpha, c[:, None] * self.k + torch.arange(self.k, device=self.device)
+
+    def _propagate(self, alpha: Tensor, ids: Tensor) -> Tensor:
+        """pi = alpha @ the rows of its cluster, one product per cluster present: O(n k Z)."""
+        c = ids[:, 0] // self.k
+        pi = torch.empty(len(alpha), self.num_states, dtype=alpha.dtype, device=self.device)
+        for cl in torch.unique(c).tolist():
+            rows = (c == cl).nonzero().squeeze(1)
+            pi[rows] = alpha[rows] @ self.trans[cl * self.k: (cl + 1) * self.k].to(alpha.dtype)
+        return pi
+
+    def _trans_into(self, ids: Tensor, z_next: Tensor) -> Tensor:
+        return self.trans[ids, z_next[:, None]].to(self.dtype)
+
     def _tables(self, temperature: float):
         per_state, slot_token = self._emission_slots
         return CategoricalTable(self.trans, temperature), CategoricalTable(per_state, temperature), slot_token

@@ -63,6 +63,22 @@ class DenseHMM(ChainFamily):
     def num_states(self) -> int:
         return self.trans.shape[0]
 
+    # hooks of `ChainFamily.sample_predictive`: every state can emit every token
+    predictive_sampling = True
+
+    def _token_probs(self, pi: Tensor) -> Tensor:
+        return pi @ self.emit
+
+    def _condition(self, pi: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+        ids = torch.arange(self.num_states, device=self.device).expand(len(x), -1)
+        return pi * self.emit_by_word[x], ids
+
+    def _propagate(self, alpha: Tensor, ids: Tensor) -> Tensor:
+        return alpha @ self.trans
+
+    def _trans_into(self, ids: Tensor, z_next: Tensor) -> Tensor:
+        return self.trans[:, z_next].T
+
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
         B = batch.ids.shape[0]
         return self.start.expand(B, -1), RowLookup(self.emit_by_word, batch.ids), self.trans

@@ -155,6 +155,35 @@ def last_positive(w: Tensor) -> Tensor:
     return (w.shape[1] - 1) - (w > 0).flip(1).int().argmax(1)
 
 
+def draw_rows(w: Tensor, generator: torch.Generator) -> Tensor:
+    """One column (n,) per row of non-negative weights w (n, C) (any positive total), by a float64 inverse CDF:
+    a zero-weight column is never drawn. O(n C)."""
+    cum = w.double().cumsum(1)
+    u = torch.rand(len(w), dtype=torch.float64, device=w.device, generator=generator)
+    col = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True).squeeze(1)
+    return torch.minimum(col, last_positive(w))
+
+
+def truncated(q: Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Next-token probabilities q (n, V) as LM samplers shape them: q^(1/temperature), kept on its `top_k` most
+    probable entries and on the fewest most probable entries whose mass reaches `top_p` (the most probable
+    always kept; ties in index order), renormalised per row (float64). O(n V log V) with either limit."""
+    w = q.double().clamp_min(0)
+    if temperature != 1.0:
+        w = torch.where(w > 0, ((w.log() - w.amax(1, keepdim=True).log()) / temperature).exp(), 0.0)
+    w = w / w.sum(1, keepdim=True)
+    if top_k is None and top_p is None:
+        return w
+    ranked, order = w.sort(dim=1, descending=True, stable=True)
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if top_k is not None:
+        keep[:, top_k:] = False
+    if top_p is not None:
+        keep &= (ranked.cumsum(1) - ranked) < top_p  # mass before this entry short of top_p
+    w = torch.zeros_like(w).scatter_(1, order, torch.where(keep, ranked, 0.0))
+    return w / w.sum(1, keepdim=True)
+
+
 def tables_at(owner: object, temperature: float, build: Callable[[float], T]) -> T:
     """A family's sampling tables, `build(temperature)`. Those at temperature 1 (the default) are built once
     and kept on `owner` (alias tables and chunk masses cost O(table size) to build); other temperatures are

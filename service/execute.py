@@ -120,7 +120,8 @@ def check_sample(req: SampleRequest, max_sample_tokens: int, *, model: ops.Loade
                             "(max_request_tokens)", param="prefix")
     if model is None:
         return 0
-    cost = ops.operation_cost(model, "sample", n=req.n, max_tokens=req.max_tokens, prefix_tokens=n)
+    cost = ops.operation_cost(model, "sample", n=req.n, max_tokens=req.max_tokens, prefix_tokens=n,
+                              predictive=req.top_k is not None or req.top_p is not None)
     check_cost("sample", cost, max_cost, "max_tokens", "ask for fewer or shorter samples (n, max_tokens)")
     return cost
 
@@ -137,7 +138,8 @@ def prefix_tokens(model: ops.LoadedModel | None, prefix: str | list[int] | None)
 def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
     """Blocking: draw the samples and shape the response body."""
     data = ops.sample(model, n=req.n, max_tokens=req.max_tokens, seed=req.seed, prefix=req.prefix,
-                      temperature=req.temperature, stop_at_eos=req.stop_at_eos, stop=req.stop)
+                      temperature=req.temperature, stop_at_eos=req.stop_at_eos, stop=req.stop, top_k=req.top_k,
+                      top_p=req.top_p)
     out_tokens = sum(len(d["ids"]) for d in data)
     n_prefix = prefix_tokens(model, req.prefix)
     return {"object": "list", "model": model.name, "data": data,

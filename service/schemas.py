@@ -102,15 +102,22 @@ class SampleRequest(_Base):
     prefix: str | list[StrictInt] | None = Field(None, description="text or token ids to continue")
     temperature: float = Field(1.0, description="> 0; below 1 sharpens, above 1 flattens")
     stop_at_eos: StrictBool = Field(True, description="end a sample after <eos>")
+    top_k: StrictInt | None = Field(None, ge=1, description="draw each token from the next-token distribution cut to "
+                                                           "its k most probable tokens (hmm, tagging_hmm, blocked_hmm)")
+    top_p: float | None = Field(None, gt=0, le=1, description="draw each token from the fewest most probable next "
+                                                             "tokens whose mass reaches p (hmm, tagging_hmm, "
+                                                             "blocked_hmm)")
     stop: str | list[str | list[StrictInt]] | None = Field(
         None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids): a sample ends before the "
                           "first it spells, which is left out; chain families (each sample then says its "
                           "`finish_reason`: stop, eos or length for all of them)")
     stream: StrictBool = Field(False, description="server-sent events, one per sample, ending 'data: [DONE]'")
 
-    @field_validator("temperature", mode="before")
+    @field_validator("temperature", "top_p", mode="before")
     @classmethod
-    def _t_type(cls, v):
+    def _t_type(cls, v, info):
+        if v is None and info.field_name == "top_p":
+            return v
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
         return v

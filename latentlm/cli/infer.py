@@ -74,7 +74,8 @@ def cmd_sample(args: argparse.Namespace) -> None:
     if args.stop:
         stop = [[int(t) for t in s.split()] for s in args.stop] if args.ids else args.stop
     emit_json(ops.sample(model, n=args.n, max_tokens=args.max_tokens, seed=args.seed, prefix=prefix,
-                         temperature=args.temperature, stop_at_eos=not args.no_stop, stop=stop))
+                         temperature=args.temperature, stop_at_eos=not args.no_stop, stop=stop, top_k=args.top_k,
+                         top_p=args.top_p))
 
 
 def cmd_list(args: argparse.Namespace) -> None:
@@ -136,6 +137,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix", default=None, help="text (or ids with --ids) to continue")
     p.add_argument("--ids", action="store_true", help="--prefix is space-separated token ids")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=positive_int, default=None,
+                   help="draw each token from the next-token distribution cut to its K most probable tokens")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="draw each token from the fewest most probable next tokens whose mass reaches P")
     p.add_argument("--no-stop", action="store_true", help="do not stop a sample at <eos>")
     p.add_argument("--stop", action="append", metavar="TEXT",
                    help=f"end a sample before this text (ids with --ids; repeatable, at most "

@@ -214,3 +214,76 @@ def test_large_tables_are_drawn_in_place():
     assert table.cdf.cum.shape == (R, 64)
     draws = table.draw(torch.arange(R), torch.Generator().manual_seed(0))
     assert draws.shape == (R,) and bool(((draws >= 0) & (draws < C)).all())
+
+
+def shaped(probs: list[float], temperature: float, top_k: int | None, top_p: float | None) -> list[float]:
+    """The definition of an LM sampler's shaping, written out: p^(1/T) renormalised; rank by (-p, index); keep
+    the first top_k and the entries whose preceding mass is below top_p; renormalise."""
+    w = [p ** (1 / temperature) if p > 0 else 0.0 for p in probs]
+    w = [x / sum(w) for x in w]
+    order = sorted(range(len(w)), key=lambda i: (-w[i], i))
+    keep, before = set(), 0.0
+    for rank, i in enumerate(order):
+        if (top_k is None or rank < top_k) and (top_p is None or before < top_p) and w[i] > 0:
+            keep.add(i)
+        before += w[i]
+    w = [x if i in keep else 0.0 for i, x in enumerate(w)]
+    return [x / sum(w) for x in w]
+
+
+@pytest.mark.parametrize("family", ["hmm", "blocked_hmm"])
+@pytest.mark.parametrize("temperature, top_k, top_p, prefix", [(1.0, 2, None, None), (1.0, None, 0.6, None),
+                                                               (0.7, 3, 0.8, None), (2.0, None, 0.9, [1, 3])])
+def test_predictive_sampling_matches_enumeration(family, temperature, top_k, top_p, prefix):
+    """`top_k` / `top_p` sampling against brute force on a 4-word model, two tokens: every token is drawn from
+    the shaped next-token distribution p(x_t | x_<t) (enumerated from dense matrices: a blocked model's as a
+    dense HMM whose states emit only their cluster's words), and the states from p(z | x); the chi-square
+    runs over the joint cells (x1, x2, z1, z2)."""
+    from latentlm.models.blocked_hmm import BlockedHMM
+    from latentlm.models.hmm import DenseHMM
+    from latentlm.models.synthetic import random_blocked_hmm, random_hmm
+
+    V = 4
+    if family == "hmm":
+        t, c = random_hmm(3, V, seed=7)
+        model = DenseHMM.from_tensors(t, c, dtype=torch.float64)
+        E = t["emit"].double()
+    else:
+        t, c = random_blocked_hmm(2, 2, V, seed=7)
+        model = BlockedHMM.from_tensors(t, c, dtype=torch.float64)
+        Z, k = 4, 2
+        E = torch.zeros(Z, V, dtype=torch.float64)
+        for x in range(V):
+            cl = int(t["word_cluster"][x])
+            E[cl * k: (cl + 1) * k, x] = t["emit"][x].double()
+    A, Z = t["trans"].double(), E.shape[0]
+    first = t["start"].double()
+    for x in prefix or []:  # filter through the prefix: p(z_{T+1} | prefix)
+        first = first * E[:, x]
+        first = (first / first.sum()) @ A
+    probs = {}
+    p1 = shaped((first @ E).tolist(), temperature, top_k, top_p)
+    for x1 in range(V):
+        a1 = first * E[:, x1]
+        if p1[x1] == 0:
+            continue
+        pi2 = (a1 / a1.sum()) @ A
+        p2 = shaped((pi2 @ E).tolist(), temperature, top_k, top_p)
+        for x2 in range(V):
+            if p2[x2] == 0:
+                continue
+            joint = a1[:, None] * A * E[:, x2][None, :]  # p(z1, z2, x | prefix) up to a constant
+            joint = joint / joint.sum()
+            for z1 in range(Z):
+                for z2 in range(Z):
+                    if joint[z1, z2] > 0:
+                        probs[(x1, x2, z1, z2)] = p1[x1] * p2[x2] * float(joint[z1, z2])
+    n = 40000
+    got = model.op_sample(n=n, max_tokens=2, seed=11, prefix=prefix, temperature=temperature, top_k=top_k,
+                          top_p=top_p)
+    counts: dict = {}
+    for s in got:
+        key = (*s["ids"], *s["states"])
+        assert key in probs, key  # never a token the shaping removed, nor an impossible state
+        counts[key] = counts.get(key, 0) + 1
+    assert chi_square_pvalue(counts, probs, n) > 1e-3

@@ -379,3 +379,19 @@ def test_batch_cancel_local(c):
     assert len(out) == b["request_counts"]["completed"]
     assert c.post(f"/v1/batches/{b['id']}/cancel").json()["status"] == "cancelled"
     err(c.post("/v1/batches/batch_nope/cancel"), 404, "batch_id")
+
+
+def test_sample_top_k_top_p(c):
+    """top_k / top_p through the service: a model that offers them answers (each token among the k most
+    probable next tokens: with top_k 1 every sample of a seed is the greedy continuation), the others answer 400
+    naming the field, bad values 422."""
+    one = c.post("/v1/sample", json={"model": "blocked", "n": 4, "max_tokens": 6, "seed": 1, "top_k": 1,
+                                     "stop_at_eos": False}).json()["data"]
+    assert len({tuple(d["ids"]) for d in one}) == 1 and all(len(d["states"]) == 6 for d in one)
+    r = c.post("/v1/sample", json={"model": "tiny", "n": 3, "max_tokens": 5, "seed": 2, "top_p": 0.5,
+                                   "temperature": 0.8, "stop": "w1"})
+    assert r.status_code == 200 and len(r.json()["data"]) == 3
+    err(c.post("/v1/sample", json={"model": "rank", "top_k": 3}), 400, "top_k", "ancestrally")
+    err(c.post("/v1/sample", json={"model": "tiny", "top_p": 1.5}), 422, "top_p")
+    err(c.post("/v1/sample", json={"model": "tiny", "top_p": True}), 422, "top_p")
+    err(c.post("/v1/sample", json={"model": "tiny", "top_k": 0}), 422, "top_k")
