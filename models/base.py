@@ -7,6 +7,7 @@ sampling come from here and from `models.chain`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,15 @@ class _ChainOperations:
         if obj is not None and "state_vectors" in getattr(obj, "extras", {}):
             return self.base | {"embed"}
         return self.base
+
+
+def check_continuable(first: Tensor, prefix: list[int] | None) -> None:
+    """InputError naming `prefix` unless `first`, the distribution sampling starts from, has positive finite
+    mass (a prefix of probability 0 under the model leaves none)."""
+    total = float(first.double().sum())
+    if prefix and not (math.isfinite(total) and total > 0):
+        raise InputError("prefix: has probability 0 under this model (no state path emits it), so there is "
+                         "nothing to continue", param="prefix")
 
 
 class ChainFamily(ChainOps, Family):
@@ -300,12 +310,19 @@ class ChainFamily(ChainOps, Family):
         O(n max_tokens) draws, each O(1) or O(sqrt C) (C: the row's categories, `sampling.CategoricalTable`),
         O(C) at a temperature other than 1 on a large table."""
         trans_table, emit_table, slot_token = self.sampling_tables(temperature)
-        first = self.predictive(prefix) if prefix else self.start_probs()
+        first = self._first_states(prefix)
         first_table = CategoricalTable(first[None].to(torch.float64), temperature)
         z = first_table.draw(torch.zeros(n, dtype=torch.long, device=self.device), generator)
         return run_sampler(n, max_tokens, generator, z, stop_id,
                            emit=lambda z: slot_to_token(emit_table.draw(z, generator), z, slot_token),
                            nxt=lambda z: trans_table.draw(z, generator), stop_seqs=stop_seqs)
+
+    def _first_states(self, prefix: list[int] | None) -> Tensor:
+        """p(z_1) (Z,), or p(z_{T+1} | prefix); InputError naming `prefix` when the model gives it probability 0
+        (no state path emits it), where there is nothing to continue."""
+        first = self.predictive(prefix) if prefix else self.start_probs()
+        check_continuable(first, prefix)
+        return first
 
     # -- sampling from the next-token distribution (top_k / top_p) --------------------------------------
     predictive_sampling: bool = False  # the family supplies the four hooks below
@@ -336,8 +353,7 @@ class ChainFamily(ChainOps, Family):
         (pi = p(z_t | x_<t), updated by each drawn token); each sample's states are then drawn from the
         model's posterior p(z | x) by backward sampling. Per step and sample O(K (Z + V)) (K: the states one
         token can be emitted by: Z dense, k blocked)."""
-        first = (self.predictive(prefix) if prefix else self.start_probs()).to(self.dtype)
-        cur: dict[str, Tensor] = {"pi": first.expand(n, -1)}
+        cur: dict[str, Tensor] = {"pi": self._first_states(prefix).to(self.dtype).expand(n, -1)}
         history: list[tuple[Tensor, Tensor]] = []
 
         def emit(_: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from latentlm.models import chain, triton_chain
-from latentlm.models.base import Batch, ChainFamily
+from latentlm.models.base import Batch, ChainFamily, check_continuable
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import CHECK_CHUNK, check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, LimitExceeded
@@ -165,6 +165,7 @@ class RankHMM(ChainFamily):
             init, emit, trans = self.chain(batch)
             _, alphas = chain.forward(init, emit, trans, batch.lengths, keep_alphas=True)
             first = alphas[0, -1] @ self.rank_trans  # p(q_{T+1} | prefix)
+            check_continuable(first, prefix)
         else:
             first = self.rank_start
         q = CategoricalTable(first[None], temperature).draw(torch.zeros(n, dtype=torch.long, device=self.device),

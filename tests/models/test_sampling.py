@@ -287,3 +287,38 @@ def test_predictive_sampling_matches_enumeration(family, temperature, top_k, top
         assert key in probs, key  # never a token the shaping removed, nor an impossible state
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, probs, n) > 1e-3
+
+
+@pytest.mark.parametrize("family", ["hmm", "blocked_hmm", "rank_hmm"])
+def test_a_prefix_of_probability_zero_is_refused(family):
+    """A prefix the model gives probability 0 (a word no state emits) leaves nothing to continue: both samplers
+    refuse it naming `prefix`, where they used to draw from NaN or all-zero weights."""
+    from latentlm.models.blocked_hmm import BlockedHMM
+    from latentlm.models.errors import InputError
+    from latentlm.models.hmm import DenseHMM
+    from latentlm.models.rank_hmm import RankHMM
+    from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_rank_hmm
+
+    V = 6
+    if family == "hmm":
+        t, c = random_hmm(3, V, seed=2)
+        t["emit"][:, 2] = 0
+        t["emit"] /= t["emit"].sum(1, keepdim=True)
+        model = DenseHMM.from_tensors(t, c)
+    elif family == "blocked_hmm":
+        t, c = random_blocked_hmm(2, 2, V, seed=2)
+        t["emit"][2] = 0  # word 2: no state of its cluster emits it
+        cl = t["word_cluster"] == t["word_cluster"][2]
+        t["emit"][cl] /= t["emit"][cl].sum(0, keepdim=True)
+        model = BlockedHMM.from_tensors(t, c)
+    else:
+        t, c = random_rank_hmm(4, 2, V, seed=2)
+        t["emit"][2] = 0
+        t["emit"] /= t["emit"].sum(0, keepdim=True)
+        model = RankHMM.from_tensors(t, c)
+    shapings = [{}, {"top_k": 2}] if model.predictive_sampling else [{}]
+    for shaping in shapings:
+        with pytest.raises(InputError, match="prefix: has probability 0") as e:
+            model.op_sample(n=2, max_tokens=3, seed=0, prefix=[1, 2], **shaping)
+        assert e.value.param == "prefix"
+        assert len(model.op_sample(n=2, max_tokens=3, seed=0, prefix=[1, 3], **shaping)) == 2
