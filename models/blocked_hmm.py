@@ -296,21 +296,15 @@ class BlockedHMM(ChainFamily):
     # hooks of `ChainFamily.sample_predictive`: a token is emitted only by the k states of its cluster
     predictive_sampling = True
 
-    @cached_property
-    def _cluster_emissions(self) -> list[tuple[Tensor, Tensor]]:
-        """Per cluster: (its word ids, their emission probabilities transposed (k, words))."""
-        out = []
-        for words in self._cluster_words:
-            words = words[words >= 0]
-            out.append((words, self.emit[words].T.contiguous()))
-        return out
-
     def _token_probs(self, pi: Tensor) -> Tensor:
-        """q[:, x] = sum_i pi[:, c(x) k + i] emit[x, i], one (n, k) x (k, words) product per cluster: O(n k V)."""
+        """q[:, x] = sum_i pi[:, c(x) k + i] emit[x, i], one (n, k) x (k, words) product per cluster over its
+        emission slots (`_emission_slots`): O(n k V)."""
         q = torch.empty(len(pi), len(self.word_cluster), dtype=pi.dtype, device=self.device)
         blocks = pi.view(len(pi), self.M, self.k)
-        for c, (words, emit_t) in enumerate(self._cluster_emissions):
-            q[:, words] = blocks[:, c] @ emit_t.to(pi.dtype)
+        slots = self._emission_slots[0].view(self.M, self.k, -1)  # (M, k, W)
+        words = self._cluster_words
+        for c, size in enumerate(torch.bincount(self.word_cluster, minlength=self.M).tolist()):
+            q[:, words[c, :size]] = blocks[:, c] @ slots[c, :, :size].to(pi.dtype)
         return q
 
     def _condition(self, pi: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -57,10 +57,7 @@ class CategoricalTable:
             raise ValueError("alias tables need numba")
         self.cdf: ChunkedCDF | None = None
         if alias:
-            p = probs.double()
-            if temperature != 1.0:
-                p = torch.softmax(p.clamp_min(0).log() / temperature, dim=-1)
-            accept, table = alias_kernels.alias_tables(p)
+            accept, table = alias_kernels.alias_tables(tempered(probs.double().clamp_min(0), temperature))
             self.accept, self.alias = accept.to(probs.device), table.to(probs.device)
         else:
             self.cdf = ChunkedCDF(probs, temperature)
@@ -89,7 +86,7 @@ class ChunkedCDF:
 
     def __init__(self, probs: Tensor, temperature: float = 1.0):
         C = probs.shape[1]
-        self.probs, self.temperature, self.inv_temp = probs, temperature, 1.0 / temperature
+        self.probs, self.temperature = probs, temperature
         self.cum: Tensor | None = None
         if temperature != 1.0:
             self.width = C
@@ -132,8 +129,7 @@ class ChunkedCDF:
             return alias_kernels.tempered_draws(self.probs, rows, u, self.temperature, torch.get_num_threads())
         if self.cum is None:  # the whole row, weighed now
             chunk = torch.zeros_like(rows)
-            w = self.probs[rows].double().clamp_min(0)
-            w = ((w.log() - w.amax(1, keepdim=True).log()) * self.inv_temp).exp()
+            w = tempered(self.probs[rows].double().clamp_min(0), self.temperature)
             rest = u * w.sum(1)
         else:
             cum = self.cum[rows]  # (n, chunks)
@@ -155,6 +151,14 @@ def last_positive(w: Tensor) -> Tensor:
     return (w.shape[1] - 1) - (w > 0).flip(1).int().argmax(1)
 
 
+def tempered(w: Tensor, temperature: float) -> Tensor:
+    """Non-negative weights w (n, C) raised to 1 / temperature per row without overflow or underflow of the
+    largest: exp((log w - log max w) / temperature), 0 where w is 0 (unnormalised; w itself at temperature 1)."""
+    if temperature == 1.0:
+        return w
+    return torch.where(w > 0, ((w.log() - w.amax(1, keepdim=True).log()) / temperature).exp(), 0.0)
+
+
 def draw_rows(w: Tensor, generator: torch.Generator) -> Tensor:
     """One column (n,) per row of non-negative weights w (n, C) (any positive total), by a float64 inverse CDF:
     a zero-weight column is never drawn. O(n C)."""
@@ -168,9 +172,7 @@ def truncated(q: Tensor, temperature: float = 1.0, top_k: int | None = None, top
     """Next-token probabilities q (n, V) as LM samplers shape them: q^(1/temperature), kept on its `top_k` most
     probable entries and on the fewest most probable entries whose mass reaches `top_p` (the most probable
     always kept; ties in index order), renormalised per row (float64). O(n V log V) with either limit."""
-    w = q.double().clamp_min(0)
-    if temperature != 1.0:
-        w = torch.where(w > 0, ((w.log() - w.amax(1, keepdim=True).log()) / temperature).exp(), 0.0)
+    w = tempered(q.double().clamp_min(0), temperature)
     w = w / w.sum(1, keepdim=True)
     if top_k is None and top_p is None:
         return w

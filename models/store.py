@@ -214,7 +214,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on its JSON header
-READ_CHUNK = 16 << 20  # bytes per read (and per host-to-device copy): the only staging memory of a load
+READ_CHUNK = 16 << 20  # bytes per read (and per host-to-device copy); a staged load holds two such slabs
 
 
 def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", staged: bool | None = None,
@@ -222,10 +222,10 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
     """The tensors of a safetensors file, read once, straight into tensors on `device`, while the same bytes
     are hashed: the SHA-256 checked against `digest` (the manifest's) is that of exactly the bytes loaded (no
     window in which the file could change between a check and a read), and there is one copy of the weights
-    in memory. On CUDA the bytes go through one READ_CHUNK staging buffer (pinned), so host memory does not
+    in memory. On CUDA the bytes go through two READ_CHUNK staging slabs (pinned), so host memory does not
     grow with the model. Not memory-mapped: a mapping would make the served weights the file's pages, and a
     file truncated in place under a serving process would then kill it (SIGBUS) instead of being refused at
-    the next reload. `staged` (default: for every device but the CPU) reads through the staging buffer; tests
+    the next reload. `staged` (default: for every device but the CPU) reads through the staging slabs; tests
     force it on the CPU, so the accelerator path runs in CI. ArtifactError (naming the file) for a malformed
     header, offsets that leave holes or run past the end, trailing bytes, or a hash mismatch. O(file size)
     time.
@@ -295,7 +295,6 @@ def _read_safetensors(fpath: Path, h: _BackgroundHash, dev: torch.device, staged
         entries = _safetensors_entries(raw, bad)
         data_len = size - 8 - n
         tensors: dict[str, torch.Tensor] = {}
-        staging = None
         pos = 0
         for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
             if begin != pos:
@@ -307,25 +306,7 @@ def _read_safetensors(fpath: Path, h: _BackgroundHash, dev: torch.device, staged
             target = cast.get(name, dtype)
             if target != dtype and not (dtype.is_floating_point and target.is_floating_point):
                 raise bad(f"tensor {name!r}: cannot be read as {target} (stored as {dtype})")
-            if dtype.is_floating_point:
-                tensors[name] = _read_rows(f, h, name, shape, dtype, target, dev, staged, bad)
-                pos = end
-                continue
-            t = torch.empty(shape, dtype=dtype, device=dev)
-            flat = t.reshape(-1).view(torch.uint8)
-            view = memoryview(flat.numpy()) if not staged else None
-            for lo in range(0, end - begin, READ_CHUNK):
-                m = min(READ_CHUNK, end - begin - lo)
-                if staged and staging is None:
-                    staging = torch.empty(READ_CHUNK, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-                buf = memoryview(staging.numpy())[:m] if staged else view[lo: lo + m]
-                if f.readinto(buf) != m:
-                    raise bad(f"file ended inside tensor {name!r}")
-                hashed = h.update(buf)
-                if staged:  # synchronous: the staging buffer is reused next
-                    flat[lo: lo + m].copy_(staging[:m])
-                    hashed.result()
-            tensors[name] = t
+            tensors[name] = _read_rows(f, h, name, shape, dtype, target, dev, staged, bad)
             pos = end
         if pos != data_len:
             raise bad(f"{data_len - pos} bytes after the last tensor")
@@ -334,14 +315,14 @@ def _read_safetensors(fpath: Path, h: _BackgroundHash, dev: torch.device, staged
 
 def _read_rows(f: BinaryIO, h: _BackgroundHash, name: str, shape: list[int], stored: torch.dtype, target: torch.dtype,
                device: torch.device, staged: bool, bad: Callable[[str], ArtifactError]) -> torch.Tensor:
-    """Floating tensor `name` of `shape`, stored as `stored` at the file's position, read into a new `target`
-    tensor on `device` a slab of whole rows (about READ_CHUNK bytes; a row longer than that in pieces) at a
-    time: each slab is hashed into `h` (on its thread), its `checks.row_stats` taken while it is fresh in
-    cache, and converted. Straight into the tensor when it is on the CPU in its stored dtype and not `staged`,
-    otherwise through two host slabs in turn (pinned for CUDA; one is read while the other is hashed). The
-    result carries the statistics of its stored values (`checks.mark_stored_stats`), so the artifact checks
-    need no second pass and check a narrowed tensor as stored. O(size) time; memory: the result and at most
-    two slabs."""
+    """Tensor `name` of `shape`, stored as `stored` at the file's position, read into a new `target` tensor on
+    `device` a slab of whole rows (about READ_CHUNK bytes; a row longer than that in pieces) at a time: each
+    slab is hashed into `h` (on its thread), converted and, for a floating tensor, its `checks.row_stats`
+    taken while it is fresh in cache. Straight into the tensor when it is on the CPU in its stored dtype and
+    not `staged`, otherwise through two host slabs in turn (pinned for CUDA; one is read while the other is
+    hashed). A floating result carries the statistics of its stored values (`checks.mark_stored_stats`), so
+    the artifact checks need no second pass and check a narrowed tensor as stored. O(size) time; memory: the
+    result and at most two slabs."""
     out = torch.empty(shape, dtype=target, device=device)
     row, rows = (shape[-1], math.prod(shape[:-1])) if shape else (1, 1)
     width = max(1, min(row, READ_CHUNK // stored.itemsize))  # columns per piece: whole rows unless one is too long
@@ -365,13 +346,15 @@ def _read_rows(f: BinaryIO, h: _BackgroundHash, name: str, shape: list[int], sto
             if f.readinto(buf) != len(buf):
                 raise bad(f"file ended inside tensor {name!r}")
             hashed[turn] = h.update(buf)
-            part_sums, part_low = row_stats(part.view(n, w))
-            sums[lo: lo + n] += part_sums
-            low = min(low, part_low)
+            if stored.is_floating_point:
+                part_sums, part_low = row_stats(part.view(n, w))
+                sums[lo: lo + n] += part_sums
+                low = min(low, part_low)
             if slabs:  # synchronous copy; the other slab is read into next
                 flat[at: at + n * w].copy_(part)
                 turn = 1 - turn
-    mark_stored_stats(out, sums.reshape(shape[:-1]), low)
+    if stored.is_floating_point:
+        mark_stored_stats(out, sums.reshape(shape[:-1]), low)
     return out
 
 
