@@ -23,7 +23,7 @@ from latentlm.service.cache import ResponseCache
 from latentlm.service.metrics import Metrics
 from latentlm.service.middleware import Guard
 from latentlm.service.registry import ModelRegistry
-from latentlm.service.routes import batches, explorer, health, models, operations
+from latentlm.service.routes import batches, completions, explorer, health, models, operations
 from latentlm.service.schemas import ERROR_SCHEMA
 from latentlm.service.settings import Settings
 from latentlm.service.state import ServiceState
@@ -80,7 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings, state.registry, state.batcher, metrics)
     errors.install(app, on_error=metrics.error, retry_after_s=settings.retry_after_s)
     app.add_middleware(Guard, settings=settings, metrics=metrics, state=state)
-    for router in (health.router, models.router, batches.router, explorer.router):
+    for router in (health.router, models.router, completions.router, batches.router, explorer.router):
         app.include_router(router)
     app.openapi = lambda: openapi_document(app, settings)  # type: ignore[method-assign]
     return app
