@@ -1,0 +1,636 @@
+"""Exact inference on the product of a chain family (hmm, blocked_hmm, rank_hmm, tagging_hmm) and a constraint's
+automaton (`models.constraint.WordDFA`): the probability that a continuation satisfies the constraint, exact
+conditional sampling, a guide for neural LMs, and a constrained beam search.
+
+Semantics. With prefix x, a continuation y = y_1 .. y_L is complete when it emits `<eos>` (y_L, the first one);
+    P(C | x) = sum over complete y with min_tokens <= L <= max_tokens that satisfy C of p(y | x).
+The automaton reads the content words y_1 .. y_{L-1}; `<eos>` is its acceptance test.
+
+Recursion (float64 log-scales; S = the chain's states: Z for hmm / tagging_hmm / blocked_hmm, the rank r for
+rank_hmm, which runs as the r-state HMM of its rank variables; Lmax = max_tokens):
+    W_j(z, q) = [Lmin <= j+1 <= Lmax] [q accepting] B(z, eos)
+                + [j+1 < Lmax] sum_{q' successor of q} e_{q,q'}(z) M_{j+1}(z, q'),     M_{j+1} = A W_{j+1},
+where e_{q,q'}(z) = sum of B(z, v) over the words v taking q to q' (the named words one by one, every other word
+at once by a masked row sum: OTHER), so a step costs one (S x S) x (S x Q_live) product plus O(E S) for the E
+live edges: O(Lmax (Q S^2 + E S)) per request, never a (S Q) x (S Q) matrix. W_j(z, q) is the probability that
+the continuation completes validly given state z emits token j+1 and the automaton is in q after j tokens.
+Every column is kept as W = What exp(sigma): What's column maximum is 1 (in the model's dtype), sigma float64
+(values for different automaton states differ by many orders of magnitude: one scale per step is not enough
+in float32); only (j, q) pairs that are reachable and can still accept in the window (`WordDFA.live`) are
+computed. A blocked HMM multiplies by its stored Z x Z matrix where it lies (row slabs widened only when it is
+stored in bfloat16); its emissions are k-sparse (`e` columns and `B(., word)` touch one cluster's k states) and
+its filter after a word is O(k Z) (its own `_condition` / `_propagate`); token scores read each word's k states.
+The messages (`Messages`: M_{j} and sigma_j for j = 1 .. Lmax-1, and W_0(., start)) depend on neither the prefix
+nor the samples: computed once per (model, constraint, temperature) and reused by every call below.
+
+With a_j(z) = p(z_{n+j+1} = z | x, y_<=j) (the plain predictive filter: the constraint lives only in W):
+    s_j(v)   = P(y_{j+1} = v, C | x, y_<=j) = sum_z a_j(z) B(z, v) M_{j+1}(z, delta(q_j, v))   (v content)
+    s_j(eos) = [Lmin <= j+1 <= Lmax] [q_j accepting] sum_z a_j(z) B(z, eos)
+    sum_v s_j(v) = P(C | x, y_<=j);   the guide's weight g_j(v) = s_j(v) / p(v | x, y_<=j) = P(C | x, y_<=j, v).
+All words of class OTHER share one column of M: their scores are one product (a_j * M(., q_OTHER)) B.
+
+Entry points (all on the model's device, in its dtype, with float64 where results are reported):
+- `prepare(model, dfa, temperature=1.0) -> Messages`: the backward messages. O(Lmax (Q_live S^2 + E S) + S V).
+- `Messages.log_prob(prefix) -> float | None`: log P(C | prefix) (None for probability 0). O(prefix S^2).
+- `sample(messages, n, generator, prefix)`: n continuations drawn exactly from p(y | prefix, y complete,
+  y satisfies C), token by token from s_j; InputError naming `constraint` when P(C | prefix) = 0. Per token and
+  sample O(S V + S^2) (blocked: O(k V + k Z)).
+- `Guide(messages, prefixes)`: incremental handle for n sequences: `weights()` -> (n, V) g_j(v), `advance(tokens)`
+  one filter step each (no rescan of the tokens so far).
+- `beam_search(messages, prefix, beam, n_best)`: hypotheses ranked by p(h | x) P(C | x, h) (model x exact
+  lookahead), which bounds every completion's log p(y | x) from above; `certified` when the best found
+  completions are provably the most probable constrained strings.
+- `estimate_cost(model, dfa, ...)`: the work of a request in multiply-adds, known before any work.
+Temperature tempers the model before conditioning (`tempered`: start, transition rows and emission rows each
+raised to 1/T and renormalised; rank_hmm: its rank-space start, step and emissions), so draws are exact from the
+constrained distribution of a well-defined HMM. This is not p(y | x)^(1/T), which does not factor over states.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from latentlm.models.base import Batch, ChainFamily, check_continuable
+from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.constraint import WordDFA
+from latentlm.models.errors import InputError, UnsupportedOperation
+from latentlm.models.hmm import DenseHMM
+from latentlm.models.rank_hmm import RankHMM
+from latentlm.models.sampling import draw_rows
+from latentlm.models.sampling import tempered as tempered_rows
+
+FAMILIES = ("hmm", "blocked_hmm", "rank_hmm", "tagging_hmm")
+SLAB_ENTRIES = 1 << 22  # entries of a temporary (rows x S) product before it is cut into slabs
+STEP_OVERHEAD = 3_000_000  # cost units per interpreter-level step (the service's per-step sampling overhead)
+
+
+# -- each family as the recursions see it ---------------------------------------------------------------
+class ChainView:
+    """A chain family as S states with a start, a transition (S, S) and emissions B (S, V); subclasses read each
+    family's own tensors and hooks. `a` arguments are predictive distributions (n, S)."""
+
+    model: ChainFamily
+    S: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def start(self) -> Tensor:
+        """p(z_1) (S,)."""
+        raise NotImplementedError
+
+    def predictive(self, prefix: list[int]) -> Tensor:
+        """p(z_{n+1} | prefix) (S,), unnormalised (the chain engine's filter)."""
+        raise NotImplementedError
+
+    def trans_apply(self, X: Tensor) -> Tensor:
+        """A @ X: (S, n) -> (S, n). O(S^2 n)."""
+        raise NotImplementedError
+
+    def emission(self, word: int) -> Tensor:
+        """B(., word) (S,)."""
+        raise NotImplementedError
+
+    def masked_mass(self, mask: Tensor) -> Tensor:
+        """sum of B(., v) over the words v with mask[v] (V,) bool, by a masked row sum (S,)."""
+        raise NotImplementedError
+
+    def token_probs(self, a: Tensor) -> Tensor:
+        """(n, S) -> (n, V): sum_z a(z) B(z, v)."""
+        raise NotImplementedError
+
+    def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
+        """sum_z a[i, z] B(z, words[i]) M[z, cols[i]] (R,) for a (R, S), words (R,), M (S, C), cols (R,)."""
+        raise NotImplementedError
+
+    def condition(self, a: Tensor, words: Tensor) -> Tensor:
+        """The next predictive after each row reads its word: (a * B(., w)) A, normalised (n, S); a row whose
+        word has probability 0 comes back as zeros."""
+        raise NotImplementedError
+
+
+class DenseView(ChainView):
+    """hmm and tagging_hmm (the tag factor sums to 1 for word constraints): start, trans (Z, Z), emit (Z, V);
+    rank_hmm in rank space: rank_start, rank_trans (r, r), emissions emit.T (r, V)."""
+
+    def __init__(self, model: ChainFamily):
+        self.model = model
+        if isinstance(model, RankHMM):
+            self.init, self.trans, self.emit_by_word = model.rank_start, model.rank_trans, model.emit  # (V, r)
+            self.emit = model.emit.T  # (r, V)
+        else:
+            assert isinstance(model, DenseHMM)
+            self.init, self.trans, self.emit, self.emit_by_word = model.start, model.trans, model.emit, \
+                model.emit_by_word
+        self.S, self.dtype, self.device = self.trans.shape[0], self.trans.dtype, self.trans.device
+
+    def start(self) -> Tensor:
+        return self.init
+
+    def predictive(self, prefix: list[int]) -> Tensor:
+        if isinstance(self.model, RankHMM):  # the chain engine runs rank_hmm in rank space
+            return self.model.filtered_last(Batch.from_lists([prefix], self.device))[0] @ self.trans
+        return self.model.predictive(prefix)
+
+    def trans_apply(self, X: Tensor) -> Tensor:
+        return self.trans @ X
+
+    def emission(self, word: int) -> Tensor:
+        return self.emit[:, word]
+
+    def masked_mass(self, mask: Tensor) -> Tensor:
+        return self.emit @ mask.to(self.dtype)
+
+    def token_probs(self, a: Tensor) -> Tensor:
+        return a @ self.emit
+
+    def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
+        out = torch.empty(len(a), dtype=self.dtype, device=self.device)
+        step = max(1, SLAB_ENTRIES // self.S)
+        for lo in range(0, len(a), step):
+            sl = slice(lo, lo + step)
+            out[sl] = (a[sl] * self.emit_by_word[words[sl]] * M[:, cols[sl]].T).sum(-1)
+        return out
+
+    def condition(self, a: Tensor, words: Tensor) -> Tensor:
+        alpha = a * self.emit_by_word[words]
+        return _normalised(alpha) @ self.trans
+
+
+class BlockedView(ChainView):
+    """blocked_hmm: Z = M k states; B(z, v) = emit[v, i] for z = cluster(v) k + i, else 0."""
+
+    def __init__(self, model: BlockedHMM):
+        self.model = model
+        self.S, self.dtype, self.device = model.num_states, model.dtype, model.device
+        self.k = model.k
+
+    def start(self) -> Tensor:
+        return self.model.start
+
+    def predictive(self, prefix: list[int]) -> Tensor:
+        return self.model.predictive(prefix)
+
+    def trans_apply(self, X: Tensor) -> Tensor:
+        trans = self.model.trans
+        if trans.dtype == self.dtype:
+            return trans @ X
+        out = torch.empty(self.S, X.shape[1], dtype=self.dtype, device=self.device)
+        step = max(self.k, SLAB_ENTRIES // self.S)  # rows widened a slab at a time (bfloat16 storage)
+        for lo in range(0, self.S, step):
+            out[lo: lo + step] = trans[lo: lo + step].to(self.dtype) @ X
+        return out
+
+    def _states(self, words: Tensor) -> Tensor:
+        """(R, k) state ids of each word's cluster."""
+        return self.model.word_cluster[words][:, None] * self.k + torch.arange(self.k, device=self.device)
+
+    def emission(self, word: int) -> Tensor:
+        col = torch.zeros(self.S, dtype=self.dtype, device=self.device)
+        c = int(self.model.word_cluster[word])
+        col[c * self.k: (c + 1) * self.k] = self.model.emit[word]
+        return col
+
+    def masked_mass(self, mask: Tensor) -> Tensor:
+        m = self.model
+        mass = torch.zeros(m.M, self.k, dtype=self.dtype, device=self.device)
+        mass.index_add_(0, m.word_cluster[mask], m.emit[mask].to(self.dtype))
+        return mass.view(-1)
+
+    def token_probs(self, a: Tensor) -> Tensor:
+        return self.model._token_probs(a)
+
+    def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
+        idx = self._states(words)
+        return (a.gather(1, idx) * self.model.emit[words].to(self.dtype) * M[idx, cols[:, None]]).sum(-1)
+
+    def condition(self, a: Tensor, words: Tensor) -> Tensor:
+        alpha, ids = self.model._condition(a, words)
+        return self.model._propagate(_normalised(alpha), ids)
+
+
+def _normalised(alpha: Tensor) -> Tensor:
+    total = alpha.sum(1, keepdim=True)
+    return torch.where(total > 0, alpha / torch.where(total > 0, total, 1), 0)
+
+
+def view_of(model: Any) -> ChainView:
+    """The `ChainView` of a chain family; UnsupportedOperation naming the family otherwise."""
+    if isinstance(model, BlockedHMM):
+        return BlockedView(model)
+    if isinstance(model, (DenseHMM, RankHMM)):
+        return DenseView(model)
+    family = getattr(model, "family", type(model).__name__)
+    raise UnsupportedOperation(f"constraints are answered by the chain families ({', '.join(FAMILIES)}), not by "
+                               f"{family!r}", param="constraint")
+
+
+# -- temperature: a tempered copy of the model ---------------------------------------------------------------
+def tempered(model: ChainFamily, temperature: float) -> ChainFamily:
+    """The model with each factor tempered: start, each transition row and each state's emission distribution
+    raised to 1 / temperature and renormalised (blocked: a state's distribution over its cluster's words;
+    rank_hmm: the rank-space start, step and emissions, which define the HMM its chain runs). The model itself
+    at temperature 1. O(size of the model's tensors)."""
+    if temperature == 1.0:
+        return model
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise InputError(f"temperature: must be a positive number, got {temperature}", param="temperature")
+    dtype = model.dtype
+
+    def rows(w: Tensor) -> Tensor:
+        t = tempered_rows(w.to(torch.float64).clamp_min(0), temperature)
+        return (t / t.sum(1, keepdim=True)).to(dtype)
+
+    if isinstance(model, BlockedHMM):
+        emit = model.emit.to(torch.float64)
+        logs = torch.where(emit > 0, emit.log(), -math.inf) / temperature
+        top = torch.full((model.M, model.k), -math.inf, dtype=torch.float64, device=model.device)
+        top = top.scatter_reduce(0, model.word_cluster[:, None].expand(-1, model.k), logs, "amax")
+        w = (logs - top[model.word_cluster]).exp()
+        sums = torch.zeros_like(top).index_add_(0, model.word_cluster, w)
+        emit_t = (w / sums[model.word_cluster]).to(dtype)
+        return BlockedHMM(rows(model.start[None])[0], rows(model.trans), emit_t, model.word_cluster, model.M)
+    if isinstance(model, RankHMM):
+        t = {"start": model.start, "state_in": model.state_in, "state_out": model.state_out,
+             "rank_start": rows(model.rank_start[None])[0], "rank_trans": rows(model.rank_trans),
+             "emit": rows(model.emit.T).T.contiguous()}
+        return RankHMM(t)
+    if isinstance(model, DenseHMM):
+        return DenseHMM(rows(model.start[None])[0], rows(model.trans), rows(model.emit))
+    return model
+
+
+# -- the backward messages ---------------------------------------------------------------------------------
+@dataclass
+class Messages:
+    """Backward messages of one (model, constraint, temperature), shared by every prefix, sample and guide.
+
+    For j = 1 .. Lmax-1: `M[j]` (S, C_j) = A What_j over the live states of step j (column `col[j][q]`, -1 when
+    (j, q) is not live) and `sigma[j]` (Q,) float64 with W_j(., q) = What_j(., q) exp(sigma[j][q]) (-inf: dead);
+    `W0` (S,) = What_0(., start) with scale `sigma0`. `eos` (S,) = B(., eos). Memory: sum_j C_j S entries."""
+
+    view: ChainView
+    dfa: WordDFA
+    temperature: float
+    M: list[Tensor | None]
+    col: list[np.ndarray]
+    sigma: list[np.ndarray]
+    W0: Tensor
+    sigma0: float
+    eos: Tensor
+    delta: Tensor = field(init=False)
+    accept: Tensor = field(init=False)
+    cls: Tensor = field(init=False)
+    special: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        dev = self.view.device
+        self.delta = torch.as_tensor(self.dfa.delta, device=dev)
+        self.accept = torch.as_tensor(self.dfa.accept, device=dev)
+        self.cls = torch.as_tensor(self.dfa.cls, device=dev)
+        self.special = torch.as_tensor(self.dfa.special, device=dev)
+
+    @property
+    def model(self) -> ChainFamily:
+        return self.view.model
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.dfa.cls.shape[0])
+
+    def initial(self, prefix: Sequence[int] | None = None) -> Tensor:
+        """a_0 = p(z_{n+1} | prefix) (S,) normalised, from the chain engine's filter of the (tempered) model;
+        InputError naming `prefix` when the model gives the prefix probability 0."""
+        prefix = list(prefix or [])
+        first = self.view.predictive(prefix) if prefix else self.view.start()
+        check_continuable(first, prefix)
+        return (first / first.sum()).to(self.view.dtype)
+
+    def log_prob(self, prefix: Sequence[int] | None = None) -> float | None:
+        """log P(C | prefix) in float64, None for probability 0. O(prefix filter + S)."""
+        a0 = self.initial(prefix)
+        value = float(a0.double() @ self.W0.double())
+        if not (value > 0) or self.sigma0 == -math.inf:
+            return None
+        return math.log(value) + self.sigma0
+
+    def nbytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.M if m is not None)
+
+
+def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0) -> Messages:
+    """The backward messages of `model` (tempered first) under `dfa` and its length window (module docstring).
+    O(Lmax (Q_live S^2 + E S) + S V) time (S V: the OTHER words' emission mass, a masked row sum), O(Lmax Q_live S)
+    memory."""
+    view = view_of(tempered(model, temperature))
+    if dfa.cls.shape[0] != _vocab_size(view):
+        raise InputError(f"constraint: compiled for a vocabulary of {dfa.cls.shape[0]} words, the model has "
+                         f"{_vocab_size(view)}", param="constraint")
+    S, dtype, dev = view.S, view.dtype, view.device
+    lo, hi = dfa.min_tokens, dfa.max_tokens
+    K = dfa.num_classes - 1
+    live = dfa.live()
+    # emission columns per class: the named words, then OTHER (every other word but <eos>, one masked row sum)
+    cls = torch.as_tensor(dfa.cls, device=dev)
+    Bc = torch.empty(S, K + 1, dtype=dtype, device=dev)
+    for c, w in enumerate(dfa.special.tolist()):
+        Bc[:, c] = view.emission(w)
+    Bc[:, K] = view.masked_mass(cls == K) if dfa.has_other else 0
+    eos = view.emission(dfa.eos_id) if dfa.eos_id is not None else torch.zeros(S, dtype=dtype, device=dev)
+    # edges (q, q') with e_{q,q'} = sum of the classes' columns taking q to q' (0/1 indicator: no cancellation)
+    classes = K + 1 if dfa.has_other else K
+    src = np.repeat(np.arange(dfa.num_states), classes)
+    dst = dfa.delta[:, :classes].ravel()
+    cl = np.tile(np.arange(classes), dfa.num_states)
+    keep = dst >= 0
+    pairs, pair_of = np.unique(np.stack([src[keep], dst[keep]], 1), axis=0, return_inverse=True)
+    ind = torch.zeros(K + 1, len(pairs), dtype=dtype, device=dev)
+    ind[torch.as_tensor(cl[keep], device=dev), torch.as_tensor(pair_of.reshape(-1), device=dev)] = 1
+    edge_emit = Bc @ ind  # (S, P)
+
+    Q = dfa.num_states
+    M: list[Tensor | None] = [None] * hi
+    cols: list[np.ndarray] = [np.full(Q, -1, dtype=np.int64) for _ in range(hi)]
+    sigmas: list[np.ndarray] = [np.full(Q, -math.inf) for _ in range(hi)]
+    W_next: Tensor | None = None  # What_{j+1} over live[j+1]
+    for j in range(hi - 1, -1, -1):
+        states = np.flatnonzero(live[j])
+        cols[j][states] = np.arange(len(states))
+        m = np.full(len(states), -math.inf)
+        eos_ok = lo <= j + 1 <= hi
+        acc = dfa.accept[states] if eos_ok else np.zeros(len(states), dtype=bool)
+        m[acc] = 0.0
+        if j + 1 < hi and W_next is not None:
+            Mj = view.trans_apply(W_next)  # (S, C_{j+1})
+            M[j + 1] = Mj
+            sel = live[j][pairs[:, 0]] & live[j + 1][pairs[:, 1]] & (sigmas[j + 1][pairs[:, 1]] > -math.inf)
+            e_idx = np.flatnonzero(sel)
+            e_src = cols[j][pairs[e_idx, 0]]
+            e_dst = cols[j + 1][pairs[e_idx, 1]]
+            e_scale = sigmas[j + 1][pairs[e_idx, 1]]
+            np.maximum.at(m, e_src, e_scale)
+        else:
+            e_idx = np.zeros(0, dtype=np.int64)
+        shift = np.where(np.isfinite(m), m, 0.0)
+        W = torch.zeros(S, len(states), dtype=dtype, device=dev)
+        if acc.any():
+            w_eos = torch.as_tensor(np.exp(-shift[acc]), dtype=dtype, device=dev)
+            W[:, torch.as_tensor(np.flatnonzero(acc), device=dev)] += eos[:, None] * w_eos
+        if len(e_idx):
+            w_e = torch.as_tensor(np.exp(e_scale - shift[e_src]), dtype=dtype, device=dev)
+            d = torch.as_tensor(e_dst, device=dev)
+            W.index_add_(1, torch.as_tensor(e_src, device=dev),
+                         edge_emit[:, torch.as_tensor(e_idx, device=dev)] * M[j + 1][:, d] * w_e)  # type: ignore
+        top = W.amax(0) if len(states) else W.new_zeros(0)
+        alive = top > 0
+        W = W / torch.where(alive, top, 1)
+        with np.errstate(divide="ignore"):
+            sigmas[j][states] = np.where(alive.cpu().numpy(), shift + np.log(top.double().cpu().numpy()), -math.inf)
+        W_next = W
+    assert W_next is not None  # live[0] holds the start state (checked when the constraint was compiled)
+    start_col = int(cols[0][0])
+    return Messages(view, dfa, temperature, M, cols, sigmas, W_next[:, start_col].clone(), float(sigmas[0][0]), eos)
+
+
+def _vocab_size(view: ChainView) -> int:
+    m = view.model
+    if isinstance(m, BlockedHMM):
+        return int(m.word_cluster.shape[0])
+    return int(view.emit.shape[1])  # type: ignore[attr-defined]
+
+
+# -- next-token scores ---------------------------------------------------------------------------------------
+def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int) -> Tensor:
+    """log s_j(v) (n, V) float64 = log P(y_{j+1} = v, C | x, y_<=j) for rows with predictive a (n, S) in automaton
+    states q (n,) (-1: dead) after j continuation tokens. O(n (S V + K S)) (blocked: O(n k (V + K)))."""
+    dfa, view = msgs.dfa, msgs.view
+    n, V = len(a), msgs.vocab_size
+    K = dfa.num_classes - 1
+    lo, hi = dfa.min_tokens, dfa.max_tokens
+    out = torch.full((n, V), -math.inf, dtype=torch.float64, device=view.device)
+    alive_rows = q >= 0
+    qs = q.clamp_min(0)
+    Mj = msgs.M[j + 1] if j + 1 < hi else None
+    if Mj is not None:
+        col = torch.as_tensor(msgs.col[j + 1], device=view.device)
+        sig = torch.as_tensor(msgs.sigma[j + 1], device=view.device)
+        succ = torch.where(alive_rows[:, None], msgs.delta[qs], -1)  # (n, K+1)
+        ok = (succ >= 0) & (col[succ.clamp_min(0)] >= 0)
+        succ = torch.where(ok, succ, -1)
+        d = succ[:, K]
+        rows = (d >= 0).nonzero().squeeze(1)
+        if len(rows):  # every word through the OTHER column, then the named words that go elsewhere are fixed
+            u = a[rows] * Mj[:, col[d[rows]]].T
+            out[rows] = _log(view.token_probs(u)) + sig[d[rows]].unsqueeze(1)
+        r, c = (succ[:, :K] != d[:, None]).nonzero(as_tuple=True)
+        if len(r):
+            s = succ[r, c]
+            words = msgs.special[c]
+            vals = torch.full((len(r),), -math.inf, dtype=torch.float64, device=view.device)
+            live_pairs = (s >= 0).nonzero().squeeze(1)
+            if len(live_pairs):
+                rr, ss = r[live_pairs], s[live_pairs]
+                vals[live_pairs] = _log(view.scores_at(a[rr], words[live_pairs], Mj, col[ss])) + sig[ss]
+            out[r, words] = vals
+    if dfa.eos_id is not None:
+        out[:, dfa.eos_id] = -math.inf
+        if lo <= j + 1 <= hi:
+            acc = (alive_rows & msgs.accept[qs]).nonzero().squeeze(1)
+            if len(acc):
+                out[acc, dfa.eos_id] = _log(a[acc] @ msgs.eos)
+    return out
+
+
+def _log(x: Tensor) -> Tensor:
+    return x.double().clamp_min(0).log()
+
+
+def _advance(msgs: Messages, a: Tensor, q: Tensor, words: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows that read content words: (next predictive (n, S), next automaton state (n,))."""
+    c = msgs.cls[words]
+    q_next = torch.where((q >= 0) & (c >= 0), msgs.delta[q.clamp_min(0), c.clamp_min(0)], -1)
+    return msgs.view.condition(a, words), q_next
+
+
+# -- the guide -------------------------------------------------------------------------------------------
+class Guide:
+    """Incremental constraint weights for n sequences generated by another model sharing the vocabulary
+    (Ctrl-G's factor): after the tokens y_<=j given to `advance`, `weights()` is g_j(v) = P(C | x, y_<=j, v)
+    for every next token v (n, V) float64 (exactly 0 where v makes C impossible; for `<eos>` exactly 0 or 1).
+    Multiply an LM's next-token probabilities by it and renormalise: the LM then never leaves the constraint.
+    Each `advance` is one filter step (O(S^2), blocked O(k Z)); `weights` two token products (O(S V), blocked
+    O(k V)) plus O(K S). Rows stay in lockstep (one token each per step); a row past its `<eos>` is ignored."""
+
+    def __init__(self, messages: Messages, prefixes: Sequence[Sequence[int] | None] | None = None, n: int = 1):
+        self.msgs = messages
+        prefixes = list(prefixes) if prefixes is not None else [None] * n
+        self.a = torch.stack([messages.initial(p) for p in prefixes])
+        self.q = torch.zeros(len(prefixes), dtype=torch.long, device=messages.view.device)
+        self.done = torch.zeros(len(prefixes), dtype=torch.bool, device=messages.view.device)
+        self.j = 0
+
+    @property
+    def steps(self) -> int:
+        """Continuation tokens read so far."""
+        return self.j
+
+    def scores(self) -> tuple[Tensor, Tensor]:
+        """(log s_j (n, V): log P(v, C | x, y_<=j), log p(v | x, y_<=j) (n, V)), float64."""
+        return next_log_scores(self.msgs, self.a, self.q, self.j), _log(self.msgs.view.token_probs(self.a))
+
+    def weights(self) -> Tensor:
+        """g_j(v) (n, V) float64; 0 where the model gives v probability 0."""
+        log_s, log_p = self.scores()
+        return torch.where(log_p > -math.inf, (log_s - log_p).exp(), 0.0).clamp_max(1.0)
+
+    def log_prob(self) -> list[float | None]:
+        """log P(C | x, y_<=j) per row (None: probability 0)."""
+        total = torch.logsumexp(next_log_scores(self.msgs, self.a, self.q, self.j), 1).tolist()
+        return [t if t > -math.inf else None for t in total]
+
+    def advance(self, tokens: Sequence[int] | Tensor) -> None:
+        """Read one token per row (rows already done are ignored; `<eos>` ends a row)."""
+        t = torch.as_tensor(tokens, dtype=torch.long, device=self.a.device).reshape(-1)
+        if len(t) != len(self.a):
+            raise InputError(f"tokens: expected one per sequence ({len(self.a)}), got {len(t)}", param="tokens")
+        if bool(((t < 0) | (t >= self.msgs.vocab_size)).any()):
+            raise InputError("tokens: id outside the vocabulary", param="tokens")
+        eos = self.msgs.dfa.eos_id
+        ends = (t == eos) if eos is not None else torch.zeros_like(self.done)
+        go = (~self.done & ~ends).nonzero().squeeze(1)
+        if len(go):
+            self.a[go], self.q[go] = _advance(self.msgs, self.a[go], self.q[go], t[go])
+        self.done |= ends
+        self.j += 1
+
+
+# -- exact conditional sampling ---------------------------------------------------------------------------------
+def sample(msgs: Messages, n: int, generator: torch.Generator, *, prefix: Sequence[int] | None = None
+           ) -> list[list[int]]:
+    """n continuations (token ids, each ending with `<eos>`) drawn exactly from p(y | prefix, y complete, y
+    satisfies C) under the (tempered) model of `msgs`: token j+1 ~ s_j / sum s_j, then the plain filter and the
+    automaton advance. InputError naming `constraint` when P(C | prefix) = 0 (and `prefix` when the prefix has
+    probability 0). O(n Lmax (S V + S^2)) (blocked: O(n Lmax k (V + Z)))."""
+    if msgs.log_prob(prefix) is None:
+        raise InputError("constraint: has probability 0 under this model after this prefix: no continuation "
+                         "satisfies it", param="constraint")
+    a = msgs.initial(prefix).expand(n, -1).clone()
+    q = torch.zeros(n, dtype=torch.long, device=a.device)
+    out: list[list[int]] = [[] for _ in range(n)]
+    rows = torch.arange(n, device=a.device)
+    eos = msgs.dfa.eos_id
+    for j in range(msgs.dfa.max_tokens):
+        if not len(rows):
+            break
+        log_s = next_log_scores(msgs, a, q, j)
+        top = log_s.amax(1, keepdim=True)
+        v = draw_rows((log_s - top).exp(), generator)
+        for i, tok in zip(rows.tolist(), v.tolist(), strict=True):
+            out[i].append(tok)
+        go = (v != eos).nonzero().squeeze(1)
+        a, q = _advance(msgs, a[go], q[go], v[go])
+        rows = rows[go]
+    return out
+
+
+# -- constrained beam search ----------------------------------------------------------------------------------
+@dataclass
+class BeamResult:
+    """Completions found, best first: `ids` (ending with `<eos>`), `log_prob` log p(y | x), `log_prob_given`
+    log p(y | x, C) = log p(y | x) - log P(C | x); `certified`: they are provably the n_best most probable
+    constrained continuations; else `gap` bounds how much better an unseen one could be (in log probability)."""
+
+    results: list[dict[str, Any]]
+    certified: bool
+    gap: float
+    log_prob_constraint: float | None
+
+
+def beam_search(msgs: Messages, *, prefix: Sequence[int] | None = None, beam: int = 16, n_best: int = 1
+                ) -> BeamResult:
+    """Constrained beam search ranked by log P(h, C | x) = log p(h | x) + log P(C | x, h) (model x exact
+    lookahead, as Ctrl-G ranks), an upper bound on log p(y | x) of every valid completion y of h (an admissible
+    A* heuristic). Each step expands the live hypotheses over the vocabulary, moves `<eos>` expansions to the
+    finished list, keeps the best `beam` and remembers the best pruned score; it stops once the n_best-th
+    finished score is at least the best live or pruned score (certified) or nothing is live. Note the most
+    probable string is not what Viterbi gives (a best state path; argmax_y p(y | x) is NP-hard in general).
+    O(Lmax beam (S V + S^2))."""
+    log_pc = msgs.log_prob(prefix)
+    if log_pc is None:
+        raise InputError("constraint: has probability 0 under this model after this prefix", param="constraint")
+    eos = msgs.dfa.eos_id
+    a = msgs.initial(prefix)[None]
+    q = torch.zeros(1, dtype=torch.long, device=a.device)
+    hyp_lp = torch.zeros(1, dtype=torch.float64, device=a.device)  # log p(h | x)
+    hyps: list[list[int]] = [[]]
+    finished: list[tuple[float, list[int]]] = []
+    pruned = -math.inf
+    bound = math.inf
+    for j in range(msgs.dfa.max_tokens):
+        log_s = next_log_scores(msgs, a, q, j)
+        log_p = _log(msgs.view.token_probs(a))
+        score = hyp_lp[:, None] + log_s  # log P(h v, C | x)
+        if eos is not None:
+            for i in (score[:, eos] > -math.inf).nonzero().squeeze(1).tolist():
+                finished.append((float(score[i, eos]), [*hyps[i], eos]))
+            score[:, eos] = -math.inf
+        flat = score.reshape(-1)
+        finite = int((flat > -math.inf).sum())
+        take = min(beam, finite)
+        best, idx = flat.topk(take) if take else (flat[:0], flat[:0].long())
+        if finite > take:
+            rest = flat.clone()
+            rest[idx] = -math.inf
+            pruned = max(pruned, float(rest.max()))
+        finished.sort(key=lambda f: -f[0])
+        live_best = float(best[0]) if take else -math.inf
+        bound = max(live_best, pruned)
+        if not take or (len(finished) >= n_best and finished[n_best - 1][0] >= bound):
+            break
+        V = flat.shape[0] // len(hyps)
+        h, v = idx // V, idx % V
+        hyp_lp = hyp_lp[h] + log_p[h, v]
+        hyps = [[*hyps[i], t] for i, t in zip(h.tolist(), v.tolist(), strict=True)]
+        a, q = _advance(msgs, a[h], q[h], v)
+    finished.sort(key=lambda f: -f[0])
+    top = finished[:n_best]
+    certified = len(top) == n_best and top[-1][0] >= bound if top else False
+    gap = 0.0 if certified else (bound - top[-1][0] if top else math.inf)
+    return BeamResult([{"ids": ids, "log_prob": lp, "log_prob_given": lp - log_pc} for lp, ids in top],
+                      certified, max(gap, 0.0), log_pc)
+
+
+# -- cost, before any work --------------------------------------------------------------------------------------
+def estimate_cost(model: ChainFamily, dfa: WordDFA, *, n_samples: int = 0, guide_rows: int = 0, beam: int = 0,
+                  prefix_tokens: int = 0) -> int:
+    """Multiply-adds (the units of the service's cost model) of preparing the messages and then drawing
+    `n_samples`, guiding `guide_rows` sequences over max_tokens steps, or a beam search of width `beam`, after a
+    prefix of `prefix_tokens` tokens; from the automaton's live states and edges, known before any inference.
+    Raises UnsupportedOperation for a family without constraints."""
+    view_of(model)  # the family check
+    V = int(dfa.cls.shape[0])
+    if isinstance(model, RankHMM):
+        S = width = model.rank
+        emit_width = S
+    elif isinstance(model, BlockedHMM):
+        S, width, emit_width = model.num_states, model.num_states, model.k
+    else:
+        S = width = emit_width = model.num_states
+    live = dfa.live()
+    live_counts = [int(m.sum()) for m in live]
+    edges = int((dfa.delta >= 0).sum())
+    # products A What over the live columns, the edges' terms, the emission columns (OTHER: a masked row sum)
+    backward = sum(live_counts[1:]) * S * S + dfa.max_tokens * edges * S + emit_width * V + dfa.num_classes * S
+    filt = width * (emit_width if isinstance(model, BlockedHMM) else width)
+    per_token = emit_width * V + filt + dfa.num_classes * emit_width
+    steps = dfa.max_tokens
+    rows = n_samples + 2 * guide_rows + beam
+    total = backward + STEP_OVERHEAD * dfa.max_tokens + prefix_tokens * (filt + 5_000)
+    total += steps * (rows * per_token + (STEP_OVERHEAD if rows else 0))
+    return int(total)
