@@ -21,6 +21,7 @@ from latentlm.models import calibrate as calibration
 from latentlm.models import chain
 from latentlm.models.backend import Backend
 from latentlm.models.chain import Emit, Trans
+from latentlm.models.cost import ENTRY_COST, OUTPUT_TOKEN_COST, SAMPLE_STEP_COST, TOKEN_COST, Work
 from latentlm.models.errors import InputError
 from latentlm.models.family import Family, perplexity
 from latentlm.models.sampling import CategoricalTable, Samples, draw_rows, run_sampler, slot_to_token, truncated
@@ -180,6 +181,45 @@ class ChainFamily(ChainOps, Family):
         """K: how many states a token's posterior lists when every state is asked for (the last dimension of
         `state_ids`); every state unless the family reduces the state space per token."""
         return self.num_states
+
+    @property
+    def step_width(self) -> int:
+        """States one step of the recursion spans: Z for a dense HMM, a cluster's k for a blocked one (the
+        cost model's width; rank-space: the rank)."""
+        return int(self.states_per_token)
+
+    def viterbi_step_cost(self) -> int:
+        """Work of one Viterbi step (max-product over the step's width)."""
+        return 2 * self.step_width ** 2
+
+    def marginal_step_cost(self) -> int:
+        """Work of one forward-backward step, marginals included."""
+        return 2 * self.step_width ** 2 + self.states_per_token
+
+    def cost(self, work: Work) -> int:
+        """tokens x width^2 per pass (score one, posterior/MBR two), plus what the response lists; sampling:
+        max_tokens steps of n rows (filtering K (Z + V) per step when drawn from the next-token distribution)."""
+        w, K = self.step_width, int(self.states_per_token)
+        if work.op == "sample":
+            step = w * (self.num_states + work.vocab_size) if work.predictive else w * w
+            return int(work.max_tokens * (SAMPLE_STEP_COST + work.n * (step + TOKEN_COST))
+                       + work.prefix_tokens * (w * w + TOKEN_COST))
+        if work.op == "score":
+            per = w * w + TOKEN_COST
+        elif work.op == "decode" and work.method == "viterbi":
+            per = self.viterbi_step_cost() + 30_000
+        else:  # posterior, MBR decode, embed: forward + backward + the marginals over the listed states
+            if work.op == "embed":
+                vecs = self.extras.get("state_vectors") if isinstance(getattr(self, "extras", None), dict) else None
+                listed = int(vecs.shape[1]) if vecs is not None else K
+            else:
+                listed = 1 if work.op == "decode" else K if work.top_k is None else min(work.top_k, K)
+            per = self.marginal_step_cost() + OUTPUT_TOKEN_COST + ENTRY_COST * listed
+        return int(work.tokens * per)
+
+    def posterior_entries(self, lengths: tuple[int, ...], top_k: int | None) -> int:
+        width = int(self.states_per_token)
+        return (width if top_k is None else min(top_k, width)) * sum(lengths)
 
     def sampling_tables(self, temperature: float) -> tuple[CategoricalTable, CategoricalTable, Tensor | None]:
         """(transition table over states, emission table per state, slot->token map (Z, W) or None)."""

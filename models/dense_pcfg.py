@@ -35,6 +35,12 @@ class DensePCFG(PCFGOps, Family):
                           (Option("start", None, "start symbol (default: the first rule's left-hand side)"),)),)
     viterbi_elems = 1 << 24  # B * m * NT * S^2 entries per max-product step
 
+
+    def split_cost(self) -> int:
+        """A dense split contracts every binary rule: nt x S^2."""
+        S = self.nt + self.pt
+        return self.nt * S * S
+
     def __init__(self, t: dict[str, Tensor], config: dict[str, Any]):
         self.start, self.rules, self.emit = t["start"], t["rules"], t["emit"]
         self.nt, self.pt = config["nt"], config["pt"]

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from latentlm.models.cost import Work
 from latentlm.models.vocab import Vocabulary
 
 OPERATIONS: tuple[str, ...] = ("score", "posterior", "decode", "sample", "embed")
@@ -102,6 +103,17 @@ class Family:
     def describe(self) -> dict[str, Any]:
         """Family-specific fields for `GET /v1/models`."""
         return {"num_states": self.num_states}
+
+    def cost(self, work: Work) -> int:
+        """Estimated work of one request (`models.cost` units), known before any work: the service budgets
+        and routes requests by it. Every family states its own algorithm's cost; there is no generic guess."""
+        raise NotImplementedError(f"family {self.family!r} declares no cost model (Family.cost)")
+
+    def posterior_entries(self, lengths: tuple[int, ...], top_k: int | None) -> int:
+        """How many (state or span, probability) pairs a posterior of sequences of `lengths` returns with
+        `top_k` per position (None: all), known before any work. Default: `num_states` per token."""
+        width = self.num_states
+        return (width if top_k is None else min(top_k, width)) * sum(lengths)
 
     # Operations used by `latentlm.ops` (CLI, service, jobs). Each takes validated token-id sequences and
     # returns one dict per input (or per sample) with the documented fields; a family that lacks an

@@ -30,6 +30,7 @@ from torch import Tensor
 from latentlm.models.base import Batch
 from latentlm.models.chain import valid_mask
 from latentlm.models.checks import check_distribution, check_shape
+from latentlm.models.cost import ENTRY_COST, OUTPUT_TOKEN_COST, Work
 from latentlm.models.errors import ArtifactError
 from latentlm.models.family import Family, Recipe
 
@@ -226,6 +227,12 @@ class LDS(Family):
     def describe(self) -> dict[str, Any]:
         return {"dim": self.num_states, "lags": self.config.get("lags"),
                 "em_iterations": self.config.get("em_iterations")}
+
+    def cost(self, work: Work) -> int:
+        """Kalman smoothing: per token d^2 x lags, plus the d values listed."""
+        d = self.num_states
+        lags = int(self.config.get("lags") or 1)
+        return int(work.tokens * (d * d * lags + OUTPUT_TOKEN_COST + ENTRY_COST * d))
 
     def means(self, batch: Batch, causal: bool = False) -> Tensor:
         """Filtered (causal) or smoothed posterior means (B, T, h), zeros at padding. O(B T h^2)."""

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from latentlm.models.base import Batch, ChainOps
 from latentlm.models.checks import NORMALISATION_TOL, check_shape
+from latentlm.models.cost import TOKEN_COST, Work
 from latentlm.models.errors import ArtifactError, InputError, UnsupportedOperation
 from latentlm.models.family import Family, Importer, Option
 from latentlm.models.vocab import Preprocessing, Vocabulary
@@ -117,6 +118,10 @@ class NGramLM(Family):
     @property
     def num_states(self) -> int:
         return 0  # no latent states
+
+    def cost(self, work: Work) -> int:
+        """Per token one binary search per order: 64 x order."""
+        return int(work.tokens * (64 * self.order + TOKEN_COST))
 
     def describe(self) -> dict[str, Any]:
         return {"order": self.order, "ngram_counts": self.config.get("ngram_counts")}

@@ -90,6 +90,21 @@ class RankHMM(ChainFamily):
     def describe(self) -> dict[str, Any]:
         return {"num_states": self.num_states, "rank": self.rank, "backend": self.backends()}
 
+    @property
+    def step_width(self) -> int:
+        """The rank r: every step of the recursion is an r x r product."""
+        return int(self.rank)
+
+    def viterbi_step_cost(self) -> int:
+        """Viterbi over the m states builds an m x m matrix per token from the rank-r factors: m^2 (r + 1)."""
+        m = self.num_states
+        return m * m * (self.rank + 1)
+
+    def marginal_step_cost(self) -> int:
+        """Forward-backward in rank space plus the marginals over the m states: 2 r^2 + 2 r m + m."""
+        r, m = self.rank, self.num_states
+        return 2 * r * r + 2 * r * m + m
+
     def score_fused(self, batch: Batch) -> tuple[Tensor, Tensor]:
         return triton_chain.score_rank(self, batch, storage_dtype=self.storage_dtype, allow_tf32=self.allow_tf32)
 

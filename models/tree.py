@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from latentlm.models.cost import ENTRY_COST, PCFG_VITERBI_FACTOR, SAMPLE_STEP_COST, TOKEN_COST, Work
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
 from latentlm.models.family import perplexity
 from latentlm.models.sampling import CategoricalTable
@@ -434,6 +435,31 @@ class PCFGOps:
     def num_states(self) -> int:
         """Nonterminals plus preterminals."""
         return self.nt + self.pt
+
+    def split_cost(self) -> int:
+        """Rule work of one split point of the inside pass (rank-space: the chart width r)."""
+        return int(self.chart_width)
+
+    def cost(self, work: Work) -> int:
+        """Per sentence of n tokens: n^3/6 split points x `split_cost` (Viterbi: PCFG_VITERBI_FACTOR times a dense
+        split), plus n^2 x chart width x S for the terminals and the spans listed; sampling: n x max_tokens x S^2.
+        """
+        S = self.nt + self.pt
+        if work.op == "sample":
+            return int(work.n * work.max_tokens * (S * S + TOKEN_COST) + 8 * SAMPLE_STEP_COST)
+        if work.op == "decode" and work.method == "viterbi":
+            split = PCFG_VITERBI_FACTOR * self.nt * S * S
+        else:
+            split = self.split_cost()
+        out = ENTRY_COST // 2 if work.op in ("posterior", "decode") else 0  # spans listed per sentence
+        chart = int(self.chart_width)
+        return int(sum(L * (L * L - 1) // 6 * split + L * L * (chart * S + out) for L in work.lengths)
+                   + TOKEN_COST * work.tokens)
+
+    def posterior_entries(self, lengths: tuple[int, ...], top_k: int | None) -> int:
+        """Spans listed: per sentence of n tokens min(top_k, n(n-1)/2)."""
+        spans = (n * (n - 1) // 2 for n in lengths)
+        return sum(n if top_k is None else min(top_k, n) for n in spans)
 
 
     max_length: int = 200

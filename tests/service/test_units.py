@@ -203,7 +203,9 @@ def test_health_answers_while_a_batch_computes(base_store, tmp_path, monkeypatch
         assert release.wait(60), "the test never released the batch"
         return real(model, op, seqs, **kw)
 
-    monkeypatch.setattr(ops, "run", held_run)
+    from latentlm.ops import batching
+
+    monkeypatch.setattr(batching, "run", held_run)  # where the batcher's merged run calls it
     app = create_app(Settings(store=base_store, device="cpu", state_dir=tmp_path))
     with TestClient(app) as c, ThreadPoolExecutor(1) as pool:
         deadline = time.monotonic() + 60

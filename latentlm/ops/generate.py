@@ -1,0 +1,70 @@
+"""Sampling: n samples (or continuations of a prefix), stop sequences and each sample's finish_reason."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from latentlm.models.errors import InputError, UnsupportedOperation
+from latentlm.ops.batching import check_supported
+from latentlm.ops.inputs import check_seed, check_shaping, encode_stops
+from latentlm.ops.model import LoadedModel
+
+
+def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0,
+           prefix: str | list[int] | None = None, temperature: float = 1.0, stop_at_eos: bool = True,
+           stop: str | Sequence[str | list[int]] | None = None, top_k: int | None = None,
+           top_p: float | None = None) -> list[dict]:
+    """n samples (continuations of `prefix` when given, which is tokenised without `<eos>`). `stop`: up to
+    `MAX_STOP_SEQUENCES` stop sequences (text, tokenised without `<eos>`, or token-id lists; one string alone
+    is one sequence): a sample of a chain family ends before the first place its drawn tokens spell one (the
+    sequence itself left out, as OpenAI-style servers do). Cutting a drawn sample there gives exactly the
+    distribution of stopping there: what follows a position never changes what precedes it. Chain families
+    report each sample's `finish_reason`: "stop" (a stop sequence), "eos" (ended by `<eos>`) or "length"
+    (`max_tokens` drawn). `top_k` / `top_p`: each token is drawn from the model's next-token distribution
+    p(x_t | x_<t), `temperature` applied to it, cut to its `top_k` most probable tokens and to the fewest whose
+    mass reaches `top_p`, as LM servers do (forward filtering; the states then from p(z | x); families with
+    `predictive_sampling`: hmm, tagging_hmm, blocked_hmm). Without them a sample is drawn ancestrally, state
+    then token, `temperature` applied to each table."""
+    from latentlm.models.tree import PCFGOps
+
+    check_supported(model, "sample")
+    if n < 1 or max_tokens < 1:
+        raise InputError("n and max_tokens must be >= 1", param="n" if n < 1 else "max_tokens")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise InputError(f"temperature must be a positive finite number, got {temperature!r}", param="temperature")
+    check_seed(seed)
+    prefix_ids = None
+    if prefix is not None and prefix != "" and prefix != []:
+        if isinstance(prefix, str):
+            prefix_ids = model.vocab.encode(prefix, add_eos=False, where="prefix")
+        else:
+            prefix_ids = model.vocab.check_ids(list(prefix), where="prefix")
+    shaping = check_shaping(model, top_k, top_p)
+    stops = encode_stops(model.vocab, stop)
+    trees = isinstance(model.impl, PCFGOps)
+    if stops and trees:
+        raise UnsupportedOperation("stop: a PCFG samples whole sentences with their trees; stop sequences apply to "
+                                   "the chain families", param="stop")
+    stop_id = model.vocab.eos_id if stop_at_eos else None
+    res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids, temperature=temperature,
+                               stop_id=stop_id, **({"stop_seqs": stops} if stops else {}), **shaping)
+    if not trees:
+        res = [cut_at_stop(r, stops, stop_id, max_tokens) for r in res]
+    return [{"index": i, "tokens": model.vocab.decode(r["ids"]), **r} for i, r in enumerate(res)]
+
+
+
+def cut_at_stop(sample: dict, stops: list[list[int]], stop_id: int | None, max_tokens: int) -> dict:
+    """A chain family's drawn sample {"ids", "states"} cut before the first stop sequence its ids spell (the
+    first to be complete; of those complete at the same token, the longest), with its `finish_reason` ("stop",
+    "eos" or "length"). O(len(ids) x total stop length)."""
+    ids = sample["ids"]
+    for end in range(1, len(ids) + 1):  # the first place a stop sequence is complete; there, the longest one
+        hit = max((len(s) for s in stops if len(s) <= end and ids[end - len(s): end] == s), default=0)
+        if hit:
+            keep = end - hit
+            return {**sample, "ids": ids[:keep], "states": sample["states"][:keep], "finish_reason": "stop"}
+    eos = stop_id is not None and bool(ids) and ids[-1] == stop_id
+    return {**sample, "finish_reason": "eos" if eos else "length"}
+
