@@ -266,6 +266,11 @@ def tempered(model: ChainFamily, temperature: float) -> ChainFamily:
     return model
 
 
+def eos_allowed(j: int, lo: int, hi: int) -> bool:
+    """Whether `<eos>` may be token j+1: the continuation's length j+1 (counting it) lies in [lo, hi]."""
+    return lo <= j + 1 <= hi
+
+
 # -- the backward messages ---------------------------------------------------------------------------------
 @dataclass
 class Messages:
@@ -363,7 +368,7 @@ def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0) -> Me
         states = np.flatnonzero(live[j])
         cols[j][states] = np.arange(len(states))
         m = np.full(len(states), -math.inf)
-        eos_ok = lo <= j + 1 <= hi
+        eos_ok = eos_allowed(j, lo, hi)
         acc = dfa.accept[states] if eos_ok else np.zeros(len(states), dtype=bool)
         m[acc] = 0.0
         if j + 1 < hi and W_next is not None:
@@ -440,7 +445,7 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int) -> Tensor:
             out[r, words] = vals
     if dfa.eos_id is not None:
         out[:, dfa.eos_id] = -math.inf
-        if lo <= j + 1 <= hi:
+        if eos_allowed(j, lo, hi):
             acc = (alive_rows & msgs.accept[qs]).nonzero().squeeze(1)
             if len(acc):
                 out[acc, dfa.eos_id] = _log(a[acc] @ msgs.eos)
