@@ -35,6 +35,7 @@ from latentlm import ops
 from latentlm.models.base import ChainFamily
 from latentlm.models.errors import InputError, LatentLMError
 from latentlm.models.rank_hmm import RankHMM
+from latentlm.ops import spec
 from latentlm.service import execute
 from latentlm.service.batcher import QueueFull
 from latentlm.service.errors import APIError
@@ -415,6 +416,11 @@ def sample_like_v1(model: ops.LoadedModel, sreq: SampleRequest, constraint: Any 
 
 
 # -- the route ---------------------------------------------------------------------------------------------------
+# How the batcher runs a completion: like /v1/sample (not merged, not cached), on a lane's thread in queue order (the
+# heavy lane above `heavy_request_cost`). A service route only: no CLI subcommand or batch endpoint reads it.
+OPERATION = spec.Operation("completions", "OpenAI completions (the /v1/completions route)", CompletionRequest,
+                           run=lambda call, _cap: run(call.opts["prepared"]), merge=False, cache=False,
+                           generates=True, input_field="prompt")
 router = APIRouter(prefix="/v1", tags=["completions"], route_class=OperationRoute)
 
 
@@ -430,9 +436,10 @@ async def completions(req: CompletionRequest, state: ServiceState = Depends(get_
     prep = prepare(model, req, state)
     s = state.settings
     state.batcher.max_heavy = s.max_heavy_requests
+    call = spec.Call(model, OPERATION, {"prepared": prep}, [], req, prep.cost,
+                     input_tokens=sum(len(p) for p in prep.prompts), output_tokens=prep.n * prep.max_tokens)
     try:
-        choices, usage = await state.batcher.call(model, "sample", lambda: run(prep),
-                                                  heavy=prep.cost > s.heavy_request_cost, scope=CANCEL.get())
+        choices, usage = await state.batcher.submit(call, heavy=prep.cost > s.heavy_request_cost, scope=CANCEL.get())
     except QueueFull as e:
         raise state.queue_full(e) from None
     head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": prep.created,
