@@ -424,10 +424,15 @@ OPERATION = spec.Operation("completions", "OpenAI completions (the /v1/completio
 router = APIRouter(prefix="/v1", tags=["completions"], route_class=OperationRoute)
 
 
+ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
 @router.post("/completions", responses={200: {"content": {
     "application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
     "description": "an OpenAI `text_completion`; with `stream: true` server-sent `text_completion` chunks, then "
-                   "`data: [DONE]`"}})
+                   "`data: [DONE]`"},
+    404: {"description": "no such model", **ERROR},
+    429: {"description": "queue full or rate limit: retry after Retry-After", **ERROR}})
 async def completions(req: CompletionRequest, state: ServiceState = Depends(get_state)) -> Response:
     """OpenAI completions over a chain-family model: choices drawn as /v1/sample draws them (same seed and
     settings, same tokens), with exact log-probabilities (`logprobs`, `echo`)."""
