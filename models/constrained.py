@@ -63,7 +63,7 @@ from latentlm.models.constraint import WordDFA
 from latentlm.models.errors import InputError, UnsupportedOperation
 from latentlm.models.hmm import DenseHMM
 from latentlm.models.rank_hmm import RankHMM
-from latentlm.models.sampling import draw_rows
+from latentlm.models.sampling import draw_rows, slot_to_token, tables_at
 from latentlm.models.sampling import tempered as tempered_rows
 
 FAMILIES = ("hmm", "blocked_hmm", "rank_hmm", "tagging_hmm")
@@ -114,6 +114,14 @@ class ChainView:
         word has probability 0 comes back as zeros."""
         raise NotImplementedError
 
+    def trans_rows(self, z: Tensor) -> Tensor:
+        """A[z, :] (n, S) in the view's dtype (read where they lie)."""
+        raise NotImplementedError
+
+    def draw_words(self, z: Tensor, generator: torch.Generator) -> Tensor:
+        """One word per state z (n,) from B(z, .), by the family's sampling tables (built once per model)."""
+        raise NotImplementedError
+
 
 class DenseView(ChainView):
     """hmm and tagging_hmm (the tag factor sums to 1 for word constraints): start, trans (Z, Z), emit (Z, V);
@@ -161,6 +169,16 @@ class DenseView(ChainView):
     def condition(self, a: Tensor, words: Tensor) -> Tensor:
         alpha = a * self.emit_by_word[words]
         return _normalised(alpha) @ self.trans
+
+    def trans_rows(self, z: Tensor) -> Tensor:
+        return self.trans[z]
+
+    def draw_words(self, z: Tensor, generator: torch.Generator) -> Tensor:
+        if isinstance(self.model, RankHMM):  # the rank variables' word table (rank_hmm's own sampler's)
+            words = tables_at(self.model, 1.0, self.model._tables)[0]
+            return words.draw(z, generator)
+        _, emit_table, slot_token = self.model.sampling_tables(1.0)
+        return slot_to_token(emit_table.draw(z, generator), z, slot_token)
 
 
 class BlockedView(ChainView):
@@ -213,6 +231,13 @@ class BlockedView(ChainView):
     def condition(self, a: Tensor, words: Tensor) -> Tensor:
         alpha, ids = self.model._condition(a, words)
         return self.model._propagate(_normalised(alpha), ids)
+
+    def trans_rows(self, z: Tensor) -> Tensor:
+        return self.model.trans[z].to(self.dtype)
+
+    def draw_words(self, z: Tensor, generator: torch.Generator) -> Tensor:
+        _, emit_table, slot_token = self.model.sampling_tables(1.0)
+        return slot_to_token(emit_table.draw(z, generator), z, slot_token)
 
 
 def _normalised(alpha: Tensor) -> Tensor:
@@ -276,23 +301,30 @@ def eos_allowed(j: int, lo: int, hi: int) -> bool:
 class Messages:
     """Backward messages of one (model, constraint, temperature), shared by every prefix, sample and guide.
 
-    For j = 1 .. Lmax-1: `M[j]` (S, C_j) = A What_j over the live states of step j (column `col[j][q]`, -1 when
-    (j, q) is not live) and `sigma[j]` (Q,) float64 with W_j(., q) = What_j(., q) exp(sigma[j][q]) (-inf: dead);
-    `W0` (S,) = What_0(., start) with scale `sigma0`. `eos` (S,) = B(., eos). Memory: sum_j C_j S entries."""
+    For j = 0 .. Lmax-1 over the live states of step j (column `col[j][q]`, -1 when (j, q) is not live):
+    `W[j]` (S, C_j) = What_j and `sigma[j]` (Q,) float64 with W_j(., q) = What_j(., q) exp(sigma[j][q]) (-inf:
+    dead); for j >= 1 `M[j]` (S, C_j) = A What_j. `eos` (S,) = B(., eos); `Bc` (S, K+1) the emission of each
+    class (OTHER: summed); edges (q, q') in `pair_src`, `pair_dst` with emission `edge_emit` (S, P) = the sum of
+    the classes' columns taking q to q', listed per state in `out_pairs` (Q, D) (-1 padded). Memory: about
+    2 S sum_j C_j + S P entries."""
 
     view: ChainView
     dfa: WordDFA
     temperature: float
     M: list[Tensor | None]
+    W: list[Tensor]
     col: list[np.ndarray]
     sigma: list[np.ndarray]
-    W0: Tensor
-    sigma0: float
     eos: Tensor
+    Bc: Tensor
+    edge_emit: Tensor
+    pair_src: np.ndarray
+    pair_dst: np.ndarray
     delta: Tensor = field(init=False)
     accept: Tensor = field(init=False)
     cls: Tensor = field(init=False)
     special: Tensor = field(init=False)
+    out_pairs: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         dev = self.view.device
@@ -300,6 +332,21 @@ class Messages:
         self.accept = torch.as_tensor(self.dfa.accept, device=dev)
         self.cls = torch.as_tensor(self.dfa.cls, device=dev)
         self.special = torch.as_tensor(self.dfa.special, device=dev)
+        Q = self.dfa.num_states
+        degree = np.bincount(self.pair_src, minlength=Q)
+        out = np.full((Q, max(1, int(degree.max(initial=0)))), -1, dtype=np.int64)
+        first = np.concatenate([[0], np.cumsum(degree)[:-1]])
+        out[self.pair_src, np.arange(len(self.pair_src)) - first[self.pair_src]] = np.arange(len(self.pair_src))
+        self.out_pairs = torch.as_tensor(out, device=dev)
+
+    @property
+    def W0(self) -> Tensor:
+        """What_0(., start) (S,)."""
+        return self.W[0][:, int(self.col[0][0])]
+
+    @property
+    def sigma0(self) -> float:
+        return float(self.sigma[0][0])
 
     @property
     def model(self) -> ChainFamily:
@@ -326,7 +373,8 @@ class Messages:
         return math.log(value) + self.sigma0
 
     def nbytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.M if m is not None)
+        tables = [m for m in self.M if m is not None] + self.W + [self.edge_emit]
+        return sum(m.numel() * m.element_size() for m in tables)
 
 
 def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0) -> Messages:
@@ -361,6 +409,7 @@ def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0) -> Me
 
     Q = dfa.num_states
     M: list[Tensor | None] = [None] * hi
+    Ws: list[Tensor] = [torch.zeros(S, 0, dtype=dtype, device=dev)] * hi
     cols: list[np.ndarray] = [np.full(Q, -1, dtype=np.int64) for _ in range(hi)]
     sigmas: list[np.ndarray] = [np.full(Q, -math.inf) for _ in range(hi)]
     W_next: Tensor | None = None  # What_{j+1} over live[j+1]
@@ -397,10 +446,10 @@ def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0) -> Me
         W = W / torch.where(alive, top, 1)
         with np.errstate(divide="ignore"):
             sigmas[j][states] = np.where(alive.cpu().numpy(), shift + np.log(top.double().cpu().numpy()), -math.inf)
-        W_next = W
-    assert W_next is not None  # live[0] holds the start state (checked when the constraint was compiled)
-    start_col = int(cols[0][0])
-    return Messages(view, dfa, temperature, M, cols, sigmas, W_next[:, start_col].clone(), float(sigmas[0][0]), eos)
+        W_next = Ws[j] = W
+    # live[0] holds the start state (checked when the constraint was compiled)
+    return Messages(view, dfa, temperature, M, Ws, cols, sigmas, eos, Bc, edge_emit, pairs[:, 0].copy(),
+                    pairs[:, 1].copy())
 
 
 def _vocab_size(view: ChainView) -> int:
@@ -516,15 +565,34 @@ class Guide:
 
 
 # -- exact conditional sampling ---------------------------------------------------------------------------------
-def sample(msgs: Messages, n: int, generator: torch.Generator, *, prefix: Sequence[int] | None = None
-           ) -> list[list[int]]:
+SAMPLING_METHODS = ("states", "tokens")
+REJECTION_ROUNDS = 32  # draws of an OTHER word from B(z, .) before the rest are drawn by a masked row (O(V))
+
+
+def sample(msgs: Messages, n: int, generator: torch.Generator, *, prefix: Sequence[int] | None = None,
+           method: str = "states") -> list[list[int]]:
     """n continuations (token ids, each ending with `<eos>`) drawn exactly from p(y | prefix, y complete, y
-    satisfies C) under the (tempered) model of `msgs`: token j+1 ~ s_j / sum s_j, then the plain filter and the
-    automaton advance. InputError naming `constraint` when P(C | prefix) = 0 (and `prefix` when the prefix has
-    probability 0). O(n Lmax (S V + S^2)) (blocked: O(n Lmax k (V + Z)))."""
+    satisfies C) under the (tempered) model of `msgs`. InputError naming `constraint` when P(C | prefix) = 0 (and
+    `prefix` when the prefix has probability 0).
+
+    method "states" (default; CONSTRAINED.md 2.4, state then token): z_1 ~ a_0(z) W_0(z, q_0); then per token,
+    the successor q' (or `<eos>`) with weight e_{q,q'}(z) M_{j+1}(z, q') (eos: B(z, eos)), the word within the
+    chosen classes from B(z, .) (an OTHER word by drawing from the state's emission table until it is one), and
+    z' ~ A(z, z') W_{j+1}(z', q'). O(S + D + V/expected) per token and sample (D: successors of q): no S x V
+    product. method "tokens": each token from its exact marginal s_j (the guide's scores with the model as the
+    LM), O(S V + S^2) per token and sample (blocked: O(k V + k Z))."""
+    if method not in SAMPLING_METHODS:
+        raise InputError(f"method: expected one of {', '.join(SAMPLING_METHODS)}, got {method!r}", param="method")
     if msgs.log_prob(prefix) is None:
         raise InputError("constraint: has probability 0 under this model after this prefix: no continuation "
                          "satisfies it", param="constraint")
+    if method == "tokens":
+        return _sample_tokens(msgs, n, generator, prefix)
+    return _sample_states(msgs, n, generator, prefix)
+
+
+def _sample_tokens(msgs: Messages, n: int, generator: torch.Generator, prefix: Sequence[int] | None
+                   ) -> list[list[int]]:
     a = msgs.initial(prefix).expand(n, -1).clone()
     q = torch.zeros(n, dtype=torch.long, device=a.device)
     out: list[list[int]] = [[] for _ in range(n)]
@@ -542,6 +610,85 @@ def sample(msgs: Messages, n: int, generator: torch.Generator, *, prefix: Sequen
         a, q = _advance(msgs, a[go], q[go], v[go])
         rows = rows[go]
     return out
+
+
+def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: Sequence[int] | None
+                   ) -> list[list[int]]:
+    view, dfa = msgs.view, msgs.dfa
+    dev = view.device
+    K = dfa.num_classes - 1
+    lo, hi = dfa.min_tokens, dfa.max_tokens
+    eos = dfa.eos_id
+    pair_dst = torch.as_tensor(msgs.pair_dst, device=dev)
+    a0 = msgs.initial(prefix)
+    z = draw_rows((a0 * msgs.W0).double().expand(n, -1), generator)
+    q = torch.zeros(n, dtype=torch.long, device=dev)
+    rows = torch.arange(n, device=dev)
+    out: list[list[int]] = [[] for _ in range(n)]
+    for j in range(hi):
+        if not len(rows):
+            break
+        # the successor (or <eos>): weights e_{q,q'}(z) M_{j+1}(z, q') exp(sigma) and B(z, eos), scaled per row
+        pid = msgs.out_pairs[q]  # (r, D)
+        logw = torch.full((len(rows), pid.shape[1] + 1), -math.inf, dtype=torch.float64, device=dev)
+        Mj = msgs.M[j + 1] if j + 1 < hi else None
+        if Mj is not None:
+            col = torch.as_tensor(msgs.col[j + 1], device=dev)
+            sig = torch.as_tensor(msgs.sigma[j + 1], device=dev)
+            dst = torch.where(pid >= 0, pair_dst[pid.clamp_min(0)], 0)
+            c = col[dst]
+            ok = (pid >= 0) & (c >= 0)
+            term = msgs.edge_emit[z[:, None], pid.clamp_min(0)] * Mj[z[:, None], c.clamp_min(0)]
+            logw[:, :-1] = torch.where(ok, _log(term) + sig[dst], -math.inf)
+        if eos is not None and eos_allowed(j, lo, hi):
+            logw[:, -1] = torch.where(msgs.accept[q], _log(msgs.eos[z]), -math.inf)
+        pick = draw_rows((logw - logw.amax(1, keepdim=True)).exp(), generator)
+        ends = pick == pid.shape[1]
+        words = torch.full_like(z, -1)
+        if eos is not None:
+            words[ends] = eos
+        go = (~ends).nonzero().squeeze(1)
+        if len(go):
+            q_next = pair_dst[pid[go, pick[go]]]
+            # the word: a class taking q to q' by its emission weight, then (OTHER) a word of that class
+            allowed = msgs.delta[q[go]] == q_next[:, None]  # (g, K+1)
+            cw = torch.where(allowed, msgs.Bc[z[go]], 0).double()
+            c = draw_rows(cw, generator)
+            special = c < K
+            words[go[special]] = msgs.special[c[special]]
+            other = go[~special]
+            if len(other):
+                words[other] = _draw_other(msgs, z[other], generator)
+            z_next = draw_rows((view.trans_rows(z[go]) * msgs.W[j + 1][:, torch.as_tensor(
+                msgs.col[j + 1], device=dev)[q_next]].T).double(), generator)
+        for i, tok in zip(rows.tolist(), words.tolist(), strict=True):
+            out[i].append(tok)
+        if len(go):
+            rows, z, q = rows[go], z_next, q_next
+        else:
+            rows = rows[:0]
+    return out
+
+
+def _draw_other(msgs: Messages, z: Tensor, generator: torch.Generator) -> Tensor:
+    """One word of class OTHER per state z (n,), from B(z, .) restricted to that class: draws from the state's
+    emission table until one is (its acceptance is the state's OTHER mass), then a masked row for the rest."""
+    K = msgs.dfa.num_classes - 1
+    words = torch.full_like(z, -1)
+    todo = torch.arange(len(z), device=z.device)
+    for _ in range(REJECTION_ROUNDS):
+        if not len(todo):
+            return words
+        v = msgs.view.draw_words(z[todo], generator)
+        hit = msgs.cls[v] == K
+        words[todo[hit]] = v[hit]
+        todo = todo[~hit]
+    if len(todo):
+        onehot = torch.zeros(len(todo), msgs.view.S, dtype=msgs.view.dtype, device=z.device)
+        onehot[torch.arange(len(todo), device=z.device), z[todo]] = 1
+        probs = msgs.view.token_probs(onehot)  # (t, V): B(z, .)
+        words[todo] = draw_rows(torch.where(msgs.cls[None] == K, probs, 0).double(), generator)
+    return words
 
 
 # -- constrained beam search ----------------------------------------------------------------------------------

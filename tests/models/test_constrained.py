@@ -388,14 +388,15 @@ def test_guide_weights_equal_brute_force_conditionals(family):
 
 # -- sampling ---------------------------------------------------------------------------------------------------
 SAMPLE_SPEC = {"include": [["a"], ["b", "d c"]], "exclude": ["c c"], "min_tokens": 2, "max_tokens": 5}
+OTHER_SPEC = {"include": [["a"]], "exclude": ["b"], "min_tokens": 2, "max_tokens": 5}  # c, d: class OTHER
 
 
 def sample_pvalue(family: str, spec: dict, prefix: tuple[int, ...], n: int = 20000, seed: int = 0,
-                  temperature: float = 1.0) -> float:
+                  temperature: float = 1.0, method: str = "states") -> float:
     """p-value of the chi-square between n constrained samples and the exact conditional; every sample must
     satisfy the constraint."""
     msgs = cn.prepare(model(family), compiled(spec), temperature=temperature)
-    draws = cn.sample(msgs, n, torch.Generator().manual_seed(seed), prefix=list(prefix))
+    draws = cn.sample(msgs, n, torch.Generator().manual_seed(seed), prefix=list(prefix), method=method)
     assert all(naive_satisfies(spec, tuple(y)) for y in draws)
     table = continuations(family, prefix) if temperature == 1.0 else tempered_continuations(family, prefix,
                                                                                            temperature)
@@ -408,8 +409,10 @@ def sample_pvalue(family: str, spec: dict, prefix: tuple[int, ...], n: int = 200
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_samples_satisfy_and_follow_the_exact_conditional(family):
-    assert sample_pvalue(family, SAMPLE_SPEC, (1,)) > 1e-3
+@pytest.mark.parametrize("method", cn.SAMPLING_METHODS)
+def test_samples_satisfy_and_follow_the_exact_conditional(family, method):
+    assert sample_pvalue(family, SAMPLE_SPEC, (1,), method=method) > 1e-3
+    assert sample_pvalue(family, OTHER_SPEC, (), method=method, seed=1) > 1e-3
 
 
 def test_sampling_a_constraint_of_probability_zero_names_constraint():
@@ -441,6 +444,7 @@ def tempered_continuations(family: str, prefix: tuple[int, ...], temperature: fl
 
 def test_temperature_tempers_the_model_before_conditioning():
     assert sample_pvalue("hmm", SAMPLE_SPEC, (1,), temperature=0.6) > 1e-3
+    assert sample_pvalue("hmm", SAMPLE_SPEC, (1,), temperature=0.6, method="tokens") > 1e-3
     msgs = cn.prepare(model("hmm"), compiled(SAMPLE_SPEC), temperature=0.6)
     probs = tempered_continuations("hmm", (1,), 0.6)
     truth = sum(p for y, p in probs.items() if naive_satisfies(SAMPLE_SPEC, y))
@@ -501,7 +505,14 @@ def test_mutation_masking_instead_of_conditioning_fails_the_chi_square(monkeypat
         return torch.where(log_s > -math.inf, log_p, -math.inf)
 
     monkeypatch.setattr(cn, "next_log_scores", masked)
-    assert sample_pvalue("hmm", SAMPLE_SPEC, (1,)) < 1e-3
+    assert sample_pvalue("hmm", SAMPLE_SPEC, (1,), method="tokens") < 1e-3
+
+
+def test_mutation_words_not_restricted_to_the_chosen_successor_fails_satisfaction(monkeypatch):
+    """The state sampler draws an OTHER word by rejection; accepting any word breaks the constraint."""
+    monkeypatch.setattr(cn, "_draw_other", lambda msgs, z, generator: msgs.view.draw_words(z, generator))
+    with pytest.raises(AssertionError):
+        sample_pvalue("hmm", OTHER_SPEC, (1,), n=2000)
 
 
 def test_control_pruning_redundant_alternatives_changes_nothing(monkeypatch):
