@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
+from latentlm.ops import spec
 from latentlm.service import errors, jobs
 from latentlm.service.batcher import Batcher
 from latentlm.service.cache import ResponseCache
@@ -39,7 +40,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         settings=settings, metrics=metrics,
         registry=ModelRegistry.from_settings(settings),
         batcher=Batcher(metrics, max_batch_tokens=settings.max_batch_tokens,
-                        max_queue_delay_ms=settings.max_queue_delay_ms, max_queue=settings.max_queue))
+                        max_queue_delay_ms=settings.max_queue_delay_ms, max_queue=settings.max_queue,
+                        max_heavy=settings.max_heavy_requests))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -70,7 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # walk); the other routers are included. OpenTelemetry is opt-in (LATENTLM_OTEL=1): FastAPI's native
     # telemetry checks its providers on every request otherwise.
     otel = {} if settings.otel else {"tracing": False, "metrics": False, "logs": False}
-    app = FastAPI(title="latentlm", version="0.1.0", lifespan=lifespan, routes=list(operations.router.routes),
+    app = FastAPI(title="latentlm", version="0.1.0", lifespan=lifespan, routes=list(operations.build_router().routes),
                   telemetry=otel,
                   description="Exact inference for latent-variable language models (HMMs, VL-HMMs, rank-space "
                               "HMMs, PCFGs, LDS) with dynamic batching, a Redis response cache and OpenAI-style "
@@ -86,13 +88,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-OPERATION_PATHS = {f"/v1/{op}" for op in ("score", "posterior", "decode", "embed", "sample")}
+def operation_paths() -> set[str]:
+    return {op.path for op in spec.OPERATIONS.values()}
 WHY = {400: "the body is not JSON, or the model does not support the operation",
        401: "missing or invalid API key", 404: "no such model, file, batch or route",
        405: "method not allowed (see the Allow header)", 409: "conflict with the resource's state",
        413: "a size limit or budget exceeded (the limit is named)",
        422: "invalid value (`param` names the field)", 429: "queue full or rate limit: retry after Retry-After",
-       503: "not ready, shutting down, or the batch backend is unavailable: retry after Retry-After"}
+       503: "overloaded, not ready, shutting down, or the batch backend is unavailable: retry after Retry-After"}
 
 
 def error_codes(method: str, path: str, op: dict, settings: Settings) -> list[int]:
@@ -103,8 +106,7 @@ def error_codes(method: str, path: str, op: dict, settings: Settings) -> list[in
             codes.add(401)
         if settings.rate_limit_per_key > 0:
             codes.add(429)
-        if method in ("post", "put", "patch", "delete"):
-            codes.add(503)  # shutting down
+        codes.add(503)  # overloaded (LATENTLM_MAX_INFLIGHT); new work while shutting down
         if method == "post":
             codes |= {400, 413}
         if "{" in path:
@@ -117,11 +119,11 @@ def error_codes(method: str, path: str, op: dict, settings: Settings) -> list[in
             codes.add(409)
         if method == "post" and path == "/v1/batches":
             codes.add(404)  # input_file_id names no file
-    if path in OPERATION_PATHS:
+    if path in operation_paths():
         codes |= {400, 404, 413, 422, 429, 503}
     if path == "/v1/models/{model_id}":
         codes.add(405)  # GET /v1/models/reload
-    if path in ("/metrics", "/docs", "/redoc", "/openapi.json") and settings.protect_docs and settings.keys:
+    if path in ("/metrics", "/docs", "/redoc", "/openapi.json") and settings.docs_protected:
         codes.add(401)
     return sorted(codes)
 
@@ -146,7 +148,7 @@ def openapi_document(app: FastAPI, settings: Settings) -> dict:
             responses = op.setdefault("responses", {})
             for code in error_codes(method, path, op, settings):
                 responses[str(code)] = {"description": WHY[code], "content": ref}
-            if settings.keys and (path.startswith("/v1") or settings.protect_docs and path == "/metrics"):
+            if settings.keys and (path.startswith("/v1") or settings.docs_protected and path == "/metrics"):
                 op["security"] = [{"bearer": []}]
     _integer_bounds(doc)
     app.openapi_schema = doc

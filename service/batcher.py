@@ -31,13 +31,15 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge
 
 from latentlm import ops
+from latentlm.ops.batching import slices
+from latentlm.ops.spec import Call
 from latentlm.service.errors import ShuttingDown
 from latentlm.service.metrics import Metrics
 
@@ -112,19 +114,6 @@ class _Queue:
     lane: str = LIGHT
 
 
-def slices(costs: Sequence[int], limit: int) -> list[tuple[int, int]]:
-    """Consecutive [lo, hi) ranges of sequences whose summed cost stays <= `limit` (at least one each)."""
-    out, lo, acc = [], 0, 0
-    for i, c in enumerate(costs):
-        if i > lo and acc + c > limit:
-            out.append((lo, i))
-            lo, acc = i, 0
-        acc += c
-    if lo < len(costs):
-        out.append((lo, len(costs)))
-    return out
-
-
 def sliced_run(model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]], cap: int,
                slice_cost: int) -> Generator[None, None, list[dict]]:
     """`ops.run` over `seqs` in slices of at most `slice_cost` (yielding after each): the same results, in
@@ -141,10 +130,10 @@ def sliced_run(model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list
 
 
 class Batcher:
-    """`await submit(model, op, opts, seqs)` -> the per-input result dicts of that request (index from 0)."""
+    """`await submit(call)` -> the per-input result dicts of that request (index from 0)."""
 
     def __init__(self, metrics: Metrics, *, max_batch_tokens: int | None = None, max_queue_delay_ms: float = 2.0,
-                 max_queue: int = 512):
+                 max_queue: int = 512, max_heavy: int = DEFAULT_MAX_HEAVY):
         self.metrics = metrics
         self.max_batch_tokens, self.max_queue = max_batch_tokens, max_queue
         self.delay = max_queue_delay_ms / 1000
@@ -167,7 +156,7 @@ class Batcher:
         self._heavy_running: _Item | None = None
         self._heavy_count = 0  # heavy requests queued or started and not finished (guarded by the lock)
         self._interruptible: _Item | None = None  # the item whose slice runs now (guarded by the lock)
-        self.max_heavy = DEFAULT_MAX_HEAVY  # more heavy requests than this at once -> QueueFull (429)
+        self.max_heavy = max_heavy  # more heavy requests than this at once -> QueueFull (429); set at start-up
         self._heavy_thread: threading.Thread | None = None
         metrics.queue_depth.set_function(lambda: self.depth)  # read at scrape time, not set per request
         r = metrics.registry
@@ -276,13 +265,46 @@ class Batcher:
             if self._interruptible is item and t is not None and t.ident is not None:
                 _async_raise(t.ident, Cancelled)
 
-    async def submit(self, model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]],
-                     ticket: list[bool] | None = None, *, heavy: bool = False, slice_cost: int | None = None,
-                     scope: CancelScope | None = None) -> list[dict]:
-        """Queue a request (raises QueueFull) and wait for its results. `heavy`: the heavy lane, in slices of
-        at most `slice_cost`; `scope`: cancelling it drops the work (the await raises CancelledError)."""
+    async def submit(self, call: Call, ticket: list[bool] | None = None, *, heavy: bool = False,
+                     slice_cost: int | None = None, scope: CancelScope | None = None,
+                     job: Callable[[], Generator[Any, None, Any]] | None = None) -> Any:
+        """The one way work reaches the lanes: a prepared `call` (`ops.spec.prepare`). Raises QueueFull.
+
+        - `job` given (a stream): the heavy lane runs `job`, a generator yielding payloads, and each payload is
+          handed to the returned `StreamReader` as it comes, at most STREAM_AHEAD ahead of the reader;
+        - an operation that merges (`Operation.merge`): in the light lane merged with requests of equal model
+          version and options into one batched run; `heavy`: alone in the heavy lane, in slices of at most
+          `slice_cost` (round robin with the other heavy requests);
+        - any other operation (sampling): `Operation.run` on a lane's thread, in queue order (one slice in the
+          heavy lane).
+        Returns the per-input result dicts (index from 0), or the reader of a stream. `scope`: cancelling it drops
+        the work (the await raises CancelledError)."""
+        model, op = call.model, call.op.name
         fut = self._future(scope)
         self.retract(ticket)
+        if job is not None:
+            reader = StreamReader(self, fut)
+            item = _Item([], fut, time.perf_counter(), job=job, sink=reader.put)
+            reader.item = item
+            self._watch(item)
+            if scope is not None:
+                scope.callbacks.append(reader.close)
+            self._enqueue(("heavy", next(self._counter)), lambda: _Queue(model, op, {}, lane=HEAVY), item)
+            return reader
+        if not call.op.merge:
+            cap = self.cap_for(model)
+            run = call.op.run
+            item = _Item([], fut, time.perf_counter(), call=lambda: run(call, cap))
+            if heavy:
+                def single() -> Generator[None, None, Any]:
+                    return run(call, cap)
+                    yield  # a generator of one slice
+                item.job = single
+                self._watch(item)
+            key = ("heavy" if heavy else "call", next(self._counter))
+            self._enqueue(key, lambda: _Queue(model, op, {}, lane=HEAVY if heavy else LIGHT), item)
+            return await fut
+        seqs, opts = call.seqs, call.opts
         item = _Item(seqs, fut, time.perf_counter(), tokens=sum(len(s) for s in seqs))
         if heavy:
             cap, sc = self.cap_for(model), slice_cost or DEFAULT_SLICE_COST
@@ -294,20 +316,6 @@ class Batcher:
             self._enqueue(key, lambda: _Queue(model, op, dict(opts), self.cap_for(model)), item)
         return await fut
 
-    def stream(self, model: ops.LoadedModel, op: str, job: Callable[[], Generator[Any, None, Any]],
-               scope: CancelScope | None = None) -> StreamReader:
-        """Heavy lane: run `job` (a generator yielding payloads) and hand each payload to the returned reader
-        as it comes, at most STREAM_AHEAD ahead of the reader. Raises QueueFull."""
-        fut = self._future(scope)
-        reader = StreamReader(self, fut)
-        item = _Item([], fut, time.perf_counter(), job=job, sink=reader.put)
-        reader.item = item
-        self._watch(item)
-        if scope is not None:
-            scope.callbacks.append(reader.close)
-        self._enqueue(("heavy", next(self._counter)), lambda: _Queue(model, op, {}, lane=HEAVY), item)
-        return reader
-
     def _taken(self, item: _Item) -> None:
         """Event loop: the reader took a payload; a stream waiting on its client may go on."""
         with self._cv:
@@ -317,21 +325,6 @@ class Batcher:
     def cap_for(self, model: ops.LoadedModel) -> int:
         """Padded tokens of one batch for `model`: max_batch_tokens, or (None, 0) by its device."""
         return ops.batch_tokens(getattr(model, "device", "cpu"), self.max_batch_tokens)
-
-    async def call(self, model: ops.LoadedModel, op: str, fn: Callable[[], Any], *, heavy: bool = False,
-                   scope: CancelScope | None = None) -> Any:
-        """Run unmergeable work (sampling) on a lane's thread, in queue order (one slice in the heavy lane)."""
-        fut = self._future(scope)
-        item = _Item([], fut, time.perf_counter(), call=fn)
-        if heavy:
-            def job() -> Generator[None, None, Any]:
-                return fn()
-                yield  # a generator of one slice
-            item.job = job
-            self._watch(item)
-        key = ("heavy" if heavy else "call", next(self._counter))
-        self._enqueue(key, lambda: _Queue(model, op, {}, lane=HEAVY if heavy else LIGHT), item)
-        return await fut
 
     def _company_coming(self) -> bool:
         """Worth waiting for the queue delay: other requests are on their way to the queue. A lone request

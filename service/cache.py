@@ -23,7 +23,6 @@ from latentlm.service.metrics import Metrics
 from latentlm.service.settings import Settings
 
 log = logging.getLogger("latentlm.service")
-CACHED_OPS = frozenset({"score", "posterior", "decode", "embed"})
 
 
 class CircuitBreaker:

@@ -1,78 +1,58 @@
-"""From a validated request to a response body: resolve the model, encode inputs, check limits, run the
-operation (via the batcher in the API, directly in batch-job workers) and shape `{"object": "list", ...}`."""
+"""From a validated request to a response body, with the service's limits: resolve the model, prepare the call
+(`ops.spec.prepare`: options, inputs, cost), check the limits and budgets before any work, run it (via the batcher
+in the API, directly in batch-job workers) and shape `{"object": "list", ...}` (`ops.format.body`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from latentlm import ops
 from latentlm.models.errors import LimitExceeded
+from latentlm.ops import format, spec
+from latentlm.ops.requests import SampleRequest
+from latentlm.ops.spec import Call
 from latentlm.service.errors import APIError, describe_validation
-from latentlm.service.schemas import REQUESTS, SampleRequest
 
-
-@dataclass
-class Prepared:
-    """A request ready to run: the model version it will use, token ids and the operation's options."""
-
-    model: ops.LoadedModel
-    op: str
-    opts: dict[str, Any]
-    seqs: list[list[int]]
-    request: BaseModel
-    cost: int = 0  # `ops.operation_cost` estimate
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(s) for s in self.seqs)
+Prepared = Call  # a prepared request (the name the service used before calls moved to the operations layer)
 
 
 def parse(op: str, body: Any) -> BaseModel:
-    """Validate a JSON body for `op` (batch-job path; the API lets FastAPI do it). 422 naming the field."""
+    """Validate a JSON body for `op` (batch-job path; the API validates from the raw bytes). 422 naming the
+    field."""
     if not isinstance(body, dict):
         raise APIError(422, "body: expected a JSON object", param="body", code="invalid_value")
     try:
-        return REQUESTS[op].model_validate(body)
+        return spec.get(op).request.model_validate(body)
     except ValidationError as e:
         raise describe_validation([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 
 
-def options(model: ops.LoadedModel, op: str, req: BaseModel) -> dict[str, Any]:
-    """The keyword options `ops.run` takes for `op`: every request field but `model` and `input` (they are
-    named as in the CLI; `stream` is the route's), with `top_k` parsed and a missing decode `method` set to the
-    family's default."""
-    opts = {k: getattr(req, k) for k in type(req).model_fields if k not in ("model", "input", "stream")}
-    if "top_k" in opts:
-        opts["top_k"] = ops.parse_top_k(opts["top_k"])
-    if op == "decode" and opts.get("method") is None:
-        opts["method"] = ops.default_method(model)
-    return opts
-
-
-def prepare(model: ops.LoadedModel, op: str, req: BaseModel, max_request_tokens: int,
-            max_posterior_entries: int | None = None, *, max_cost: int | None = None,
-            streaming: bool = False) -> Prepared:
-    """Check support, encode inputs (strings per the manifest; id lists as is), the token limit, the cost
-    budget (`max_cost`; None or 0: none) and, for a posterior that is not streamed, the response budget
-    (`max_posterior_entries`; None: unbounded) before any work."""
-    opts = options(model, op, req)
-    ops.check_supported(model, op, opts.get("method"))
-    raw = req.input if isinstance(req.input, list) else [req.input]
-    seqs = ops.encode_inputs(model.vocab, raw)
-    n = sum(len(s) for s in seqs)
-    if n > max_request_tokens:
-        raise LimitExceeded(f"input: {n} tokens exceed the limit of {max_request_tokens} per request "
-                            "(split the input or use /v1/batches)", param="input")
-    cost = ops.operation_cost(model, op, seqs, method=opts.get("method"), top_k=opts.get("top_k"))
-    check_cost(op, cost, max_cost, "input", "send less input (or shorter sequences) per request")
-    if op == "posterior" and max_posterior_entries is not None and not streaming:
-        check_posterior(model, seqs, opts.get("top_k"), max_posterior_entries)
-    return Prepared(model, op, opts, seqs, req, cost)
+def prepare(model: ops.LoadedModel, op: str | spec.Operation, req: BaseModel, max_request_tokens: int,
+            max_posterior_entries: int | None = None, *, max_cost: int | None = None, streaming: bool = False,
+            max_sample_tokens: int | None = None, max_stream_entries: int | None = None) -> Call:
+    """`spec.prepare` (support, inputs, cost), then the service's limits before any work: input tokens
+    (`max_request_tokens`, naming the operation's input field), tokens a generating operation may draw
+    (`max_sample_tokens`), the cost budget (`max_cost`; None or 0: none) and the size of a posterior's answer:
+    `max_posterior_entries` when it is not streamed, `max_stream_entries` when it is (None or 0: unbounded)."""
+    call = spec.prepare(model, op, req)
+    op = call.op
+    if max_sample_tokens is not None and op.generates and call.output_tokens > max_sample_tokens:
+        raise LimitExceeded(f"n * max_tokens = {call.output_tokens} exceeds the limit of {max_sample_tokens}",
+                            param="max_tokens")
+    if call.input_tokens > max_request_tokens:
+        where = "(split the input or use /v1/batches)" if op.takes_input else "(max_request_tokens)"
+        raise LimitExceeded(f"{op.input_field}: {call.input_tokens} tokens exceed the limit of {max_request_tokens} "
+                            f"per request {where}", param=op.input_field)
+    check_cost(op.name, call.cost, max_cost, "max_tokens" if op.generates else op.input_field, op.advice)
+    if op.name == "posterior" and max_posterior_entries is not None and not streaming:
+        check_posterior(model, call.seqs, call.opts.get("top_k"), max_posterior_entries)
+    if op.name == "posterior" and max_stream_entries and streaming:
+        check_stream(model, call.seqs, call.opts.get("top_k"), max_stream_entries)
+    return call
 
 
 def check_cost(op: str, cost: int, max_cost: int | None, param: str, advice: str) -> None:
@@ -95,63 +75,56 @@ def check_posterior(model: ops.LoadedModel, seqs: list[list[int]], top_k: int | 
             "token with top_k, send less input, or stream the answer (\"stream\": true, NDJSON)", param="top_k")
 
 
-def body(prep: Prepared, results: list[dict]) -> dict[str, Any]:
-    n = prep.num_tokens
-    return {"object": "list", "model": prep.model.name, "data": results,
-            "usage": {"input_tokens": n, "total_tokens": n}}
+def check_stream(model: ops.LoadedModel, seqs: list[list[int]], top_k: int | None, limit: int) -> None:
+    """413 when a streamed posterior would send more than `limit` entries (NDJSON, 25-32 bytes an entry), naming
+    `top_k` when fewer states per token would fit, else `input`."""
+    entries = ops.posterior_entries(model, seqs, top_k)
+    if entries <= limit:
+        return
+    n = sum(len(s) for s in seqs)
+    what = "every state" if top_k is None else f"top_k={top_k}"
+    param = "top_k" if ops.posterior_entries(model, seqs, 1) <= limit else "input"
+    advice = "ask for fewer states per token with top_k or send less input" if param == "top_k" else \
+        "send less input per request (or use /v1/batches)"
+    raise LimitExceeded(
+        f"{param}: a streamed posterior of {n} tokens with {what} sends {entries:,} entries (about "
+        f"{entries * 25 / 1e6:,.0f} MB), above the limit of {limit:,} per streamed request (max_stream_entries, "
+        f"LATENTLM_MAX_STREAM_ENTRIES); {advice}", param=param)
 
 
-def run_direct(prep: Prepared, max_batch_tokens: int) -> dict[str, Any]:
-    """Run without the batcher (batch-job workers): same ops.run the batcher calls."""
-    return body(prep, ops.run(prep.model, prep.op, prep.seqs, max_batch_tokens=max_batch_tokens, **prep.opts))
+def body(call: Call, results: list[dict]) -> dict[str, Any]:
+    return format.body(call, results)
+
+
+def run_direct(call: Call, max_batch_tokens: int | None) -> dict[str, Any]:
+    """Run without the batcher (batch-job workers): the same `Operation.run` the batcher calls."""
+    return spec.execute(call, max_batch_tokens)
 
 
 def check_sample(req: SampleRequest, max_sample_tokens: int, *, model: ops.LoadedModel | None = None,
                  max_request_tokens: int | None = None, max_cost: int | None = None) -> int:
-    """413 when n * max_tokens exceeds `max_sample_tokens`, the prefix's tokens `max_request_tokens`
-    (counted with `model`'s tokenizer for a text prefix) or the estimated cost `max_cost`. Returns the cost
-    estimate (0 without `model`)."""
+    """A sample request's limits (`prepare`'s, for callers that build `SampleRequest`s themselves): 413 when
+    n * max_tokens exceeds `max_sample_tokens`, the prefix's tokens `max_request_tokens` or the estimated cost
+    `max_cost`. Returns the cost estimate (0 without `model`)."""
     if req.n * req.max_tokens > max_sample_tokens:
         raise LimitExceeded(f"n * max_tokens = {req.n * req.max_tokens} exceeds the limit of {max_sample_tokens}",
                             param="max_tokens")
-    n = prefix_tokens(model, req.prefix) if req.prefix else 0
-    if max_request_tokens is not None and n > max_request_tokens:
-        raise LimitExceeded(f"prefix: {n} tokens exceed the limit of {max_request_tokens} per request "
-                            "(max_request_tokens)", param="prefix")
     if model is None:
         return 0
-    cost = ops.operation_cost(model, "sample", n=req.n, max_tokens=req.max_tokens, prefix_tokens=n,
-                              predictive=req.top_k is not None or req.top_p is not None)
-    check_cost("sample", cost, max_cost, "max_tokens", "ask for fewer or shorter samples (n, max_tokens)")
-    return cost
-
-
-def prefix_tokens(model: ops.LoadedModel | None, prefix: str | list[int] | None) -> int:
-    """Tokens of a sample prefix: ids as given, text as the model tokenises it (no <eos>)."""
-    if not prefix:
-        return 0
-    if isinstance(prefix, list):
-        return len(prefix)
-    return len(model.vocab.tokenize(prefix) if model is not None else prefix.split())
+    limit = max_request_tokens if max_request_tokens is not None else 1 << 62
+    return prepare(model, "sample", req, limit, max_cost=max_cost).cost
 
 
 def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
     """Blocking: draw the samples and shape the response body."""
-    data = ops.sample(model, n=req.n, max_tokens=req.max_tokens, seed=req.seed, prefix=req.prefix,
-                      temperature=req.temperature, stop_at_eos=req.stop_at_eos, stop=req.stop, top_k=req.top_k,
-                      top_p=req.top_p)
-    out_tokens = sum(len(d["ids"]) for d in data)
-    n_prefix = prefix_tokens(model, req.prefix)
-    return {"object": "list", "model": model.name, "data": data,
-            "usage": {"input_tokens": n_prefix, "output_tokens": out_tokens,
-                      "total_tokens": n_prefix + out_tokens}}
+    return run_direct(spec.prepare(model, "sample", req), None)
 
 
-def cache_key(prep: Prepared) -> str:
+def cache_key(call: Call) -> str:
     """model name + content hash + numerics (dtype, scoring precision, runner: `LoadedModel.numerics`) + operation
     + every option + input hash (the name is in the body)."""
-    opts = prep.request.model_dump(exclude={"model", "input"})
+    opts = call.request.model_dump(exclude={"model", "input"})
     h_opts = hashlib.sha256(json.dumps(opts, sort_keys=True).encode()).hexdigest()[:16]
-    h_in = hashlib.sha256(json.dumps(prep.request.input, separators=(",", ":")).encode()).hexdigest()
-    return (f"latentlm:cache:{prep.model.name}:{prep.model.content_hash}:{prep.model.numerics()}:{prep.op}:{h_opts}:"
-            f"{h_in}")
+    h_in = hashlib.sha256(json.dumps(call.request.input, separators=(",", ":")).encode()).hexdigest()
+    return (f"latentlm:cache:{call.model.name}:{call.model.content_hash}:{call.model.numerics()}:{call.op.name}:"
+            f"{h_opts}:{h_in}")

@@ -1,21 +1,21 @@
-"""`latentlm score | decode | posterior | embed | sample | list`: one JSON object per input line, through
-`latentlm.ops` (the functions the service runs)."""
+"""`latentlm <operation> | list | export-onnx`: one subcommand per operation of `latentlm.ops.spec.OPERATIONS`, its
+flags derived from the operation's request model; one JSON object per input line (or per sample), through the same
+`spec.prepare` / `Operation.run` the service runs."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from latentlm import ops
 from latentlm.cli.common import CLIError, add_backend, add_model_args, add_store, emit_json, load, positive_int
 from latentlm.models.errors import LatentLMError
-from latentlm.models.family import DECODE_METHODS, OPERATIONS
 from latentlm.models.store import list_models
-
-HELP = {"score": "log-likelihood, perplexity and per-token log-probs", "decode": "Viterbi or MBR decoding",
-        "posterior": "per-token state marginals", "embed": "per-token embeddings",
-        "sample": "sample sentences or continuations of --prefix"}
+from latentlm.ops import spec
 
 
 def read_inputs(source: str) -> list[str]:
@@ -45,37 +45,46 @@ def encode_lines(model: ops.LoadedModel, lines: list[str], as_ids: bool) -> list
         raise CLIError(msg, param=e.param) from None
 
 
-def options(args: argparse.Namespace) -> dict:
-    """The operation's options from its flags (the same names the API's request bodies use)."""
-    return {"score": lambda: {"token_logprobs": args.token_logprobs},
-            "decode": lambda: {"method": args.method},
-            "posterior": lambda: {"top_k": ops.parse_top_k(args.top_k)},
-            "embed": lambda: {"causal": args.causal}}[args.command]()
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split()]
+    except ValueError:
+        raise CLIError(f"{flag}: expected space-separated token ids with --ids, got {text!r}", param=flag) from None
 
 
-def cmd_run(args: argparse.Namespace) -> None:
-    model = load(args)
-    opts = options(args)
-    if args.command == "decode" and opts["method"] is None:
-        opts["method"] = ops.default_method(model)
-    ops.check_supported(model, args.command, opts.get("method"))
-    seqs = encode_lines(model, read_inputs(args.input), args.ids)
-    if not seqs:
-        raise CLIError("no input lines", param="FILE")
-    emit_json(ops.run(model, args.command, seqs, max_batch_tokens=args.batch_tokens, **opts))
+def request(op: spec.Operation, args: argparse.Namespace, **fields: Any):
+    """The operation's request model from its flags (validated as a REST body is; errors name the flag)."""
+    body = {f.name: getattr(args, f.name) for f in spec.cli_flags(op)}
+    if getattr(args, "ids", False):  # text options given as token ids
+        if isinstance(body.get("prefix"), str):
+            body["prefix"] = _ids(body["prefix"], "--prefix")
+        if body.get("stop"):
+            body["stop"] = [_ids(s, "--stop") for s in body["stop"]]
+    try:
+        return op.request.model_validate({"model": args.model, **{k: v for k, v in body.items() if v is not None},
+                                          **fields})
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err.get("loc") else "body"
+        flag = next((f.flag for f in spec.cli_flags(op) if f.name == name), name)
+        raise CLIError(f"{flag}: {err['msg']}", param=name) from None
 
 
-def cmd_sample(args: argparse.Namespace) -> None:
-    model = load(args)
-    prefix = None
-    if args.prefix is not None:
-        prefix = [int(t) for t in args.prefix.split()] if args.ids else args.prefix
-    stop = None
-    if args.stop:
-        stop = [[int(t) for t in s.split()] for s in args.stop] if args.ids else args.stop
-    emit_json(ops.sample(model, n=args.n, max_tokens=args.max_tokens, seed=args.seed, prefix=prefix,
-                         temperature=args.temperature, stop_at_eos=not args.no_stop, stop=stop, top_k=args.top_k,
-                         top_p=args.top_p))
+def cmd_operation(args: argparse.Namespace) -> None:
+    op = spec.OPERATIONS[args.command]
+    if op.takes_input:
+        req = request(op, args, input=[[0]])  # options checked before the model loads
+        model = load(args)
+        seqs = encode_lines(model, read_inputs(args.input), args.ids)
+        if not seqs:
+            raise CLIError("no input lines", param="FILE")
+        req = req.model_copy(update={"input": seqs})
+        call = spec.prepare(model, op, req)
+        emit_json(op.run(call, args.batch_tokens))
+    else:
+        req = request(op, args)
+        model = load(args)
+        emit_json(op.run(spec.prepare(model, op, req), None))
 
 
 def cmd_list(args: argparse.Namespace) -> None:
@@ -109,40 +118,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_store(p)
     p.add_argument("--out", type=Path, default=None, help="output file (default NAME.onnx)")
     p.set_defaults(func=cmd_export_onnx)
-    for op in OPERATIONS:
-        if op == "sample":
-            continue
-        p = sub.add_parser(op, help=HELP[op] + " (one JSON object per input line)")
-        p.add_argument("input", nargs="?", default="-", metavar="FILE|-", help="one input per line (default stdin)")
+    for op in spec.OPERATIONS.values():
+        p = sub.add_parser(op.name, help=op.help + (" (one JSON object per input line)" if op.takes_input else ""))
+        if op.takes_input:
+            p.add_argument("input", nargs="?", default="-", metavar="FILE|-",
+                           help="one input per line (default stdin)")
         add_model_args(p)
-        p.add_argument("--ids", action="store_true", help="lines are space-separated token ids (taken as is)")
-        p.add_argument("--batch-tokens", type=positive_int, default=16384, help="max padded tokens per batch")
-        if op == "score":
-            p.add_argument("--token-logprobs", action="store_true", help="add tokens and token_logprobs")
+        p.add_argument("--ids", action="store_true", help="lines are space-separated token ids (taken as is)"
+                       if op.takes_input else "text options (--prefix, --stop) are space-separated token ids")
+        if op.takes_input:
+            p.add_argument("--batch-tokens", type=positive_int, default=16384, help="max padded tokens per batch")
+        if op.cli_backend:
             add_backend(p)
-        if op == "decode":
-            p.add_argument("--method", choices=DECODE_METHODS, default=None,
-                           help="default: the family's (viterbi for HMMs, mbr for PCFGs)")
-        if op == "posterior":
-            p.add_argument("--top-k", default="all", help="K most probable states per token, or 'all'")
-        if op == "embed":
-            p.add_argument("--causal", action="store_true", help="filtered (left-context) instead of smoothed")
-        p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("sample", help=HELP["sample"])
-    add_model_args(p)
-    p.add_argument("--n", type=positive_int, default=1)
-    p.add_argument("--max-tokens", type=positive_int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix", default=None, help="text (or ids with --ids) to continue")
-    p.add_argument("--ids", action="store_true", help="--prefix is space-separated token ids")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=positive_int, default=None,
-                   help="draw each token from the next-token distribution cut to its K most probable tokens")
-    p.add_argument("--top-p", type=float, default=None,
-                   help="draw each token from the fewest most probable next tokens whose mass reaches P")
-    p.add_argument("--no-stop", action="store_true", help="do not stop a sample at <eos>")
-    p.add_argument("--stop", action="append", metavar="TEXT",
-                   help=f"end a sample before this text (ids with --ids; repeatable, at most "
-                        f"{ops.MAX_STOP_SEQUENCES}); chain families")
-    p.set_defaults(func=cmd_sample)
+        for f in spec.cli_flags(op):
+            p.add_argument(f.flag, **f.kwargs)
+        p.set_defaults(func=cmd_operation)

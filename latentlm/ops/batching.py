@@ -100,3 +100,15 @@ def run_merged(model: LoadedModel, op: str, groups: Sequence[list[list[int]]], *
         out.append(part)
     return out
 
+
+def slices(costs: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """Consecutive [lo, hi) ranges of sequences whose summed cost stays <= `limit` (at least one each)."""
+    out, lo, acc = [], 0, 0
+    for i, c in enumerate(costs):
+        if i > lo and acc + c > limit:
+            out.append((lo, i))
+            lo, acc = i, 0
+        acc += c
+    if lo < len(costs):
+        out.append((lo, len(costs)))
+    return out

@@ -4,13 +4,41 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import torch
 
 from latentlm.ops.batching import check_supported, run
 from latentlm.ops.model import LoadedModel
+
+if TYPE_CHECKING:
+    from latentlm.ops.spec import Call
+
+
+def usage(call: Call, results: list[dict]) -> dict[str, int]:
+    """`usage` of a response: input tokens (a sample's prefix), plus the tokens generated for a generating
+    operation."""
+    n = call.input_tokens
+    if call.op.generates:
+        out = sum(len(r["ids"]) for r in results)
+        return {"input_tokens": n, "output_tokens": out, "total_tokens": n + out}
+    return {"input_tokens": n, "total_tokens": n}
+
+
+def body(call: Call, results: list[dict]) -> dict[str, Any]:
+    """The whole response of a call: `{"object": "list", "model", "data", "usage"}`."""
+    return {"object": "list", "model": call.model.name, "data": results, "usage": usage(call, results)}
+
+
+def chunk(call: Call, piece: dict) -> dict[str, Any]:
+    """One streamed piece: `{"object": "<op>.chunk", "model", ...piece}`."""
+    return {"object": f"{call.op.name}.chunk", "model": call.model.name, **piece}
+
+
+def usage_line(call: Call, results: list[dict]) -> dict[str, Any]:
+    """The last line of a stream: `{"object": "<op>.usage", "model", "usage"}`."""
+    return {"object": f"{call.op.name}.usage", "model": call.model.name, "usage": usage(call, results)}
 
 
 def posterior_chunks(model: LoadedModel, seqs: list[list[int]], top_k: int | None, positions: int = 1024,

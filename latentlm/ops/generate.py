@@ -68,3 +68,12 @@ def cut_at_stop(sample: dict, stops: list[list[int]], stop_id: int | None, max_t
     eos = stop_id is not None and bool(ids) and ids[-1] == stop_id
     return {**sample, "finish_reason": "eos" if eos else "length"}
 
+
+
+def prefix_tokens(model: LoadedModel | None, prefix: str | list[int] | None) -> int:
+    """Tokens of a sample prefix: ids as given, text as the model tokenises it (no <eos>)."""
+    if not prefix:
+        return 0
+    if isinstance(prefix, list):
+        return len(prefix)
+    return len(model.vocab.tokenize(prefix) if model is not None else prefix.split())

@@ -1,5 +1,5 @@
-"""POST /v1/score, /v1/posterior, /v1/decode, /v1/embed and /v1/sample: the one request path for every
-operation.
+"""POST /v1/<operation> for every operation of `ops.spec.OPERATIONS` (score, posterior, decode, sample, embed, ...):
+the one request path for every operation, its routes built from the declarations (`build_router`).
 
 Every operation route is an `OperationRoute`: a FastAPI route like any other, behind the same middleware and
 exception handlers, in the same OpenAPI document (generated from the endpoint's request model). Only what
@@ -10,7 +10,7 @@ with no dependency injection and no Request object. Errors propagate to the app'
 any route's. Requests of the same model, operation and options are merged by the batcher into one batched
 run on the inference thread.
 
-Every request's cost is estimated before any work (`ops.operation_cost`, answered in the `x-cost` header): above
+Every request's cost is estimated before any work (its family's `cost`, answered in the `x-cost` header): above
 `max_request_cost` it is refused 413 `budget_exceeded`; above `heavy_request_cost` it runs in the batcher's heavy
 lane (its own thread, in slices), so light requests never wait for it. While a request waits or computes, the
 route watches its connection: when the client goes away its `CancelScope` is cancelled, so queued work is dropped
@@ -32,12 +32,12 @@ from pydantic import BaseModel, ValidationError
 
 from latentlm import ops
 from latentlm.models.errors import LatentLMError
+from latentlm.ops import format, spec
+from latentlm.ops.batching import slices
 from latentlm.service import errors, execute
-from latentlm.service.batcher import CancelScope, QueueFull, slices
-from latentlm.service.cache import CACHED_OPS
+from latentlm.service.batcher import CancelScope, QueueFull
 from latentlm.service.errors import APIError, ShuttingDown
 from latentlm.service.middleware import BODY
-from latentlm.service.schemas import DecodeRequest, EmbedRequest, PosteriorRequest, SampleRequest, ScoreRequest
 from latentlm.service.state import ServiceState, get_state
 
 JSON = "application/json"
@@ -110,6 +110,7 @@ class OperationRoute(APIRoute):
     def __init__(self, path: str, endpoint: Any, **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)
         model = get_type_hints(endpoint)["req"]
+        ndjson = getattr(endpoint, "stream", None) == "ndjson"
 
         async def app(scope, receive, send) -> None:
             state: ServiceState = scope["app"].state.service
@@ -123,7 +124,7 @@ class OperationRoute(APIRoute):
                 if raw is None:
                     raw = await read_body(receive)
                 req = parse_json(model, raw)
-                if getattr(req, "stream", None) is False and model is PosteriorRequest and wants_ndjson(scope):
+                if ndjson and getattr(req, "stream", None) is False and wants_ndjson(scope):
                     req.stream = True
                 watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, cancel))
                 try:
@@ -158,64 +159,89 @@ async def _gone(send) -> None:
         pass
 
 
-router = APIRouter(prefix="/v1", tags=["operations"], route_class=OperationRoute)
-X_COST = {"x-cost": {"description": "the request's estimated cost (`ops.operation_cost` units); over "
-                                    "LATENTLM_MAX_REQUEST_COST it is refused 413 `budget_exceeded`, over "
+X_COST = {"x-cost": {"description": "the request's estimated cost (its family's `cost`, in `models.cost` units); "
+                                    "over LATENTLM_MAX_REQUEST_COST it is refused 413 `budget_exceeded`, over "
                                     "LATENTLM_HEAVY_REQUEST_COST it runs in the heavy lane",
                      "schema": {"type": "integer"}}}
+STREAM_DOCS = {
+    "ndjson": {"content": {"application/json": {}, NDJSON: {"schema": {"type": "string"}}},
+               "description": "the answer; with `stream: true` or `Accept: application/x-ndjson` NDJSON: `<op>.chunk` "
+                              "lines (posterior: `index`, `offset`, `marginals`; PCFGs `spans`) then an `<op>.usage` "
+                              "line"},
+    "sse": {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+            "description": "the answer; with `stream: true` server-sent events, one `<op>.chunk` per result, then "
+                           "an `<op>.usage` event and `data: [DONE]`"},
+}
 
 
-async def run_batched(op: str, req: Any, state: ServiceState) -> Response:
-    """Check (limits, cost budget), look up the cache, queue for the batcher (the heavy lane above
-    `heavy_request_cost`), shape the body (one write by `ops.dumps`)."""
+async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Response:
+    """Prepare (support, inputs, limits, cost budget: all before any work), look up the cache, queue for the
+    batcher (the heavy lane above `heavy_request_cost`), shape the body (one write by `ops.dumps`)."""
     state.ensure_ready()
     s = state.settings
-    streaming = bool(getattr(req, "stream", False))
-    prep = execute.prepare(state.registry.get(req.model), op, req, s.max_request_tokens, s.max_posterior_entries,
-                           max_cost=s.max_request_cost, streaming=streaming)
-    if streaming:
-        return await stream_posterior(prep, state)
+    call = execute.prepare(state.registry.get(req.model), op, req, s.max_request_tokens, s.max_posterior_entries,
+                           max_cost=s.max_request_cost, streaming=call_streams(op, req),
+                           max_sample_tokens=s.max_sample_tokens, max_stream_entries=s.max_stream_entries)
+    if op.stream == "ndjson" and call.streaming:
+        return await stream_pieces(call, state)
     cache, key = state.cache, None
-    if cache is not None and op in CACHED_OPS:
-        key = execute.cache_key(prep)
-        hit = await cache.get(key, op)
+    if cache is not None and op.cache:
+        key = execute.cache_key(call)
+        hit = await cache.get(key, op.name)
         if hit is not None:
-            return JSONBytes(hit, "hit", prep.cost)
-    heavy = prep.cost > s.heavy_request_cost
-    if heavy:
-        state.batcher.max_heavy = s.max_heavy_requests
+            return JSONBytes(hit, "hit", call.cost)
     try:
-        results = await state.batcher.submit(prep.model, op, prep.opts, prep.seqs, TICKET.get(), heavy=heavy,
+        results = await state.batcher.submit(call, TICKET.get(), heavy=call.cost > s.heavy_request_cost,
                                              slice_cost=s.heavy_slice_cost, scope=CANCEL.get())
     except QueueFull as e:
         raise state.queue_full(e) from None
-    data = execute.body(prep, results)
-    big = prep.num_tokens > BIG_RESPONSE_TOKENS or op == "posterior"
+    if op.stream == "sse" and call.streaming:
+        return sse_response(call, results)
+    data = format.body(call, results)
+    big = call.num_tokens > BIG_RESPONSE_TOKENS or op.name == "posterior"
     payload = await anyio.to_thread.run_sync(ops.dumps, data) if big else ops.dumps(data)
     if key is None:
-        return JSONBytes(payload, cost=prep.cost)
+        return JSONBytes(payload, cost=call.cost)
     await cache.set(key, payload)
-    return JSONBytes(payload, "miss", prep.cost)
+    return JSONBytes(payload, "miss", call.cost)
 
 
-async def stream_posterior(prep: execute.Prepared, state: ServiceState) -> Response:
-    """NDJSON posterior: `{"object": "posterior.chunk", "model", "index", "offset", "marginals"}` lines (chain
-    families: at most `posterior_stream_positions` tokens each; PCFGs: one line per sentence with `spans`), then
-    `{"object": "posterior.usage", "model", "usage"}`. Computed in the heavy lane slice by slice; at most
-    STREAM_AHEAD payloads of ~1 MB wait for a slow client, so memory stays bounded whatever the response size.
-    An error before the first line is answered with its status; a later one as a last line `{"error": ...}`."""
+def call_streams(op: spec.Operation, req: Any) -> bool:
+    return op.stream is not None and bool(getattr(req, "stream", False))
+
+
+def sse_response(call: spec.Call, results: list[dict]) -> Response:
+    """Server-sent events: one `<op>.chunk` per result, an `<op>.usage` event, then `data: [DONE]`."""
+
+    async def events():
+        for item in results:
+            yield b"data: " + ops.dumps(format.chunk(call, item)) + b"\n\n"
+        yield b"data: " + ops.dumps(format.usage_line(call, results)) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                               "x-cost": str(call.cost)})
+
+
+async def stream_pieces(call: spec.Call, state: ServiceState) -> Response:
+    """NDJSON: `{"object": "<op>.chunk", "model", ...piece}` lines (posterior: chain families at most
+    `posterior_stream_positions` tokens each, `index`, `offset`, `marginals`; PCFGs one line per sentence with
+    `spans`), then `{"object": "<op>.usage", "model", "usage"}`. Computed in the heavy lane slice by slice; at most
+    STREAM_AHEAD payloads of ~1 MB wait for a slow client, so memory stays bounded whatever the response size. An
+    error before the first line is answered with its status; a later one as a last line `{"error": ...}`."""
     s = state.settings
-    model, seqs, top_k = prep.model, prep.seqs, prep.opts.get("top_k")
+    model, seqs, op = call.model, call.seqs, call.op
     positions = max(1, s.posterior_stream_positions)
-    head = b'{"object":"posterior.chunk","model":' + ops.dumps(model.name) + b","
+    assert op.pieces is not None
 
     def job():
-        costs = [ops.operation_cost(model, "posterior", [q], top_k=top_k) for q in seqs]
+        costs = [ops.operation_cost(model, op.name, [q], top_k=call.opts.get("top_k")) for q in seqs]
         for lo, hi in slices(costs, s.heavy_slice_cost):
+            part = spec.Call(model, op, call.opts, seqs[lo:hi], call.request)
             lines: list[bytes] = []
             size = 0
-            for piece in ops.posterior_chunks(model, seqs[lo:hi], top_k, positions, offset=lo):
-                line = head + ops.dumps(piece)[1:] + b"\n"
+            for piece in op.pieces(part, positions, offset=lo):
+                line = ops.dumps(format.chunk(call, piece)) + b"\n"
                 lines.append(line)
                 size += len(line)
                 if size >= STREAM_PAYLOAD_BYTES:
@@ -224,9 +250,8 @@ async def stream_posterior(prep: execute.Prepared, state: ServiceState) -> Respo
             if lines:
                 yield b"".join(lines)
 
-    state.batcher.max_heavy = s.max_heavy_requests
     try:
-        reader = state.batcher.stream(model, "posterior", job, CANCEL.get())
+        reader = await state.batcher.submit(call, job=job, scope=CANCEL.get())
     except QueueFull as e:
         raise state.queue_full(e) from None
     try:
@@ -236,9 +261,7 @@ async def stream_posterior(prep: execute.Prepared, state: ServiceState) -> Respo
     except BaseException:
         reader.close()
         raise
-    n = prep.num_tokens
-    usage = ops.dumps({"object": "posterior.usage", "model": model.name,
-                       "usage": {"input_tokens": n, "total_tokens": n}}) + b"\n"
+    usage = ops.dumps(format.usage_line(call, [])) + b"\n"
 
     async def lines():
         try:
@@ -256,65 +279,27 @@ async def stream_posterior(prep: execute.Prepared, state: ServiceState) -> Respo
             reader.close()
 
     return StreamingResponse(lines(), media_type=NDJSON, headers={"Cache-Control": "no-cache",
-                                                                  "x-cost": str(prep.cost)})
+                                                                  "x-cost": str(call.cost)})
 
 
-@router.post("/score", responses={200: {"headers": X_COST}})
-async def score(req: ScoreRequest, state: ServiceState = Depends(get_state)) -> Response:
-    """log p(x), perplexity per input [, tokens and token_logprobs]."""
-    return await run_batched("score", req, state)
+def endpoint_for(op: spec.Operation) -> Any:
+    """`POST /v1/<op>`'s endpoint: its body validated by the operation's request model, then `run_operation`."""
+
+    async def endpoint(req, state=Depends(get_state)):
+        return await run_operation(op, req, state)
+
+    endpoint.__annotations__ = {"req": op.request, "state": ServiceState, "return": Response}
+    endpoint.__name__ = endpoint.__qualname__ = op.name
+    endpoint.__doc__ = op.help[:1].upper() + op.help[1:] + "."
+    endpoint.stream = op.stream  # type: ignore[attr-defined]
+    return endpoint
 
 
-@router.post("/posterior", responses={200: {"content": {
-    "application/json": {}, NDJSON: {"schema": {"type": "string"}}},
-    "description": "the marginals; with `stream: true` or `Accept: application/x-ndjson` NDJSON: "
-                   "`posterior.chunk` lines (`index`, `offset`, `marginals`; PCFGs `spans`) then a "
-                   "`posterior.usage` line", "headers": X_COST}})
-async def posterior(req: PosteriorRequest, state: ServiceState = Depends(get_state)) -> Response:
-    """Per-token state marginals, most probable first (top_k per token, or every state). Above
-    max_posterior_entries 413 unless streamed (`stream: true`: NDJSON)."""
-    return await run_batched("posterior", req, state)
-
-
-@router.post("/decode", responses={200: {"headers": X_COST}})
-async def decode(req: DecodeRequest, state: ServiceState = Depends(get_state)) -> Response:
-    """Viterbi path (states, logprob) or MBR (states, state_probs); without `method`, the family's default
-    (viterbi for HMMs, mbr for PCFGs; see `default_method` in /v1/models)."""
-    return await run_batched("decode", req, state)
-
-
-@router.post("/embed", responses={200: {"headers": X_COST}})
-async def embed(req: EmbedRequest, state: ServiceState = Depends(get_state)) -> Response:
-    """Per-token embeddings (families that support it)."""
-    return await run_batched("embed", req, state)
-
-
-@router.post("/sample", responses={200: {"content": {
-    "application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
-    "description": "the samples; with `stream: true` server-sent events, one per sample, then `data: [DONE]`",
-    "headers": X_COST}})
-async def sample(req: SampleRequest, state: ServiceState = Depends(get_state)) -> Response:
-    """n samples (continuations of `prefix`); `stream: true` sends one SSE event per sample."""
-    state.ensure_ready()
-    model = state.registry.get(req.model)
-    ops.check_supported(model, "sample")
-    s = state.settings
-    cost = execute.check_sample(req, s.max_sample_tokens, model=model, max_request_tokens=s.max_request_tokens,
-                                max_cost=s.max_request_cost)
-    state.batcher.max_heavy = s.max_heavy_requests
-    try:
-        data = await state.batcher.call(model, "sample", lambda: execute.run_sample(model, req),
-                                        heavy=cost > s.heavy_request_cost, scope=CANCEL.get())
-    except QueueFull as e:
-        raise state.queue_full(e) from None
-    if not req.stream:
-        return JSONBytes(ops.dumps(data), cost=cost)
-
-    async def events():
-        for item in data["data"]:
-            yield b"data: " + ops.dumps({"object": "sample.chunk", "model": model.name, **item}) + b"\n\n"
-        yield b"data: " + ops.dumps({"object": "sample.usage", "model": model.name, "usage": data["usage"]}) + b"\n\n"
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                               "x-cost": str(cost)})
+def build_router() -> APIRouter:
+    """One route per operation of `spec.OPERATIONS`, in their order."""
+    router = APIRouter(prefix="/v1", tags=["operations"], route_class=OperationRoute)
+    for op in spec.OPERATIONS.values():
+        docs = STREAM_DOCS.get(op.stream or "", {"description": "the answer"})
+        router.add_api_route(f"/{op.name}", endpoint_for(op), methods=["POST"], name=op.name,
+                             responses={200: {**docs, "headers": X_COST}})
+    return router

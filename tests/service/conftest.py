@@ -224,3 +224,19 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(lab.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def prepared(model, op: str, seqs, **opts):
+    """A prepared call (`ops.spec.prepare`) of `op` over token-id `seqs`, as the service hands it to the batcher."""
+    from latentlm.ops import spec
+
+    return spec.prepare(model, op, spec.get(op).request(model=model.name, input=seqs, **opts))
+
+
+def blocking_call(model, fn):
+    """A prepared call of an unmergeable toy operation whose run is `fn()` (occupies a lane's thread)."""
+    from latentlm.ops import spec
+    from latentlm.ops.requests import SampleRequest
+
+    op = spec.Operation("block", "blocks a lane", SampleRequest, run=lambda call, cap: fn(), merge=False)
+    return spec.Call(model, op, {}, [], SampleRequest(model=model.name))

@@ -30,7 +30,7 @@ from latentlm.service.batcher import Batcher
 from latentlm.service.metrics import Metrics
 from latentlm.service.settings import Settings
 
-from .conftest import V, add_model
+from .conftest import V, add_model, prepared
 
 
 # -- batch sizes by device -----------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ def test_dynamic_batches_reuse_few_runners_and_stay_exact(blocked_store, fused_o
             outs = []
             for wave in range(4):  # waves of different sizes: every merged batch another (B, T)
                 part = reqs[wave * 15: wave * 15 + 3 + 4 * wave]
-                outs += await asyncio.gather(*(b.submit(m, "score", {"token_logprobs": True}, r) for r in part))
+                outs += await asyncio.gather(*(b.submit(prepared(m, "score", r, token_logprobs=True)) for r in part))
             return outs
         finally:
             await b.stop()

@@ -15,8 +15,8 @@ import pytest
 
 from latentlm import ops
 from latentlm.models.registry import save_artifact
+from latentlm.ops.batching import slices
 from latentlm.service import execute
-from latentlm.service.batcher import slices
 from latentlm.service.schemas import SampleRequest
 from latentlm.service.settings import Settings
 from tests.service.conftest import Server, V, close, err, metric, vocab
@@ -172,7 +172,7 @@ def test_default_budget_passes_maximal_requests_on_the_default_model_shape():
         operations = frozenset({"score", "posterior", "decode", "sample"})
         default_method = "viterbi"
 
-    m = type("M", (), {"impl": Impl()})()
+    m = type("M", (), {"impl": Impl(), "vocab": range(10_000)})()
     s = Settings()
     T = s.max_request_tokens
     assert ops.operation_cost(m, "score", [[1] * T]) <= s.max_request_cost
@@ -193,7 +193,7 @@ def test_default_budget_passes_every_maximal_request_on_the_blocked_default_mode
     from latentlm.models.synthetic import random_blocked_hmm
 
     t, c = random_blocked_hmm(128, 32, 10_000)
-    m = type("M", (), {"impl": BlockedHMM.from_tensors(t, c)})()
+    m = type("M", (), {"impl": BlockedHMM.from_tensors(t, c), "vocab": range(10_000)})()
     s = Settings()
     T = s.max_request_tokens
     for op, kw in (("score", {}), ("posterior", {"top_k": 1}), ("decode", {"method": "mbr"}),
@@ -407,10 +407,10 @@ def test_batcher_heavy_lane_round_robin_limit_and_cancel():
 
     from latentlm.service.batcher import Batcher, CancelScope, QueueFull
     from latentlm.service.metrics import Metrics
+    from tests.service.conftest import blocking_call
 
     async def main():
-        b = Batcher(Metrics())
-        b.max_heavy = 4
+        b = Batcher(Metrics(), max_heavy=4)
         await b.start()
         gate = threading.Event()
         order: list[str] = []
@@ -426,16 +426,18 @@ def test_batcher_heavy_lane_round_robin_limit_and_cancel():
             return gen
 
         try:
-            blocker = b.stream(model, "x", steps("blocker", 1))
+            blocker = await b.submit(blocking_call(model, None), job=steps("blocker", 1))
             await asyncio.sleep(0.05)  # the heavy thread waits in the blocker's slice
             # the light lane answers meanwhile
-            assert await asyncio.wait_for(b.call(model, "x", lambda: "light"), 5) == "light"
-            ra, rb = b.stream(model, "x", steps("a", 3)), b.stream(model, "x", steps("b", 3))
+            assert await asyncio.wait_for(b.submit(blocking_call(model, lambda: "light")), 5) == "light"
+            ra = await b.submit(blocking_call(model, None), job=steps("a", 3))
+            rb = await b.submit(blocking_call(model, None), job=steps("b", 3))
             scope = CancelScope()
-            gone = asyncio.ensure_future(b.call(model, "x", lambda: order.append("never"), heavy=True, scope=scope))
+            never = blocking_call(model, lambda: order.append("never"))
+            gone = asyncio.ensure_future(b.submit(never, heavy=True, scope=scope))
             await asyncio.sleep(0)
             with pytest.raises(QueueFull):  # blocker, a, b and the call: 4 heavy at once
-                b.stream(model, "x", steps("c", 1))
+                await b.submit(blocking_call(model, None), job=steps("c", 1))
             scope.cancel()  # its client leaves before its turn
             gate.set()
             assert [p async for p in ra] == ["a0", "a1", "a2"] and [p async for p in rb] == ["b0", "b1", "b2"]
@@ -445,7 +447,7 @@ def test_batcher_heavy_lane_round_robin_limit_and_cancel():
                 await gone
             await asyncio.sleep(0.1)
             assert b._heavy_count == 0
-            assert [p async for p in b.stream(model, "x", steps("c", 1))] == ["c0"]
+            assert [p async for p in await b.submit(blocking_call(model, None), job=steps("c", 1))] == ["c0"]
         finally:
             gate.set()
             await b.stop()

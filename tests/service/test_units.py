@@ -20,7 +20,7 @@ from latentlm.service.jobs import parse_input_file
 from latentlm.service.metrics import Metrics
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
-from tests.service.conftest import add_model, close
+from tests.service.conftest import add_model, blocking_call, close, prepared
 
 
 def test_batcher_merges_and_splits(base_store):
@@ -31,7 +31,7 @@ def test_batcher_merges_and_splits(base_store):
         b = Batcher(Metrics(), max_queue_delay_ms=50)
         await b.start()
         try:
-            return await asyncio.gather(*(b.submit(m, "score", {"token_logprobs": True}, r) for r in reqs))
+            return await asyncio.gather(*(b.submit(prepared(m, "score", r, token_logprobs=True)) for r in reqs))
         finally:
             await b.stop()
 
@@ -53,20 +53,22 @@ def test_batcher_queue_full_and_per_request_errors(base_store):
         b = Batcher(Metrics(), max_queue=2, max_queue_delay_ms=0)
         await b.start()
         try:
-            blocker = asyncio.ensure_future(b.call(m, "sample", block))
+            blocker = asyncio.ensure_future(b.submit(blocking_call(m, block)))
             assert await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
             assert b.depth == 0  # the blocker left the queue: the thread is busy with it
-            waiting = [asyncio.ensure_future(b.submit(m, "score", {}, [[1, 2]])) for _ in range(2)]
+            waiting = [asyncio.ensure_future(b.submit(prepared(m, "score", [[1, 2]]))) for _ in range(2)]
             await asyncio.sleep(0)  # one loop turn: both tasks run up to their await, i.e. are queued
             assert b.depth == 2
             with pytest.raises(QueueFull):
-                await b.submit(m, "score", {}, [[3]])
+                await b.submit(prepared(m, "score", [[3]]))
             gate.set()
             await blocker
             ok = await asyncio.gather(*waiting)
             # one bad request in a merged batch fails alone
-            bad = b.submit(m, "score", {}, [[1, 999]])
-            good = b.submit(m, "score", {}, [[1, 2]])
+            bad_call = prepared(m, "score", [[1, 2]])
+            bad_call.seqs = [[1, 999]]  # past the checks prepare makes: the model itself fails on it
+            bad = b.submit(bad_call)
+            good = b.submit(prepared(m, "score", [[1, 2]]))
             res = await asyncio.gather(bad, good, return_exceptions=True)
             return ok, res
         finally:
@@ -249,13 +251,13 @@ def test_batcher_waits_only_when_company_is_coming(base_store):
         await b.start()
         try:
             t1, t2 = (b.announce(), b.announce()) if announced else (None, None)
-            first = asyncio.ensure_future(b.submit(m, "score", {}, [[1, 2]], t1))
+            first = asyncio.ensure_future(b.submit(prepared(m, "score", [[1, 2]]), t1))
             if announced:  # the first waits for the second (the sleep only gives a wrong batcher a chance)
                 await asyncio.sleep(0.05)
                 assert not first.done()
             else:  # nobody is coming: the lone request goes at once, not after the delay
                 await asyncio.wait_for(asyncio.shield(first), 30)
-            second = asyncio.ensure_future(b.submit(m, "score", {}, [[3]], t2))
+            second = asyncio.ensure_future(b.submit(prepared(m, "score", [[3]]), t2))
             await asyncio.wait_for(asyncio.gather(first, second), 30)  # the second completes the batch
             return met.registry.get_sample_value("latentlm_batch_requests_count", {"operation": "score"})
         finally:
@@ -314,6 +316,6 @@ def test_cache_key_holds_the_scoring_precision(tmp_path):
         m = ops.load_model(tmp_path, "blk")
         m.impl.set_storage_dtype(precision)
         assert m.numerics() == f"float32-{precision}"
-        keys[precision] = execute.cache_key(execute.Prepared(m, "score", {}, [[1, 2, 3]], req))
+        keys[precision] = execute.cache_key(prepared(m, "score", req.input))
     assert len(set(keys.values())) == 3
     assert {k.replace(f"-{p}:", ":") for p, k in keys.items()} == {keys["float32"].replace("-float32:", ":")}

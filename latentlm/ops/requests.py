@@ -1,0 +1,172 @@
+"""Request models of the operations (pydantic; unknown fields are rejected, naming the field). Integer fields take
+JSON integers only (`n: 312.0` and `true` are rejected 422 naming the field, as token ids are); number fields take
+integers and floats, never booleans.
+
+These models are the operations' one declaration of their options: the REST bodies, the OpenAPI document, batch-job
+lines and the CLI flags (`Cli` marks a flag spelled otherwise than `--field-name`) all come from them. The schema
+admits only what the service accepts: decode methods as an enum, `temperature` with `exclusiveMinimum` 0, text
+inputs with at least one non-space character.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
+
+from latentlm.models.family import DECODE_METHODS
+from latentlm.ops.inputs import MAX_STOP_SEQUENCES
+
+
+@dataclass(frozen=True)
+class Cli:
+    """How a request field is spelled on the command line when `--field-name` does not fit: `flag` (e.g.
+    `--no-stop` for `stop_at_eos`, which it sets False), `default` shown and parsed instead of the field's,
+    `metavar`. `hidden`: the field has no flag (a REST-only option such as `stream`)."""
+
+    flag: str | None = None
+    default: Any = None
+    metavar: str | None = None
+    hidden: bool = False
+    parse: Callable[[str], Any] | None = None  # the flag's text -> the field's value
+
+
+def int_or_all(text: str) -> int | str:
+    """A `--top-k` value: 'all' or an integer (range checked by the request model)."""
+    return text if text == "all" else int(text)
+
+
+TEXT = {"type": "string", "pattern": r"\S"}  # at least one non-space character: whitespace alone has no tokens
+# (the schema admits only what the service takes; the service itself answers 422 naming the item, e.g. `input[0]`)
+INPUT_SCHEMA = {
+    "description": "a string, a list of strings, or a list of token-id lists (ids taken as is, no <eos> added)",
+    "anyOf": [TEXT, {"type": "array", "minItems": 1,
+                     "items": {"anyOf": [TEXT, {"type": "array", "minItems": 1, "items": {"type": "integer"}}]}}],
+}
+InputField = Annotated[Any, WithJsonSchema(INPUT_SCHEMA)]
+_INT = {int}
+
+
+def check_input(v: Any) -> Any:
+    """Structure check only; token-level checks (ids in range, unknown words, text with no tokens: 422 naming the
+    item) happen in `ops.encode_inputs`."""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list):
+        raise ValueError("expected a string, a list of strings, or a list of token-id lists")
+    if not v:
+        raise ValueError("empty list: give at least one input")
+    for i, item in enumerate(v):
+        if type(item) is list and set(map(type, item)) <= _INT:  # fast path
+            continue
+        if isinstance(item, str):
+            continue
+        if not isinstance(item, list):
+            raise ValueError(f"item {i} is {type(item).__name__}; expected a string or a list of token ids")
+        for j, t in enumerate(item):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"item {i}, position {j}: token id {t!r} is not an integer")
+    return v
+
+
+class OperationRequest(BaseModel):
+    """Fields every operation's request has: the model's id."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model: str = Field(description="model id (see GET /v1/models)", min_length=1)
+
+
+class InputRequest(OperationRequest):
+    """An operation over given inputs (score, posterior, decode, embed)."""
+
+    input: InputField
+
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        return check_input(v)
+
+
+class ScoreRequest(InputRequest):
+    token_logprobs: StrictBool = Field(False, description="add tokens and per-token log p(x_t | x_<t)")
+
+
+TOP_K_SCHEMA = {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "all"}, {"type": "null"}]}
+
+
+class PosteriorRequest(InputRequest):
+    top_k: Annotated[Any, WithJsonSchema(TOP_K_SCHEMA), Cli(default="all", metavar="K", parse=int_or_all)] = Field(
+        None, description="K most probable states per token; null or 'all' = every state")
+
+    @field_validator("top_k")
+    @classmethod
+    def _k(cls, v):
+        if v is None or v == "all":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"expected a positive integer, 'all' or null, got {v!r}")
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    stream: Annotated[StrictBool, Cli(hidden=True)] = Field(
+        False, description="NDJSON (application/x-ndjson): one line per sequence, or per chunk of token positions of "
+                           "a long one, ending with a usage line; bounded by max_stream_entries "
+                           "(LATENTLM_MAX_STREAM_ENTRIES) instead of max_posterior_entries (and by max_request_tokens "
+                           "and max_request_cost). Also chosen by 'Accept: application/x-ndjson'")
+
+
+METHOD_SCHEMA = {"anyOf": [{"enum": list(DECODE_METHODS)}, {"type": "null"}]}
+
+
+class DecodeRequest(InputRequest):
+    # any string is taken, so that a method the family lacks is answered 400 `unsupported_operation` naming the
+    # methods it has; the schema admits only the methods some family has
+    method: Annotated[str | None, WithJsonSchema(METHOD_SCHEMA)] = Field(
+        None, description="viterbi (best path) or mbr (per-token argmax of marginals); default: the family's "
+                          "`default_method` (viterbi for HMMs, mbr for PCFGs)")
+
+
+class EmbedRequest(InputRequest):
+    causal: StrictBool = Field(False, description="filtered (left-context) instead of smoothed embeddings")
+
+
+class SampleRequest(OperationRequest):
+    n: StrictInt = Field(1, ge=1, description="number of samples")
+    max_tokens: StrictInt = Field(32, ge=1, description="tokens per sample at most")
+    seed: StrictInt = Field(0, ge=0, lt=1 << 63, description="random seed in [0, 2^63) (same seed, same samples)")
+    prefix: str | list[StrictInt] | None = Field(None, description="text or token ids to continue")
+    temperature: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},  # checked by `_t`, naming the field
+                               description="> 0; below 1 sharpens, above 1 flattens")
+    stop_at_eos: Annotated[StrictBool, Cli(flag="--no-stop")] = Field(
+        True, description="end a sample after <eos> (CLI: --no-stop sets it false)")
+    top_k: StrictInt | None = Field(None, ge=1, description="draw each token from the next-token distribution cut to "
+                                                           "its k most probable tokens (hmm, tagging_hmm, blocked_hmm)")
+    top_p: float | None = Field(None, gt=0, le=1, description="draw each token from the fewest most probable next "
+                                                             "tokens whose mass reaches p (hmm, tagging_hmm, "
+                                                             "blocked_hmm)")
+    stop: Annotated[str | list[str | list[StrictInt]] | None, Cli(metavar="TEXT")] = Field(
+        None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids): a sample ends before the "
+                          "first it spells, which is left out; chain families (each sample then says its "
+                          "`finish_reason`: stop, eos or length for all of them)")
+    stream: Annotated[StrictBool, Cli(hidden=True)] = Field(
+        False, description="server-sent events, one per sample, ending 'data: [DONE]'")
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _t_type(cls, v, info):
+        if v is None and info.field_name == "top_p":
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _t(cls, v):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a positive finite number, got {v!r}")
+        return v

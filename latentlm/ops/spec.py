@@ -1,0 +1,254 @@
+"""Every operation, declared once.
+
+An `Operation` names its request model (its options, with their CLI spelling derived from the model's fields), how a
+request is prepared (inputs encoded, limits and cost known before any work), how it runs, and how its answer is
+shaped. REST routes (`service.routes.operations`), CLI subcommands and flags (`cli.infer`), batch-job lines
+(`service.jobs`) and the OpenAPI document read `OPERATIONS`; dispatch is by this table (`Operation.run`), never by
+name lookups. Adding an operation is one `register(Operation(...))` (see docs/architecture.md).
+
+A request's life: `prepare(model, op, request) -> Call` (options with defaults filled once, support checked, inputs
+encoded, cost estimated), then `op.run(call, max_batch_tokens)` (blocking; the service merges calls of `op.merge`
+operations with equal options into one batched run), then `format.body(call, results)`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from latentlm.models.errors import InputError
+from latentlm.ops import batching, cost, format, generate, inputs
+from latentlm.ops.model import LoadedModel
+from latentlm.ops.requests import (
+    Cli,
+    DecodeRequest,
+    EmbedRequest,
+    InputRequest,
+    PosteriorRequest,
+    SampleRequest,
+    ScoreRequest,
+)
+
+ROUTE_ONLY = ("model", "input")  # fields that are not options of the operation itself
+
+
+@dataclass
+class Call:
+    """A request ready to run: the model version it will use, the operation, its options (defaults filled),
+    token ids of its inputs (none for a generating operation), its size and estimated cost."""
+
+    model: LoadedModel
+    op: Operation
+    opts: dict[str, Any]
+    seqs: list[list[int]]
+    request: BaseModel
+    cost: int = 0
+    input_tokens: int = 0  # tokens of the inputs (or of a sample's prefix)
+    output_tokens: int = 0  # tokens a generating operation may produce at most (n x max_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_tokens
+
+    @property
+    def streaming(self) -> bool:
+        return bool(getattr(self.request, "stream", False))
+
+
+def _prepare_input(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any]) -> Call:
+    raw = req.input if isinstance(req.input, list) else [req.input]
+    seqs = inputs.encode_inputs(model.vocab, raw)
+    n = sum(len(s) for s in seqs)
+    c = cost.operation_cost(model, op.name, seqs, method=opts.get("method"), top_k=opts.get("top_k"))
+    return Call(model, op, opts, seqs, req, c, input_tokens=n)
+
+
+def _run_input(call: Call, max_batch_tokens: int | None) -> list[dict]:
+    return batching.run(call.model, call.op.name, call.seqs, max_batch_tokens=max_batch_tokens, **call.opts)
+
+
+def _prepare_sample(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any]) -> Call:
+    n_prefix = generate.prefix_tokens(model, opts.get("prefix"))
+    predictive = opts.get("top_k") is not None or opts.get("top_p") is not None
+    c = cost.operation_cost(model, "sample", n=opts["n"], max_tokens=opts["max_tokens"], prefix_tokens=n_prefix,
+                            predictive=predictive)
+    return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=opts["n"] * opts["max_tokens"])
+
+
+def _run_sample(call: Call, max_batch_tokens: int | None) -> list[dict]:
+    return generate.sample(call.model, **call.opts)
+
+
+def _posterior_pieces(call: Call, positions: int, offset: int = 0) -> Iterator[dict]:
+    return format.posterior_chunks(call.model, call.seqs, call.opts.get("top_k"), positions, offset=offset)
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation: `name` (route /v1/NAME, CLI subcommand NAME, batch endpoint /v1/NAME), `help`, its
+    `request` model (options = its fields but `model`, `input`, `stream`), `prepare` and `run`.
+
+    `merge`: requests with equal options may share one batched run (their inputs concatenated); `cache`: answers
+    are cached by (model version, options, input); `generates`: output tokens are counted in `usage` and bounded by
+    the service's `max_sample_tokens`; `stream`: what `"stream": true` answers, "ndjson" (pieces computed and sent
+    slice by slice, `pieces`) or "sse" (one server-sent event per result); `input_field`: the field a too-long input
+    is blamed on; `cli_backend`: the CLI offers the scoring engine flags (`--backend`, `--storage-dtype`)."""
+
+    name: str
+    help: str
+    request: type[BaseModel]
+    prepare: Callable[[LoadedModel, Operation, BaseModel, dict[str, Any]], Call] = _prepare_input
+    run: Callable[[Call, int | None], list[dict]] = _run_input
+    merge: bool = True
+    cache: bool = True
+    generates: bool = False
+    stream: str | None = None
+    pieces: Callable[..., Iterator[dict]] | None = None
+    input_field: str = "input"
+    cli_backend: bool = False
+    advice: str = "send less input (or shorter sequences) per request"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return f"/v1/{self.name}"
+
+    @property
+    def takes_input(self) -> bool:
+        return issubclass(self.request, InputRequest)
+
+    def options(self, model: LoadedModel, req: BaseModel) -> dict[str, Any]:
+        """The keyword options `run` takes: every request field but `model`, `input` and `stream` (named as in the
+        CLI), `top_k` parsed where it may say "all", and a missing decode `method` set to the family's default:
+        defaults are filled here, once."""
+        opts = {k: getattr(req, k) for k in type(req).model_fields if k not in ROUTE_ONLY and k != "stream"}
+        if self.takes_input and "top_k" in opts:
+            opts["top_k"] = inputs.parse_top_k(opts["top_k"])
+        if "method" in opts and opts["method"] is None:
+            opts["method"] = model.impl.default_method
+        return opts
+
+
+OPERATIONS: dict[str, Operation] = {}
+"""name -> Operation, in the order the CLI and the API list them."""
+
+
+def register(op: Operation) -> Operation:
+    """Add `op` to `OPERATIONS` (replacing one of the same name); routes, CLI and batch lines built afterwards
+    offer it."""
+    OPERATIONS[op.name] = op
+    return op
+
+
+def unregister(name: str) -> None:
+    OPERATIONS.pop(name, None)
+
+
+def get(name: str) -> Operation:
+    """The operation named `name`; InputError naming `op` for an unknown one."""
+    try:
+        return OPERATIONS[name]
+    except KeyError:
+        raise InputError(f"op: no operation {name!r}; operations: {', '.join(OPERATIONS)}", param="op") from None
+
+
+def prepare(model: LoadedModel, op: Operation | str, req: BaseModel) -> Call:
+    """Options (defaults filled), support checked (400 for an operation or decode method the family lacks), inputs
+    encoded and the cost estimated, before any work."""
+    op = get(op) if isinstance(op, str) else op
+    opts = op.options(model, req)
+    batching.check_supported(model, op.name, opts.get("method"))
+    return op.prepare(model, op, req, opts)
+
+
+def execute(call: Call, max_batch_tokens: int | None = None) -> dict[str, Any]:
+    """Run a prepared call without a batcher (CLI, batch-job workers) and shape its body."""
+    return format.body(call, call.op.run(call, max_batch_tokens))
+
+
+# -- CLI flags, derived from the request models ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Flag:
+    """One command-line option of an operation: `argparse` `add_argument(flag, **kwargs)` filling field `name`."""
+
+    name: str
+    flag: str
+    kwargs: dict[str, Any]
+
+
+def _cli_marker(info: Any) -> Cli:
+    return next((m for m in info.metadata if isinstance(m, Cli)), Cli())
+
+
+def _scalar(annotation: Any) -> Any:
+    """The first non-None scalar type inside an annotation (`int | None` -> int, `str | list[int]` -> str)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for a in args:
+            if a is not type(None):
+                return _scalar(a)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _scalar(args[0])
+    return annotation
+
+
+def _choices(prop: dict[str, Any]) -> list[Any] | None:
+    """The values a JSON-schema property enumerates (directly or in one `anyOf` branch), else None."""
+    if "enum" in prop:
+        return list(prop["enum"])
+    return next((list(a["enum"]) for a in prop.get("anyOf", ()) if "enum" in a), None)
+
+
+def cli_flags(op: Operation) -> list[Flag]:
+    """The operation's options as command-line flags: `--field-name` for each request field but `model`, `input`
+    and REST-only ones; a boolean defaulting to False is a switch; one defaulting to True is a negative switch
+    named by `Cli(flag=...)`; a field taking a list of values is repeatable; an enumerated one offers its choices
+    (from the same JSON schema the OpenAPI document shows); help from the field's description."""
+    flags = []
+    props = op.request.model_json_schema()["properties"]
+    for name, info in op.request.model_fields.items():
+        marker = _cli_marker(info)
+        if name in ROUTE_ONLY or marker.hidden:
+            continue
+        flag = marker.flag or "--" + name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": name, "help": info.description}
+        scalar = _scalar(info.annotation)
+        default = marker.default if marker.default is not None else info.default
+        if scalar is bool:
+            kwargs["action"] = "store_false" if info.default else "store_true"
+        else:
+            many = typing.get_origin(info.annotation) in (typing.Union, types.UnionType) and any(
+                typing.get_origin(a) is list and _scalar(typing.get_args(a)[0]) is str
+                for a in typing.get_args(info.annotation))
+            if many:
+                kwargs["action"] = "append"
+            elif marker.parse is not None:
+                kwargs["type"] = marker.parse
+            elif scalar in (int, float):
+                kwargs["type"] = scalar
+            choices = _choices(props.get(name, {}))
+            if choices:
+                kwargs["choices"] = choices
+            kwargs["default"] = default
+            if marker.metavar:
+                kwargs["metavar"] = marker.metavar
+        flags.append(Flag(name, flag, kwargs))
+    return flags
+
+
+# -- the operations ---------------------------------------------------------------------------------------------
+
+register(Operation("score", "log-likelihood, perplexity and per-token log-probs", ScoreRequest, cli_backend=True))
+register(Operation("posterior", "per-token state marginals", PosteriorRequest, stream="ndjson",
+                   pieces=_posterior_pieces))
+register(Operation("decode", "Viterbi or MBR decoding", DecodeRequest))
+register(Operation("sample", "sample sentences or continuations of --prefix", SampleRequest,
+                   prepare=_prepare_sample, run=_run_sample, merge=False, cache=False, generates=True, stream="sse",
+                   input_field="prefix", advice="ask for fewer or shorter samples (n, max_tokens)"))
+register(Operation("embed", "per-token embeddings", EmbedRequest))
