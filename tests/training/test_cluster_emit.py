@@ -88,11 +88,11 @@ def test_threads_give_the_same_bits(monkeypatch):
 
 def test_the_gemms_run_where_the_compiled_pass_cannot(monkeypatch):
     """Beyond CLUSTER_EMIT_MAX_K states per cluster (and off CPU) the in-place GEMMs run: same values."""
-    import latentlm.training.neural as neural
+    from latentlm.training.neural import emission
 
     words, states, b, offsets = inputs([2, 3], 4, 6, True, torch.float64)
     fast = cluster_log_softmax(words, states, b, [2, 3])
-    monkeypatch.setattr(neural, "CLUSTER_EMIT_MAX_K", 3)
+    monkeypatch.setattr(emission, "CLUSTER_EMIT_MAX_K", 3)
     slow = cluster_log_softmax(words, states, b, [2, 3])
     assert slow.grad_fn is not None and "ClusterGemmLogSoftmax" in type(slow.grad_fn).__name__
     assert "ClusterLogSoftmax" in type(fast.grad_fn).__name__

@@ -78,7 +78,7 @@ def test_only_a_model_trained_without_the_reset_gets_the_state_after_eos_as_its_
     (`fix_start_for_streams`), at every check and at the end."""
     calls = []
     real = neural.fix_start_for_streams
-    monkeypatch.setattr(neural, "fix_start_for_streams", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(neural.bptt, "fix_start_for_streams", lambda *a: calls.append(1) or real(*a))
     ns = resolve_settings(train_args(tmp_path, "blocked_hmm", name="m", states=8, clusters=2, hidden=8, bptt=6,
                                      batch=3, epochs=1, max_steps=12, eval_every=6, train_sentences=200,
                                      valid_sentences=50, reset_eos=reset))

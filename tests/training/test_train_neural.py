@@ -234,7 +234,7 @@ def test_a_diverging_run_stops_with_an_error_and_writes_nothing(tmp_path, monkey
         calls.append(1)
         return (nll * float("nan") if len(calls) == 2 else nll), last
 
-    monkeypatch.setattr(neural, "blocked_loss", diverging)
+    monkeypatch.setattr(neural.losses, "blocked_loss", diverging)
     rc = main(["train", "--family", "blocked_hmm", "--data", "ptb", "--name", "div", "--store", str(tmp_path),
                "--states", "32", "--clusters", "8", "--hidden", "16", "--train-sentences", "300",
                "--valid-sentences", "50", "--batch", "32", "--no-progress"])
@@ -258,7 +258,7 @@ def test_ctrl_c_stops_after_the_step_and_exports_the_best_evaluation(tmp_path, m
             signal.raise_signal(signal.SIGINT)  # as a user's Ctrl-C arrives, mid-step
         return real_loss(model, batch)
 
-    monkeypatch.setattr(neural, "rank_loss", loss_then_interrupt)
+    monkeypatch.setattr(neural.losses, "rank_loss", loss_then_interrupt)
     before = signal.getsignal(signal.SIGINT)
     ns = resolve_settings(train_args(tmp_path, "rank_hmm", states=16, rank=4, hidden=8, epochs=3,
                                      train_sentences=600, batch=32, lr=0.01, valid_sentences=100))
@@ -346,10 +346,10 @@ def test_a_checkpoints_carry_reads_back_by_cluster_and_from_the_older_layout():
     g = torch.Generator().manual_seed(0)
     B, M, k = 4, 3, 5
     carry = Carried(torch.rand(B, k, generator=g), torch.tensor([2, 0, 1, 2]))
-    now = neural._carry_from_checkpoint({"carry": carry.state, "carry_cluster": carry.cluster}, "cpu")
+    now = neural.carry_from_checkpoint({"carry": carry.state, "carry_cluster": carry.cluster}, "cpu")
     older = torch.zeros(B, M, k)
     older[torch.arange(B), carry.cluster] = carry.state
-    before = neural._carry_from_checkpoint({"carry": older}, "cpu")
+    before = neural.carry_from_checkpoint({"carry": older}, "cpu")
     for got in (now, before):
         assert torch.equal(got.state, carry.state) and torch.equal(got.cluster, carry.cluster)
-    assert neural._carry_from_checkpoint({}, "cpu") is None
+    assert neural.carry_from_checkpoint({}, "cpu") is None
