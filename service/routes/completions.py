@@ -20,6 +20,7 @@ answer 400 naming the field; nothing is silently ignored. Errors are the `{"erro
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 import secrets
 import time
@@ -352,12 +353,10 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
             if logprobs is not None:
                 lps, tops = logprobs[j]
                 base = 0 if echo else len(" ".join(prompt_words))
-                offsets = [base + sum(len(t) for t in toks[:i]) for i in range(len(toks))]
-                ids_here = (ids if echo else []) + o
+                offsets = list(itertools.accumulate((len(t) for t in toks[:-1]), initial=base)) if toks else []
                 c.logprobs = {"tokens": toks, "token_logprobs": lps, "top_logprobs": [
                     top_dict(vocab, toks[t], lps[t], tops[t], space=toks[t].startswith(" ")) for t in range(len(toks))],
                     "text_offset": offsets}
-                assert len(ids_here) == len(lps)
             choices.append(c)
     prompt_tokens = sum(len(p) for p in prep.prompts)
     return choices, {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
