@@ -460,14 +460,17 @@ def _vocab_size(view: ChainView) -> int:
 
 
 # -- next-token scores ---------------------------------------------------------------------------------------
-def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int) -> Tensor:
+def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model: bool = False
+                    ) -> Tensor | tuple[Tensor, Tensor]:
     """log s_j(v) (n, V) float64 = log P(y_{j+1} = v, C | x, y_<=j) for rows with predictive a (n, S) in automaton
-    states q (n,) (-1: dead) after j continuation tokens. O(n (S V + K S)) (blocked: O(n k (V + K)))."""
+    states q (n,) (-1: dead) after j continuation tokens; with `with_model`, also log p(v | x, y_<=j) (n, V) from
+    the same pass over the emissions (one (2n, S) x (S, V) product). O(n (S V + K S)) (blocked: O(n k (V + K)))."""
     dfa, view = msgs.dfa, msgs.view
     n, V = len(a), msgs.vocab_size
     K = dfa.num_classes - 1
     lo, hi = dfa.min_tokens, dfa.max_tokens
     out = torch.full((n, V), -math.inf, dtype=torch.float64, device=view.device)
+    model_probs: Tensor | None = None
     alive_rows = q >= 0
     qs = q.clamp_min(0)
     Mj = msgs.M[j + 1] if j + 1 < hi else None
@@ -481,7 +484,13 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int) -> Tensor:
         rows = (d >= 0).nonzero().squeeze(1)
         if len(rows):  # every word through the OTHER column, then the named words that go elsewhere are fixed
             u = a[rows] * Mj[:, col[d[rows]]].T
-            out[rows] = _log(view.token_probs(u)) + sig[d[rows]].unsqueeze(1)
+            if with_model:
+                both = view.token_probs(torch.cat([u, a]))
+                model_probs = both[len(rows):]
+                probs = both[: len(rows)]
+            else:
+                probs = view.token_probs(u)
+            out[rows] = _log(probs) + sig[d[rows]].unsqueeze(1)
         r, c = (succ[:, :K] != d[:, None]).nonzero(as_tuple=True)
         if len(r):
             s = succ[r, c]
@@ -498,7 +507,11 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int) -> Tensor:
             acc = (alive_rows & msgs.accept[qs]).nonzero().squeeze(1)
             if len(acc):
                 out[acc, dfa.eos_id] = _log(a[acc] @ msgs.eos)
-    return out
+    if not with_model:
+        return out
+    if model_probs is None:
+        model_probs = view.token_probs(a)
+    return out, _log(model_probs)
 
 
 def _log(x: Tensor) -> Tensor:
@@ -536,7 +549,7 @@ class Guide:
 
     def scores(self) -> tuple[Tensor, Tensor]:
         """(log s_j (n, V): log P(v, C | x, y_<=j), log p(v | x, y_<=j) (n, V)), float64."""
-        return next_log_scores(self.msgs, self.a, self.q, self.j), _log(self.msgs.view.token_probs(self.a))
+        return next_log_scores(self.msgs, self.a, self.q, self.j, with_model=True)  # type: ignore[return-value]
 
     def weights(self) -> Tensor:
         """g_j(v) (n, V) float64; 0 where the model gives v probability 0."""
@@ -725,8 +738,7 @@ def beam_search(msgs: Messages, *, prefix: Sequence[int] | None = None, beam: in
     pruned = -math.inf
     bound = math.inf
     for j in range(msgs.dfa.max_tokens):
-        log_s = next_log_scores(msgs, a, q, j)
-        log_p = _log(msgs.view.token_probs(a))
+        log_s, log_p = next_log_scores(msgs, a, q, j, with_model=True)
         score = hyp_lp[:, None] + log_s  # log P(h v, C | x)
         if eos is not None:
             for i in (score[:, eos] > -math.inf).nonzero().squeeze(1).tolist():
