@@ -13,14 +13,21 @@ import sys
 import latentlm
 
 TRAINING_COMMANDS = ("train", "train-tagger")
-# the commands that load a model to answer requests (the others list the store or import files)
-MODEL_LOADING_COMMANDS = ("decode", "embed", "eval", "export-onnx", "posterior", "sample", "score", "serve", "worker")
+# the commands that load no model (they list the store or import files); every other command, the operations
+# included (`latentlm.ops.spec`, not imported here: it loads torch), loads one to answer requests
+STORE_COMMANDS = ("list",)  # and every importer, `import-*`
+
+
+def loads_a_model(command: str) -> bool:
+    """Whether `command` loads a model (an operation, eval, serve, worker, export-onnx) or trains one."""
+    return bool(command) and not command.startswith(("-", "import-")) and command not in STORE_COMMANDS
+
 
 # before torch loads (the subcommands import it): the training commands' OpenMP and denormal settings, and huge
 # pages for both kinds. Only when this process runs that command: importing this module elsewhere (a test process)
 # changes nothing
 _command = sys.argv[1] if len(sys.argv) > 1 else ""
-if _command in TRAINING_COMMANDS or _command in MODEL_LOADING_COMMANDS:  # see `latentlm.huge_pages`
+if loads_a_model(_command):  # see `latentlm.huge_pages`
     latentlm.huge_pages()
 if _command in TRAINING_COMMANDS:
     latentlm.tune_openmp_for_training()

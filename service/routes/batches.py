@@ -8,8 +8,9 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
+from latentlm.ops import spec
 from latentlm.service import jobs
 from latentlm.service.errors import APIError
 from latentlm.service.state import ServiceState, get_state
@@ -35,10 +36,17 @@ BATCH_LINKS = _links("batch_id", {"GetBatch": "get_batch_v1_batches__batch_id__g
                                   "DeleteBatch": "delete_batch_v1_batches__batch_id__delete"})
 
 
+def _endpoints(schema: dict) -> None:
+    """The schema's enum: the route of every operation declared when the document is built."""
+    schema["enum"] = [op.path for op in spec.OPERATIONS.values()]
+
+
 class CreateBatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
     input_file_id: str
-    endpoint: Literal["/v1/score", "/v1/posterior", "/v1/decode", "/v1/sample", "/v1/embed"]
+    endpoint: str = Field(description="the operation every line runs, as its route (e.g. /v1/score); checked by "
+                                      "`jobs.create_batch` against the operations declared",
+                          json_schema_extra=_endpoints)
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
 
