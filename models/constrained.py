@@ -32,15 +32,16 @@ All words of class OTHER share one column of M: their scores are one product (a_
 Entry points (all on the model's device, in its dtype, with float64 where results are reported):
 - `prepare(model, dfa, temperature=1.0) -> Messages`: the backward messages. O(Lmax (Q_live S^2 + E S) + S V).
 - `Messages.log_prob(prefix) -> float | None`: log P(C | prefix) (None for probability 0). O(prefix S^2).
-- `sample(messages, n, generator, prefix)`: n continuations drawn exactly from p(y | prefix, y complete,
-  y satisfies C), token by token from s_j; InputError naming `constraint` when P(C | prefix) = 0. Per token and
-  sample O(S V + S^2) (blocked: O(k V + k Z)).
+- `sample(messages, n, generator, prefix, method)`: n continuations drawn exactly from p(y | prefix, y complete,
+  y satisfies C); InputError naming `constraint` when P(C | prefix) = 0. "states" (default): state then token,
+  O(S + D) per token and sample; "tokens": each token from its marginal s_j, O(S V + S^2) (blocked O(k V + k Z)).
 - `Guide(messages, prefixes)`: incremental handle for n sequences: `weights()` -> (n, V) g_j(v), `advance(tokens)`
   one filter step each (no rescan of the tokens so far).
 - `beam_search(messages, prefix, beam, n_best)`: hypotheses ranked by p(h | x) P(C | x, h) (model x exact
   lookahead), which bounds every completion's log p(y | x) from above; `certified` when the best found
   completions are provably the most probable constrained strings.
-- `estimate_cost(model, dfa, ...)`: the work of a request in multiply-adds, known before any work.
+- `estimate_cost(model, dfa, ...)`: the work of a request in multiply-adds, and `table_bytes(model, dfa)` the
+  memory of its messages, known before any work.
 Temperature tempers the model before conditioning (`tempered`: start, transition rows and emission rows each
 raised to 1/T and renormalised; rank_hmm: its rank-space start, step and emissions), so draws are exact from the
 constrained distribution of a well-defined HMM. This is not p(y | x)^(1/T), which does not factor over states.
@@ -60,7 +61,7 @@ from torch import Tensor
 from latentlm.models.base import Batch, ChainFamily, check_continuable
 from latentlm.models.blocked_hmm import BlockedHMM
 from latentlm.models.constraint import WordDFA
-from latentlm.models.errors import InputError, UnsupportedOperation
+from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
 from latentlm.models.hmm import DenseHMM
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.sampling import draw_rows, slot_to_token, tables_at
@@ -68,6 +69,7 @@ from latentlm.models.sampling import tempered as tempered_rows
 
 FAMILIES = ("hmm", "blocked_hmm", "rank_hmm", "tagging_hmm")
 SLAB_ENTRIES = 1 << 22  # entries of a temporary (rows x S) product before it is cut into slabs
+DEFAULT_MAX_TABLE_BYTES = 4 << 30  # messages of one request (a setting of the service)
 STEP_OVERHEAD = 3_000_000  # cost units per interpreter-level step (the service's per-step sampling overhead)
 
 
@@ -377,10 +379,17 @@ class Messages:
         return sum(m.numel() * m.element_size() for m in tables)
 
 
-def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0) -> Messages:
+def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0,
+            max_bytes: int = DEFAULT_MAX_TABLE_BYTES) -> Messages:
     """The backward messages of `model` (tempered first) under `dfa` and its length window (module docstring).
     O(Lmax (Q_live S^2 + E S) + S V) time (S V: the OTHER words' emission mass, a masked row sum), O(Lmax Q_live S)
-    memory."""
+    memory (`table_bytes`; LimitExceeded naming `constraint` above `max_bytes`, before any work)."""
+    view_of(model)
+    need = table_bytes(model, dfa)
+    if need > max_bytes:
+        raise LimitExceeded(f"constraint: its messages would hold {need / 2**20:,.0f} MiB for this model, above the "
+                            f"limit of {max_bytes / 2**20:,.0f} MiB (fewer automaton states or max_tokens)",
+                            param="constraint")
     view = view_of(tempered(model, temperature))
     if dfa.cls.shape[0] != _vocab_size(view):
         raise InputError(f"constraint: compiled for a vocabulary of {dfa.cls.shape[0]} words, the model has "
@@ -771,30 +780,46 @@ def beam_search(msgs: Messages, *, prefix: Sequence[int] | None = None, beam: in
 
 
 # -- cost, before any work --------------------------------------------------------------------------------------
-def estimate_cost(model: ChainFamily, dfa: WordDFA, *, n_samples: int = 0, guide_rows: int = 0, beam: int = 0,
-                  prefix_tokens: int = 0) -> int:
+def _sizes(model: ChainFamily) -> tuple[int, int, int]:
+    """(S: states of the chain the recursion runs, the width of its filter step, the states one word's emission
+    touches): dense (Z, Z, Z), blocked (Z, k, k), rank (r, r, r)."""
+    if isinstance(model, RankHMM):
+        return model.rank, model.rank, model.rank
+    if isinstance(model, BlockedHMM):
+        return model.num_states, model.k, model.k
+    return model.num_states, model.num_states, model.num_states
+
+
+def table_bytes(model: ChainFamily, dfa: WordDFA) -> int:
+    """Memory of the messages `prepare` keeps (M and What over the live states, the edges' emissions), known
+    before any work."""
+    S = _sizes(model)[0]
+    live = sum(int(m.sum()) for m in dfa.live())
+    item = torch.finfo(model.dtype).bits // 8
+    return (2 * live + dfa.num_states * dfa.num_classes + dfa.num_classes) * S * item
+
+
+def estimate_cost(model: ChainFamily, dfa: WordDFA, *, n_samples: int = 0, method: str = "states",
+                  guide_rows: int = 0, beam: int = 0, prefix_tokens: int = 0) -> int:
     """Multiply-adds (the units of the service's cost model) of preparing the messages and then drawing
-    `n_samples`, guiding `guide_rows` sequences over max_tokens steps, or a beam search of width `beam`, after a
-    prefix of `prefix_tokens` tokens; from the automaton's live states and edges, known before any inference.
-    Raises UnsupportedOperation for a family without constraints."""
+    `n_samples` (by `method`), guiding `guide_rows` sequences over max_tokens steps, or a beam search of width
+    `beam`, after a prefix of `prefix_tokens` tokens; from the automaton's live states and edges, known before
+    any inference (compiling the automaton is the only work before it). Raises UnsupportedOperation for a family
+    without constraints."""
     view_of(model)  # the family check
     V = int(dfa.cls.shape[0])
-    if isinstance(model, RankHMM):
-        S = width = model.rank
-        emit_width = S
-    elif isinstance(model, BlockedHMM):
-        S, width, emit_width = model.num_states, model.num_states, model.k
-    else:
-        S = width = emit_width = model.num_states
-    live = dfa.live()
-    live_counts = [int(m.sum()) for m in live]
+    S, width, emit_width = _sizes(model)
+    live_counts = [int(m.sum()) for m in dfa.live()]
     edges = int((dfa.delta >= 0).sum())
     # products A What over the live columns, the edges' terms, the emission columns (OTHER: a masked row sum)
     backward = sum(live_counts[1:]) * S * S + dfa.max_tokens * edges * S + emit_width * V + dfa.num_classes * S
-    filt = width * (emit_width if isinstance(model, BlockedHMM) else width)
-    per_token = emit_width * V + filt + dfa.num_classes * emit_width
+    filt = width * S  # the filter after a word: (a * B(., w)) A over the states that can emit it
+    scores = 2 * emit_width * V + filt + dfa.num_classes * emit_width  # guide / token-marginal step (two rows)
+    draw = S + dfa.num_classes + 64  # state-then-token step: a row of A, the successors, the word
+    per_sample = draw if method == "states" else scores
     steps = dfa.max_tokens
-    rows = n_samples + 2 * guide_rows + beam
-    total = backward + STEP_OVERHEAD * dfa.max_tokens + prefix_tokens * (filt + 5_000)
-    total += steps * (rows * per_token + (STEP_OVERHEAD if rows else 0))
+    total = backward + STEP_OVERHEAD * steps + prefix_tokens * (width * width + 5_000)
+    work = n_samples * per_sample + (guide_rows + beam) * scores
+    if work:
+        total += steps * (work + STEP_OVERHEAD)
     return int(total)

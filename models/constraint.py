@@ -343,6 +343,9 @@ def compile_constraint(constraint: Constraint, vocab: Vocabulary, *, max_states:
     `BUILD_FACTOR` x `max_states`) or the minimised automaton exceeds `max_states`, and InputError (param
     `constraint`) when no continuation within the length window satisfies it. O(states explored x (K+1))
     plus the regex library's compilation."""
+    if vocab.eos_id is None:
+        raise InputError("constraint: this model's vocabulary has no <eos>, so no continuation ever completes",
+                         param="constraint")
     limit = BUILD_FACTOR * max_states if build_limit is None else build_limit
     return _compile(constraint, len(vocab), vocab.eos_id, max_states, limit)
 

@@ -478,6 +478,14 @@ def test_cost_estimate_grows_with_the_work():
     base = cn.estimate_cost(m, dfa)
     assert 0 < base < cn.estimate_cost(m, dfa, n_samples=100) < cn.estimate_cost(m, dfa, n_samples=1000)
     assert cn.estimate_cost(m, dfa, prefix_tokens=50) > base
+    wide = DenseHMM.from_tensors(*random_hmm(64, len(VOCAB)))
+    assert cn.estimate_cost(wide, dfa, n_samples=100, method="tokens") > cn.estimate_cost(wide, dfa, n_samples=100)
+    need = cn.table_bytes(m, dfa)
+    msgs = cn.prepare(m, dfa, max_bytes=need)
+    assert msgs.nbytes() <= need
+    with pytest.raises(LimitExceeded) as e:
+        cn.prepare(m, dfa, max_bytes=need - 1)
+    assert e.value.param == "constraint"
 
 
 # -- mutations: the checks above fail when the conditioning is wrong ---------------------------------------------
