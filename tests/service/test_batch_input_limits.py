@@ -37,7 +37,7 @@ def test_iter_lines_and_checked_upload(monkeypatch):
         assert e.value.line == 3 and "line 3" in str(e.value) and "limit of 3 bytes" in str(e.value)
     assert list(jobs.iter_lines([b"abcd\r"], 4)) == [(1, b"abcd")]
 
-    monkeypatch.setattr(jobs, "READ_CHUNK", 3)
+    monkeypatch.setattr(jobs.jsonl, "READ_CHUNK", 3)
     n = [0]
     assert b"".join(jobs.checked_upload(io.BytesIO(data), 4, n)) == data and n[0] == len(data)
     with pytest.raises(APIError) as e:
