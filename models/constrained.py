@@ -20,14 +20,22 @@ in float32); only (j, q) pairs that are reachable and can still accept in the wi
 computed. A blocked HMM multiplies by its stored Z x Z matrix where it lies (row slabs widened only when it is
 stored in bfloat16); its emissions are k-sparse (`e` columns and `B(., word)` touch one cluster's k states) and
 its filter after a word is O(k Z) (its own `_condition` / `_propagate`); token scores read each word's k states.
-The messages (`Messages`: M_{j} and sigma_j for j = 1 .. Lmax-1, and W_0(., start)) depend on neither the prefix
-nor the samples: computed once per (model, constraint, temperature) and reused by every call below.
+The messages (`Messages`: What_j, sigma_j and M_j over the live states) depend on neither the prefix nor the
+samples: computed once per (model, constraint, temperature) and reused by every call below. The stored Z x Z matrix
+is read in full at every backward step (the next word is unknown, so no k x k block suffices there): the backward
+of a blocked HMM costs what a dense one does; its savings are in the emissions, the filter and the sampler.
 
 With a_j(z) = p(z_{n+j+1} = z | x, y_<=j) (the plain predictive filter: the constraint lives only in W):
     s_j(v)   = P(y_{j+1} = v, C | x, y_<=j) = sum_z a_j(z) B(z, v) M_{j+1}(z, delta(q_j, v))   (v content)
     s_j(eos) = [Lmin <= j+1 <= Lmax] [q_j accepting] sum_z a_j(z) B(z, eos)
     sum_v s_j(v) = P(C | x, y_<=j);   the guide's weight g_j(v) = s_j(v) / p(v | x, y_<=j) = P(C | x, y_<=j, v).
 All words of class OTHER share one column of M: their scores are one product (a_j * M(., q_OTHER)) B.
+
+Usage:
+    dfa = constraint.compile_constraint(constraint.parse_constraint(spec, vocab), vocab)   # 422 / 413 cases
+    msgs = constrained.prepare(model, dfa, temperature=1.0)
+    msgs.log_prob(prefix_ids); constrained.sample(msgs, n, generator, prefix=prefix_ids)
+    guide = constrained.Guide(msgs, [prefix_ids]); guide.weights(); guide.advance([token])
 
 Entry points (all on the model's device, in its dtype, with float64 where results are reported):
 - `prepare(model, dfa, temperature=1.0) -> Messages`: the backward messages. O(Lmax (Q_live S^2 + E S) + S V).
@@ -327,6 +335,9 @@ class Messages:
     cls: Tensor = field(init=False)
     special: Tensor = field(init=False)
     out_pairs: Tensor = field(init=False)
+    col_t: list[Tensor] = field(init=False)
+    sigma_t: list[Tensor] = field(init=False)
+    pair_dst_t: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         dev = self.view.device
@@ -340,6 +351,9 @@ class Messages:
         first = np.concatenate([[0], np.cumsum(degree)[:-1]])
         out[self.pair_src, np.arange(len(self.pair_src)) - first[self.pair_src]] = np.arange(len(self.pair_src))
         self.out_pairs = torch.as_tensor(out, device=dev)
+        self.col_t = [torch.as_tensor(c, device=dev) for c in self.col]  # per step, on the device once
+        self.sigma_t = [torch.as_tensor(x, device=dev) for x in self.sigma]
+        self.pair_dst_t = torch.as_tensor(self.pair_dst, device=dev)
 
     @property
     def W0(self) -> Tensor:
@@ -484,8 +498,7 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
     qs = q.clamp_min(0)
     Mj = msgs.M[j + 1] if j + 1 < hi else None
     if Mj is not None:
-        col = torch.as_tensor(msgs.col[j + 1], device=view.device)
-        sig = torch.as_tensor(msgs.sigma[j + 1], device=view.device)
+        col, sig = msgs.col_t[j + 1], msgs.sigma_t[j + 1]
         succ = torch.where(alive_rows[:, None], msgs.delta[qs], -1)  # (n, K+1)
         ok = (succ >= 0) & (col[succ.clamp_min(0)] >= 0)
         succ = torch.where(ok, succ, -1)
@@ -641,7 +654,7 @@ def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: S
     K = dfa.num_classes - 1
     lo, hi = dfa.min_tokens, dfa.max_tokens
     eos = dfa.eos_id
-    pair_dst = torch.as_tensor(msgs.pair_dst, device=dev)
+    pair_dst = msgs.pair_dst_t
     a0 = msgs.initial(prefix)
     z = draw_rows((a0 * msgs.W0).double().expand(n, -1), generator)
     q = torch.zeros(n, dtype=torch.long, device=dev)
@@ -655,8 +668,7 @@ def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: S
         logw = torch.full((len(rows), pid.shape[1] + 1), -math.inf, dtype=torch.float64, device=dev)
         Mj = msgs.M[j + 1] if j + 1 < hi else None
         if Mj is not None:
-            col = torch.as_tensor(msgs.col[j + 1], device=dev)
-            sig = torch.as_tensor(msgs.sigma[j + 1], device=dev)
+            col, sig = msgs.col_t[j + 1], msgs.sigma_t[j + 1]
             dst = torch.where(pid >= 0, pair_dst[pid.clamp_min(0)], 0)
             c = col[dst]
             ok = (pid >= 0) & (c >= 0)
@@ -681,8 +693,8 @@ def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: S
             other = go[~special]
             if len(other):
                 words[other] = _draw_other(msgs, z[other], generator)
-            z_next = draw_rows((view.trans_rows(z[go]) * msgs.W[j + 1][:, torch.as_tensor(
-                msgs.col[j + 1], device=dev)[q_next]].T).double(), generator)
+            z_next = draw_rows((view.trans_rows(z[go]) * msgs.W[j + 1][:, msgs.col_t[j + 1][q_next]].T).double(),
+                               generator)
         for i, tok in zip(rows.tolist(), words.tolist(), strict=True):
             out[i].append(tok)
         if len(go):

@@ -39,7 +39,7 @@ from prometheus_client import Counter, Gauge
 
 from latentlm import ops
 from latentlm.ops.batching import slices
-from latentlm.ops.spec import Call
+from latentlm.ops.spec import Call, Operation, run_merged
 from latentlm.service.errors import ShuttingDown
 from latentlm.service.metrics import Metrics
 
@@ -112,16 +112,18 @@ class _Queue:
     items: deque[_Item] = field(default_factory=deque)
     tokens: int = 0
     lane: str = LIGHT
+    operation: Operation | None = None  # what a merged batch runs (`Operation.run` over the merged inputs)
 
 
-def sliced_run(model: ops.LoadedModel, op: str, opts: dict[str, Any], seqs: list[list[int]], cap: int,
-               slice_cost: int) -> Generator[None, None, list[dict]]:
-    """`ops.run` over `seqs` in slices of at most `slice_cost` (yielding after each): the same results, in
+def sliced_run(call: Call, cap: int, slice_cost: int) -> Generator[None, None, list[dict]]:
+    """`call.op.run` over `call.seqs` in slices of at most `slice_cost` (yielding after each): the same results, in
     input order, with a preemption point between slices."""
-    costs = [ops.operation_cost(model, op, [s], method=opts.get("method"), top_k=opts.get("top_k")) for s in seqs]
+    model, op, opts, seqs = call.model, call.op, call.opts, call.seqs
+    costs = [ops.operation_cost(model, op.name, [s], method=opts.get("method"), top_k=opts.get("top_k"))
+             for s in seqs]
     results: list[dict] = []
     for lo, hi in slices(costs, slice_cost):
-        part = ops.run(model, op, seqs[lo:hi], max_batch_tokens=cap, **opts)
+        part = op.run(Call(model, op, opts, seqs[lo:hi], call.request), cap)
         for r in part:
             r["index"] += lo
         results.extend(part)
@@ -308,12 +310,12 @@ class Batcher:
         item = _Item(seqs, fut, time.perf_counter(), tokens=sum(len(s) for s in seqs))
         if heavy:
             cap, sc = self.cap_for(model), slice_cost or DEFAULT_SLICE_COST
-            item.job = lambda: sliced_run(model, op, opts, seqs, cap, sc)
+            item.job = lambda: sliced_run(call, cap, sc)
             self._watch(item)
             self._enqueue(("heavy", next(self._counter)), lambda: _Queue(model, op, {}, lane=HEAVY), item)
         else:
             key = (id(model), model.content_hash, op, tuple(sorted(opts.items())))
-            self._enqueue(key, lambda: _Queue(model, op, dict(opts), self.cap_for(model)), item)
+            self._enqueue(key, lambda: _Queue(model, op, dict(opts), self.cap_for(model), operation=call.op), item)
         return await fut
 
     def _taken(self, item: _Item) -> None:
@@ -520,7 +522,8 @@ class Batcher:
         m.batch_requests.labels(q.op).observe(len(items))
         m.batch_sequences.labels(q.op).observe(len(seqs))
         m.batch_tokens.labels(q.op).observe(ntok)
-        parts = ops.run_merged(q.model, q.op, [it.seqs for it in items], max_batch_tokens=q.cap, **q.opts)
+        assert q.operation is not None
+        parts = run_merged(q.operation, q.model, q.opts, [it.seqs for it in items], q.cap)
         m.tokens.labels(q.model.name, q.op).inc(ntok)
         return [(not isinstance(p, Exception), p) for p in parts]
 

@@ -10,7 +10,8 @@ TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
 class Metrics:
-    """Request duration, queue wait/depth, batch sizes, tokens, errors, cache hits/misses."""
+    """Request duration, queue wait/depth, in-flight requests, open connections, batch sizes, tokens, errors,
+    cache hits/misses."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -39,6 +40,11 @@ class Metrics:
         self.rate_limit_errors = Counter("latentlm_rate_limit_errors", "rate-limit checks skipped because "
                                          "Redis failed (the request was let through)", registry=r)
         self.models_loaded = Gauge("latentlm_models_loaded", "models currently served", registry=r)
+        # read when scraped: `middleware.Guard` and `server.Server` point them at their counts (0 until then)
+        self.inflight = Gauge("latentlm_inflight_requests", "HTTP requests inside the app now (over "
+                              "LATENTLM_MAX_INFLIGHT, /v1 requests are answered 503 overloaded at once)", registry=r)
+        self.connections = Gauge("latentlm_open_connections", "client connections the server holds open now (over "
+                                 "LATENTLM_MAX_CONNECTIONS, requests are answered 503 overloaded at once)", registry=r)
         self._durations: dict[tuple[str, str, int], Histogram] = {}
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:

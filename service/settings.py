@@ -18,6 +18,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 # batch costs a graph replay whatever its size, so the dynamic batcher and batch jobs hand it large merged batches
 # (a batch job's chunk of 512 lines of 8 x 50 tokens is one 200k-token call; on CPU 32 lines and 16k tokens).
 CUDA_DEFAULTS = {"max_batch_tokens": 1 << 18, "job_chunk_size": 512}
+INFLIGHT_MARGIN = 128  # requests in the app beyond what the batcher holds (parsing, answering, /v1/models, files)
 
 
 @dataclass
@@ -34,8 +35,19 @@ class Settings:
     max_batch_tokens: int = 16384        # padded tokens of one batched call (`from_env` on CUDA: CUDA_DEFAULTS)
     max_queue_delay_ms: float = 2.0      # how long the first request of a batch waits for company
     max_queue: int = 512                 # queued requests before 429
+    max_inflight: int = 0                # /v1 requests inside the app at once before a fast 503 `overloaded` +
+                                         # Retry-After (answered before the body is read); 0 = max_queue +
+                                         # max_heavy_requests + INFLIGHT_MARGIN (`inflight_limit`)
+    max_connections: int = 0             # `serve`: open connections (uvicorn's limit_concurrency) before a 503
+                                         # `overloaded` + Retry-After; 0 = max(1024, 4 x inflight_limit)
+    backlog: int = 0                     # `serve`: connections the kernel queues before the server accepts them
+                                         # (every pending one is accepted at once); 0 = min(2048, max(128,
+                                         # 2 x inflight_limit))
     max_request_tokens: int = 200_000    # tokens in one request before 413 (a sample's prefix included)
-    max_posterior_entries: int = 2_000_000  # posterior response entries (tokens x states returned) before 413
+    max_posterior_entries: int = 2_000_000  # posterior response entries (tokens x states returned) before 413;
+                                         # a posterior line of a batch job too
+    max_stream_entries: int = 8_000_000  # entries of one streamed posterior (NDJSON) before 413: 25-32 bytes
+                                         # each (up to ~50 at top_k 1), so 200-400 MB at most; 0 = unbounded
     max_payload_bytes: int = 2_000_000   # request body before 413
     max_file_bytes: int = 200_000_000    # /v1/files upload before 413
     max_sample_tokens: int = 100_000     # n * max_tokens of one /v1/sample before 413
@@ -52,7 +64,9 @@ class Settings:
                                          # heavy lane's thread slice by slice)
     posterior_stream_positions: int = 1024  # streamed posteriors (NDJSON): token positions per line at most
     api_keys: str = ""                   # comma-separated bearer keys; empty = no auth
-    protect_docs: bool = False           # with api_keys: /metrics, /docs, /redoc and /openapi.json need a key too
+    open_docs: bool = False              # with api_keys, /metrics, /docs, /redoc and /openapi.json need a key
+                                         # unless this is set (LATENTLM_OPEN_DOCS=1)
+    protect_docs: bool = True            # kept for compatibility: 0 opens them as LATENTLM_OPEN_DOCS=1 does
     rate_limit_per_key: float = 0.0      # requests per second per API key (or per client address without keys)
                                          # on /v1; 0 = no limit; over it: 429 + Retry-After
     rate_limit_burst: int = 0            # requests a key may send at once above the rate (0 = max(1, 2 x rate))
@@ -103,6 +117,8 @@ class Settings:
         for k, v in overrides.items():
             if v is not None:
                 setattr(s, k, Path(v) if k in ("store", "state_dir") else v)
+        if s.open_docs and s.protect_docs and "protect_docs" in given:
+            raise ValueError("LATENTLM_OPEN_DOCS=1 and LATENTLM_PROTECT_DOCS=1 contradict each other: set one")
         if s.on_cuda:
             for k, v in CUDA_DEFAULTS.items():
                 if k not in given:
@@ -118,6 +134,27 @@ class Settings:
 
             return torch.cuda.is_available()
         return d.startswith("cuda")
+
+    @property
+    def docs_protected(self) -> bool:
+        """Whether /metrics, /docs, /redoc and /openapi.json need a key: with API keys, unless opened."""
+        return bool(self.keys) and self.protect_docs and not self.open_docs
+
+    @property
+    def inflight_limit(self) -> int:
+        """/v1 requests inside the app before a fast 503: `max_inflight`, or what the batcher may hold (its queue
+        and the heavy lane) plus INFLIGHT_MARGIN for requests being parsed, answered or outside the batcher."""
+        return self.max_inflight or self.max_queue + self.max_heavy_requests + INFLIGHT_MARGIN
+
+    @property
+    def connection_limit(self) -> int:
+        """Open connections before uvicorn answers 503 (its `limit_concurrency`)."""
+        return self.max_connections or max(1024, 4 * self.inflight_limit)
+
+    @property
+    def listen_backlog(self) -> int:
+        """The listening socket's backlog."""
+        return self.backlog or min(2048, max(128, 2 * self.inflight_limit))
 
     @property
     def keys(self) -> list[str]:

@@ -12,7 +12,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from latentlm import ops
-from latentlm.cli.common import CLIError, add_backend, add_model_args, add_store, emit_json, load, positive_int
+from latentlm.cli.common import (
+    CLIError,
+    add_backend,
+    add_model_args,
+    add_store,
+    emit_json,
+    load,
+    positive_int,
+    require_extra,
+)
 from latentlm.models.errors import LatentLMError
 from latentlm.models.store import list_models
 from latentlm.ops import spec
@@ -90,12 +99,13 @@ def cmd_operation(args: argparse.Namespace) -> None:
 def cmd_list(args: argparse.Namespace) -> None:
     for name in list_models(args.store):
         try:
-            emit_json([ops.load_model(args.store, name).describe()])
+            emit_json([spec.describe(ops.load_model(args.store, name))])
         except LatentLMError as e:
             emit_json([{"id": name, "error": e.message}])
 
 
 def cmd_export_onnx(args: argparse.Namespace) -> None:
+    require_extra("onnx", ["onnx", "onnxruntime"], "export-onnx")
     from latentlm import onnx_backend
 
     model = ops.load_model(args.store, args.model)

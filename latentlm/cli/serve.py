@@ -42,36 +42,42 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn  # the service's modules load with the command that needs them (`latentlm score` starts faster)
+def settings_from_env(settings_class, **overrides):
+    """`Settings.from_env`; a variable that does not parse, or settings that contradict each other, exit with one
+    line naming them (not a traceback)."""
+    try:
+        return settings_class.from_env(**overrides)
+    except ValueError as e:
+        raise ServeError(str(e), param="environment") from None
 
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    # the service's modules load with the command that needs them (`latentlm score` starts faster)
+    from latentlm.service import server
     from latentlm.service.app import create_app
     from latentlm.service.settings import Settings
-    from latentlm.service.transport import CoalescingHttpToolsProtocol
 
-    settings = Settings.from_env(store=args.store, device=args.device, backend=args.backend)
+    settings = settings_from_env(Settings, store=args.store, device=args.device, backend=args.backend)
     ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
     ensure_default_model(settings.store)
     set_threads(settings.torch_threads)
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     app = create_app(settings)
-    # httptools with each response's head and body in one write (service.transport); access lines are INFO
-    # records, so below that level they are not formatted per request at all
-    # after the drain (settings.shutdown_grace_s, answered 503 beyond it), responses still being sent get 10 s more
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 10,
-                http=CoalescingHttpToolsProtocol, access_log=args.log_level in ("info", "debug"),
-                server_header=False)
+    # httptools with each response's head and body in one write (service.transport), every pending connection
+    # accepted at once, connections and requests in flight bounded with 503 + Retry-After (service.server); access
+    # lines are INFO records (redacted of credentials), so below that level they are not formatted at all
+    server.run(app, settings, args.host, args.port, args.log_level, access_log=args.log_level in ("info", "debug"))
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
+    from latentlm.service import redact
     from latentlm.service.settings import Settings
     from latentlm.service.worker import run_worker
 
-
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
-    settings = Settings.from_env(store=args.store, device=args.device)
+    settings = settings_from_env(Settings, store=args.store, device=args.device)
+    redact.install(settings.keys)  # no credential (e.g. a Redis URL's password) reaches a log line
     set_threads(settings.torch_threads)
     run_worker(settings, burst=args.burst)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,17 +79,23 @@ def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens:
 
 
 def run_merged(model: LoadedModel, op: str, groups: Sequence[list[list[int]]], *,
-               max_batch_tokens: int | None = None, **opts: Any) -> list[list[dict] | Exception]:
-    """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run`; each group gets
-    its own results renumbered from 0. When the merged run raises, each group runs alone, so one bad request
-    never fails its neighbours: a group's entry is then its own results or its exception."""
+               max_batch_tokens: int | None = None, run_seqs: Callable[[list[list[int]], int | None], list[dict]]
+               | None = None, **opts: Any) -> list[list[dict] | Exception]:
+    """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run` (or `run_seqs(seqs,
+    max_batch_tokens)`, an operation's own run); each group gets its own results renumbered from 0. When the merged
+    run raises, each group runs alone, so one bad request never fails its neighbours: a group's entry is then its
+    own results or its exception."""
     seqs = [s for g in groups for s in g]
     try:
-        results = run(model, op, seqs, max_batch_tokens=max_batch_tokens, **opts)
+        if run_seqs is not None:
+            results = run_seqs(seqs, max_batch_tokens)
+        else:
+            results = run(model, op, seqs, max_batch_tokens=max_batch_tokens, **opts)
     except Exception as e:
         if len(groups) == 1:
             return [e]
-        return [run_merged(model, op, [g], max_batch_tokens=max_batch_tokens, **opts)[0] for g in groups]
+        return [run_merged(model, op, [g], max_batch_tokens=max_batch_tokens, run_seqs=run_seqs, **opts)[0]
+                for g in groups]
     out: list[list[dict] | Exception] = []
     pos = 0
     for g in groups:

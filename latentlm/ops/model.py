@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,24 @@ class LoadedModel:
             **({"backend_notes": self.backend_notes} if self.backend_notes else {}),
             "preprocessing": m.get("preprocessing", {}),
             "content_hash": self.content_hash,
-            "created": m.get("provenance", {}).get("created"),
+            # OpenAI's model object: `created` in Unix seconds, `owned_by`; the ISO time is `provenance.created`
+            "created": unix_time(m.get("provenance", {}).get("created")),
+            "owned_by": "latentlm",
             "provenance": m.get("provenance", {}),
         }
+
+
+def unix_time(iso: Any) -> int | None:
+    """An ISO-8601 time (as manifests record it) in Unix seconds; None when absent or unreadable."""
+    from datetime import datetime
+
+    if not isinstance(iso, str):
+        return None
+    try:
+        t = datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp())
 
 
 def resolve_device(spec: str | None) -> torch.device:

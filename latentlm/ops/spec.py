@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from latentlm.models.errors import InputError
+from latentlm.models.errors import InputError, UnsupportedOperation
 from latentlm.ops import batching, cost, format, generate, inputs
 from latentlm.ops.model import LoadedModel
 from latentlm.ops.requests import (
@@ -46,7 +46,7 @@ class Call:
     op: Operation
     opts: dict[str, Any]
     seqs: list[list[int]]
-    request: BaseModel
+    request: BaseModel | None
     cost: int = 0
     input_tokens: int = 0  # tokens of the inputs (or of a sample's prefix)
     output_tokens: int = 0  # tokens a generating operation may produce at most (n x max_tokens)
@@ -93,7 +93,8 @@ class Operation:
     """One operation: `name` (route /v1/NAME, CLI subcommand NAME, batch endpoint /v1/NAME), `help`, its
     `request` model (options = its fields but `model`, `input`, `stream`), `prepare` and `run`.
 
-    `merge`: requests with equal options may share one batched run (their inputs concatenated); `cache`: answers
+    `supports(model)`: whether a model answers it (default: its family lists the name in `operations`); `merge`:
+    requests with equal options may share one batched run (their inputs concatenated); `cache`: answers
     are cached by (model version, options, input); `generates`: output tokens are counted in `usage` and bounded by
     the service's `max_sample_tokens`; `stream`: what `"stream": true` answers, "ndjson" (pieces computed and sent
     slice by slice, `pieces`) or "sse" (one server-sent event per result); `input_field`: the field a too-long input
@@ -110,6 +111,7 @@ class Operation:
     stream: str | None = None
     pieces: Callable[..., Iterator[dict]] | None = None
     input_field: str = "input"
+    supports: Callable[[LoadedModel], bool] | None = None  # default: the family lists `name` in its `operations`
     cli_backend: bool = False
     advice: str = "send less input (or shorter sequences) per request"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -157,13 +159,37 @@ def get(name: str) -> Operation:
         raise InputError(f"op: no operation {name!r}; operations: {', '.join(OPERATIONS)}", param="op") from None
 
 
+def supported(model: LoadedModel, op: Operation) -> bool:
+    return op.supports(model) if op.supports is not None else op.name in model.impl.operations
+
+
+def describe(model: LoadedModel) -> dict[str, Any]:
+    """`GET /v1/models`' entry of `model`, its `operations` those of `OPERATIONS` it answers."""
+    return {**model.describe(), "operations": sorted(n for n, op in OPERATIONS.items() if supported(model, op))}
+
+
 def prepare(model: LoadedModel, op: Operation | str, req: BaseModel) -> Call:
     """Options (defaults filled), support checked (400 for an operation or decode method the family lacks), inputs
     encoded and the cost estimated, before any work."""
     op = get(op) if isinstance(op, str) else op
     opts = op.options(model, req)
-    batching.check_supported(model, op.name, opts.get("method"))
+    if op.supports is not None and not op.supports(model):
+        raise UnsupportedOperation(f"model {model.name!r} (family {model.family}) does not support {op.name!r}",
+                                   param="model")
+    if op.supports is None:
+        batching.check_supported(model, op.name, opts.get("method"))
     return op.prepare(model, op, req, opts)
+
+
+def run_merged(op: Operation, model: LoadedModel, opts: dict[str, Any], groups: list[list[list[int]]],
+               max_batch_tokens: int | None) -> list[list[dict] | Exception]:
+    """Several calls of `op` with equal `opts` (their inputs `groups`) in one `op.run`; each group gets its own
+    results (indices from 0), or its own exception when it fails alone (`batching.run_merged`)."""
+
+    def run_seqs(seqs: list[list[int]], cap: int | None) -> list[dict]:
+        return op.run(Call(model, op, opts, seqs, None), cap)  # no one request: several merged
+
+    return batching.run_merged(model, op.name, groups, max_batch_tokens=max_batch_tokens, run_seqs=run_seqs)
 
 
 def execute(call: Call, max_batch_tokens: int | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from latentlm import ops
 from latentlm.models.errors import ArtifactError
 from latentlm.models.store import manifest_files
+from latentlm.ops import spec
 from latentlm.service.errors import APIError
 from latentlm.service.state import ServiceState, get_state
 
@@ -25,7 +26,7 @@ router = APIRouter(prefix="/v1", tags=["models"])
                  "parameters": {"model_id": "$response.body#/data/0/id"}}}}}})
 async def list_models(state: ServiceState = Depends(get_state)) -> dict:
     """Every loaded model: family, sizes, operations, decode methods (and the default), provenance."""
-    return {"object": "list", "data": [m.describe() for m in state.registry.list()]}
+    return {"object": "list", "data": [spec.describe(m) for m in state.registry.list()]}
 
 
 @router.get("/models/{model_id}")
@@ -33,7 +34,7 @@ async def get_model(model_id: str, state: ServiceState = Depends(get_state)) -> 
     if model_id == "reload" and "reload" not in state.registry.models:  # the POST-only route, not a model id
         raise APIError(405, "method GET not allowed on /v1/models/reload; use POST", code="method_not_allowed",
                        headers={"Allow": "OPTIONS, POST"})
-    return state.registry.get(model_id).describe()
+    return spec.describe(state.registry.get(model_id))
 
 
 CURVE = "curve.png"
@@ -78,4 +79,4 @@ async def reload(state: ServiceState = Depends(get_state)) -> dict:
     watcher = getattr(state, "reload_watcher", None)
     if watcher is not None:  # API processes on the same Redis reload too (middleware.ReloadWatcher)
         await watcher.bump()
-    return {"object": "list", "data": [m.describe() for m in state.registry.list()], **out}
+    return {"object": "list", "data": [spec.describe(m) for m in state.registry.list()], **out}

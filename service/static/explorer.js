@@ -691,7 +691,7 @@
     if ((d.decode_methods || []).length) rows.push(["decode methods", `${d.decode_methods.join(", ")} (default ${d.default_method})`]);
     rows.push(["backend", Object.entries(d.backend || {}).map(([k, v]) => `${k}: ${v}`).join(", ") || "torch"]);
     rows.push(["preprocessing", Object.entries(d.preprocessing || {}).map(([k, v]) => `${k}=${v}`).join(", ")]);
-    rows.push(["content hash", (d.content_hash || "").slice(0, 16) + "…"], ["created", d.created || "–"]);
+    rows.push(["content hash", (d.content_hash || "").slice(0, 16) + "…"], ["created", (d.provenance || {}).created || "–"]);
     table($("#card-model"), rows);
     // provenance: perplexity first, then what else training recorded; its settings folded into one row
     const prov = flatten(d.provenance || {}).filter(([k]) => k !== "created");

@@ -139,7 +139,7 @@ def test_curve_route(store, tmp_path):
         err(c.get("/v1/models/no-curve/curve.png", headers=auth), 404, "model", "has no training curve")
         err(c.get("/v1/models/nope/curve.png", headers=auth), 404, "model", "'nope' not found")
         err(c.get("/v1/models/with-curve/weights.safetensors", headers=auth), 404)  # only curve.png is served
-        spec = c.get("/openapi.json").json()["paths"]
+        spec = c.get("/openapi.json", headers=auth).json()["paths"]
         assert "/v1/models/{model_id}/curve.png" in spec and "/" not in spec
         # bytes changed under the loaded model: refused until a reload verifies them
         (store / "with-curve" / "curve.png").write_bytes(PNG + b"x")

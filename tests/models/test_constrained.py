@@ -548,3 +548,18 @@ def test_float32_model_within_1e5_of_float64():
     lp32 = cn.prepare(DenseHMM.from_tensors(t, c, dtype=torch.float32), compiled(spec)).log_prob([0])
     assert lp64 is not None and lp32 is not None and abs(lp32 - lp64) < 1e-5
     assert np.isfinite(lp64)
+
+
+def test_blocked_model_stored_in_bfloat16_reads_its_matrix_in_slabs():
+    """bfloat16 storage keeps only the rounded Z x Z matrix: the messages widen it a slab at a time and give what
+    the float32 model with that rounded matrix gives."""
+    t, c = random_blocked_hmm(3, 2, len(VOCAB), 4)
+    stored16 = BlockedHMM.from_tensors(t, c, dtype=torch.float32, storage_dtype="bfloat16")
+    assert stored16.trans.dtype == torch.bfloat16
+    exact32 = BlockedHMM(stored16.start, stored16.trans.float(), stored16.emit, stored16.word_cluster, stored16.M)
+    dfa = compiled(SAMPLE_SPEC)
+    lp16 = cn.prepare(stored16, dfa).log_prob([1])
+    lp32 = cn.prepare(exact32, dfa).log_prob([1])
+    assert lp16 is not None and lp32 is not None and abs(lp16 - lp32) < 1e-5
+    draws = cn.sample(cn.prepare(stored16, dfa), 200, torch.Generator().manual_seed(0), prefix=[1])
+    assert all(naive_satisfies(SAMPLE_SPEC, tuple(y)) for y in draws)

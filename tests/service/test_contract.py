@@ -26,7 +26,7 @@ def server(store, tmp_path_factory):
 
 def test_openapi_declares_errors_security_and_media_types(server):
     c = server.client
-    doc = c.get("/openapi.json").json()
+    doc = c.get("/openapi.json", headers=AUTH).json()
     err_ref = {"$ref": "#/components/schemas/Error"}
     assert doc["components"]["securitySchemes"] == {
         "bearer": {"type": "http", "scheme": "bearer", "description": "one of LATENTLM_API_KEYS"}}
@@ -51,7 +51,7 @@ def test_openapi_declares_errors_security_and_media_types(server):
     assert "405" in doc["paths"]["/v1/models/{model_id}"]["get"]["responses"]
     assert "409" in doc["paths"]["/v1/batches/{batch_id}"]["delete"]["responses"]
     # the declared media types are the ones served
-    assert c.get("/metrics").headers["content-type"].startswith("text/plain")
+    assert c.get("/metrics", headers=AUTH).headers["content-type"].startswith("text/plain")
     r = c.post("/v1/sample", json={"model": "tiny", "n": 2, "stream": True}, headers=AUTH)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert r.text.rstrip().endswith("data: [DONE]")

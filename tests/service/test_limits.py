@@ -29,7 +29,8 @@ AUTH = {"Authorization": "Bearer key-two"}
 def test_api_keys(server):
     c = server.client
     assert c.get("/health").status_code == 200 and c.get("/ready").status_code == 200
-    assert c.get("/metrics").status_code == 200
+    assert c.get("/metrics").status_code == 401  # behind the key by default
+    assert c.get("/metrics", headers=AUTH).status_code == 200
     e = err(c.get("/v1/models"), 401, None, "missing API key")
     assert e["code"] == "missing_api_key" and e["type"] == "authentication_error"
     assert c.get("/v1/models").headers["www-authenticate"] == "Bearer"
@@ -87,4 +88,4 @@ def test_429_when_the_queue_is_full(server):
     assert r429.headers["retry-after"] == "1"
     e = err(r429, 429, None, "server busy")
     assert e["code"] == "queue_full" and e["type"] == "rate_limit_error"
-    assert metric(server.client.get("/metrics").text, "latentlm_errors_total", status="429") >= 1
+    assert metric(server.client.get("/metrics", headers=AUTH).text, "latentlm_errors_total", status="429") >= 1

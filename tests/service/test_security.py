@@ -1,7 +1,8 @@
-"""Security settings (issue 16, item 9) against real uvicorn servers: LATENTLM_PROTECT_DOCS puts /metrics, /docs,
-/redoc and /openapi.json behind the API key; LATENTLM_RATE_LIMIT_PER_KEY limits each key (token bucket with
-LATENTLM_RATE_LIMIT_BURST) in-process, or atomically in Redis (shared by API processes) when Redis is configured,
-answering 429 + Retry-After in the JSON error shape; no key is ever logged or stored."""
+"""Security settings (issue 16, item 9) against real uvicorn servers: with API keys, /metrics, /docs, /redoc and
+/openapi.json are behind the key unless LATENTLM_OPEN_DOCS=1 (LATENTLM_PROTECT_DOCS=1 is still accepted);
+LATENTLM_RATE_LIMIT_PER_KEY limits each key (token bucket with LATENTLM_RATE_LIMIT_BURST) in-process, or atomically
+in Redis (shared by API processes) when Redis is configured, answering 429 + Retry-After in the JSON error shape; no
+key is ever logged or stored."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import httpx
 import redis
 
-from latentlm.service.middleware import LocalRateLimiter, RedisRateLimiter
+from latentlm.service.ratelimit import LocalRateLimiter, RedisRateLimiter
 
 from .conftest import Server, err
 
@@ -37,13 +38,15 @@ def test_protect_docs(store, tmp_path):
         assert K1 not in s.output() and K2 not in s.output()
     finally:
         s.stop()
-    # without the setting (keys set), docs and metrics stay open as before
-    s = Server(store, tmp_path, env={"LATENTLM_API_KEYS": K1})
-    try:
-        for path in ("/metrics", "/docs", "/openapi.json"):
-            assert s.client.get(path).status_code == 200, path
-    finally:
-        s.stop()
+    # opened explicitly (keys set): LATENTLM_OPEN_DOCS=1, or the older LATENTLM_PROTECT_DOCS=0
+    for opened in ({"LATENTLM_OPEN_DOCS": "1"}, {"LATENTLM_PROTECT_DOCS": "0"}):
+        s = Server(store, tmp_path, env={"LATENTLM_API_KEYS": K1, **opened})
+        try:
+            for path in ("/metrics", "/docs", "/openapi.json"):
+                assert s.client.get(path).status_code == 200, path
+            assert "security" not in s.client.get("/openapi.json").json()["paths"]["/metrics"]["get"]
+        finally:
+            s.stop()
 
 
 def _burst(c: httpx.Client, headers: dict, n: int) -> list[httpx.Response]:
