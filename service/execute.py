@@ -12,7 +12,8 @@ from pydantic import BaseModel, ValidationError
 
 from latentlm import ops
 from latentlm.models.errors import LimitExceeded
-from latentlm.ops import format, spec
+from latentlm.ops import spec
+from latentlm.ops.constrain import Limits
 from latentlm.ops.requests import SampleRequest
 from latentlm.ops.spec import Call
 from latentlm.service.errors import APIError, describe_validation
@@ -33,12 +34,14 @@ def parse(op: str, body: Any) -> BaseModel:
 
 def prepare(model: ops.LoadedModel, op: str | spec.Operation, req: BaseModel, max_request_tokens: int,
             max_posterior_entries: int | None = None, *, max_cost: int | None = None, streaming: bool = False,
-            max_sample_tokens: int | None = None, max_stream_entries: int | None = None) -> Call:
+            max_sample_tokens: int | None = None, max_stream_entries: int | None = None,
+            limits: Limits | None = None) -> Call:
     """`spec.prepare` (support, inputs, cost), then the service's limits before any work: input tokens
     (`max_request_tokens`, naming the operation's input field), tokens a generating operation may draw
     (`max_sample_tokens`), the cost budget (`max_cost`; None or 0: none) and the size of a posterior's answer:
-    `max_posterior_entries` when it is not streamed, `max_stream_entries` when it is (None or 0: unbounded)."""
-    call = spec.prepare(model, op, req)
+    `max_posterior_entries` when it is not streamed, `max_stream_entries` when it is (None or 0: unbounded).
+    `limits`: the sizes of a constrained request (`limits(settings)`)."""
+    call = spec.prepare(model, op, req, limits or Limits())
     op = call.op
     if max_sample_tokens is not None and op.generates and call.output_tokens > max_sample_tokens:
         raise LimitExceeded(f"n * max_tokens = {call.output_tokens} exceeds the limit of {max_sample_tokens}",
@@ -93,7 +96,13 @@ def check_stream(model: ops.LoadedModel, seqs: list[list[int]], top_k: int | Non
 
 
 def body(call: Call, results: list[dict]) -> dict[str, Any]:
-    return format.body(call, results)
+    """The operation's whole response (`Operation.body`)."""
+    return call.op.body(call, results)
+
+
+def limits(settings: Any) -> Limits:
+    """The sizes a constrained request may reach (LATENTLM_MAX_CONSTRAINT_STATES, LATENTLM_MAX_CONSTRAINT_BYTES)."""
+    return Limits(max_states=settings.max_constraint_states, max_bytes=settings.max_constraint_bytes)
 
 
 def run_direct(call: Call, max_batch_tokens: int | None) -> dict[str, Any]:

@@ -51,6 +51,9 @@ class Settings:
     max_payload_bytes: int = 2_000_000   # request body before 413
     max_file_bytes: int = 200_000_000    # /v1/files upload before 413
     max_sample_tokens: int = 100_000     # n * max_tokens of one /v1/sample before 413
+    max_constraint_states: int = 2048    # states of a constraint's minimised automaton before 413 (/v1/constraint,
+                                         # /v1/sample with `constraint`)
+    max_constraint_bytes: int = 4 << 30  # memory of a constrained request's backward messages before 413
     max_request_cost: int = 2_000_000_000_000  # estimated work of one request (`ops.operation_cost` units, ~0.05-
                                          # 0.15 ns each on one CPU core: ~2-5 min) before 413 `budget_exceeded`;
                                          # 0 = no budget. The largest request of every operation the other limits

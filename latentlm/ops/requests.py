@@ -34,6 +34,18 @@ class Cli:
     parse: Callable[[str], Any] | None = None  # the flag's text -> the field's value
 
 
+def json_arg(text: str) -> Any:
+    """A JSON-object flag (`--constraint`): a file's path, or the JSON itself."""
+    import json
+    from pathlib import Path
+
+    try:
+        raw = Path(text).read_text(encoding="utf-8") if not text.lstrip().startswith("{") else text
+        return json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"expected a JSON object or the path of a file holding one: {e}") from None
+
+
 def int_or_all(text: str) -> int | str:
     """A `--top-k` value: 'all' or an integer (range checked by the request model)."""
     return text if text == "all" else int(text)
@@ -134,6 +146,27 @@ class EmbedRequest(InputRequest):
     causal: StrictBool = Field(False, description="filtered (left-context) instead of smoothed embeddings")
 
 
+class ConstraintSpec(BaseModel):
+    """What a continuation must satisfy (`models.constraint`); a continuation is complete when it emits `<eos>`,
+    and its length (min_tokens .. max_tokens) counts that `<eos>`."""
+
+    model_config = ConfigDict(extra="forbid")
+    include: list[list[str] | str] | None = Field(
+        None, description="groups, each a list of alternatives (a word or a space-separated phrase of the model's "
+                          "vocabulary); every group must appear at least once")
+    ordered: StrictBool = Field(False, description="the groups' first occurrences end in the given order")
+    exclude: list[str] | None = Field(None, description="words or phrases that must not appear")
+    min_tokens: StrictInt | None = Field(None, ge=1, description="shortest continuation, counting <eos> (default 1)")
+    max_tokens: StrictInt | None = Field(None, ge=1, description="longest continuation, counting <eos> (default: "
+                                                                "the request's max_tokens, else 32)")
+    regex: str | None = Field(None, description="a regular expression over words: vocabulary words, `.` (any word), "
+                                                "`[w1 w2]`, `[^w1 w2]`, `( ) | * + ? {m,n}`, separated by spaces")
+    suffix: str | None = Field(None, description="the continuation ends with this phrase (before <eos>)")
+
+
+ConstraintField = Annotated[ConstraintSpec, Cli(parse=json_arg, metavar="FILE.json")]
+
+
 class SampleRequest(OperationRequest):
     n: StrictInt = Field(1, ge=1, description="number of samples")
     max_tokens: StrictInt = Field(32, ge=1, description="tokens per sample at most")
@@ -152,6 +185,9 @@ class SampleRequest(OperationRequest):
         None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids): a sample ends before the "
                           "first it spells, which is left out; chain families (each sample then says its "
                           "`finish_reason`: stop, eos or length for all of them)")
+    constraint: Annotated[ConstraintSpec | None, Cli(parse=json_arg, metavar="FILE.json")] = Field(
+        None, description="draw exactly from p(y | prefix, y complete, y satisfies the constraint) (chain families; "
+                          "every sample ends with <eos>; not combined with top_k, top_p or stop)")
     stream: Annotated[StrictBool, Cli(hidden=True)] = Field(
         False, description="server-sent events, one per sample, ending 'data: [DONE]'")
 
@@ -160,6 +196,32 @@ class SampleRequest(OperationRequest):
     def _t_type(cls, v, info):
         if v is None and info.field_name == "top_p":
             return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _t(cls, v):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"must be a positive finite number, got {v!r}")
+        return v
+
+
+class ConstraintRequest(OperationRequest):
+    """P(C | prefix): the probability that a continuation of `prefix` satisfies the constraint."""
+
+    prefix: str | list[StrictInt] | None = Field(None, description="text or token ids the continuation follows")
+    constraint: ConstraintField = Field(description="what the continuation must satisfy")
+    temperature: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},
+                               description="> 0: the model tempered (start, transition and emission rows) before "
+                                           "conditioning")
+    weights: StrictBool = Field(False, description="add `weights`: for every token v (by id) P(C | prefix, v), the "
+                                                   "factor that steers a neural LM's next-token distribution")
+
+    @field_validator("temperature", mode="before")
+    @classmethod
+    def _t_type(cls, v):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
         return v

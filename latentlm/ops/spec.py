@@ -22,10 +22,12 @@ from typing import Any
 from pydantic import BaseModel
 
 from latentlm.models.errors import InputError, UnsupportedOperation
-from latentlm.ops import batching, cost, format, generate, inputs
+from latentlm.ops import batching, constrain, cost, format, generate, inputs
+from latentlm.ops.constrain import Limits
 from latentlm.ops.model import LoadedModel
 from latentlm.ops.requests import (
     Cli,
+    ConstraintRequest,
     DecodeRequest,
     EmbedRequest,
     InputRequest,
@@ -50,6 +52,8 @@ class Call:
     cost: int = 0
     input_tokens: int = 0  # tokens of the inputs (or of a sample's prefix)
     output_tokens: int = 0  # tokens a generating operation may produce at most (n x max_tokens)
+    prepared: dict[str, Any] = field(default_factory=dict)  # what `prepare` built for `run` (e.g. an automaton)
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +64,8 @@ class Call:
         return bool(getattr(self.request, "stream", False))
 
 
-def _prepare_input(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any]) -> Call:
+def _prepare_input(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any], limits: Limits
+                   ) -> Call:
     raw = req.input if isinstance(req.input, list) else [req.input]
     seqs = inputs.encode_inputs(model.vocab, raw)
     n = sum(len(s) for s in seqs)
@@ -72,16 +77,60 @@ def _run_input(call: Call, max_batch_tokens: int | None) -> list[dict]:
     return batching.run(call.model, call.op.name, call.seqs, max_batch_tokens=max_batch_tokens, **call.opts)
 
 
-def _prepare_sample(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any]) -> Call:
+def _prepare_sample(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any], limits: Limits
+                    ) -> Call:
     n_prefix = generate.prefix_tokens(model, opts.get("prefix"))
+    out_tokens = opts["n"] * opts["max_tokens"]
+    spec = opts.pop("constraint", None)
+    if spec is not None:  # exact constrained sampling: the automaton compiled now, before any inference
+        for name in ("top_k", "top_p", "stop"):
+            if opts.get(name) is not None:
+                raise InputError(f"{name}: not combined with `constraint` (constrained samples are drawn exactly "
+                                 "from the conditioned model)", param=name)
+        if not opts.get("stop_at_eos", True):
+            raise InputError("stop_at_eos: a constrained sample is complete when it emits <eos>; it cannot be "
+                             "false with `constraint`", param="stop_at_eos")
+        dfa = constrain.compile_for(model, spec, limits, default_max_tokens=opts["max_tokens"])
+        if dfa.max_tokens > opts["max_tokens"]:
+            raise InputError(f"constraint.max_tokens: {dfa.max_tokens} is above the request's max_tokens "
+                             f"{opts['max_tokens']}", param="constraint.max_tokens")
+        c = constrain.cost(model, dfa, n_samples=opts["n"], prefix_tokens=n_prefix)
+        return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=out_tokens,
+                    prepared={"dfa": dfa}, limits=limits)
     predictive = opts.get("top_k") is not None or opts.get("top_p") is not None
     c = cost.operation_cost(model, "sample", n=opts["n"], max_tokens=opts["max_tokens"], prefix_tokens=n_prefix,
                             predictive=predictive)
-    return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=opts["n"] * opts["max_tokens"])
+    return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=out_tokens)
 
 
 def _run_sample(call: Call, max_batch_tokens: int | None) -> list[dict]:
+    dfa = call.prepared.get("dfa")
+    if dfa is not None:
+        o = call.opts
+        return constrain.sample(call.model, dfa, n=o["n"], seed=o["seed"], prefix=constrain.prefix_ids(
+            call.model, o["prefix"]), temperature=o["temperature"], limits=call.limits)
     return generate.sample(call.model, **call.opts)
+
+
+def _prepare_constraint(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any], limits: Limits
+                        ) -> Call:
+    prefix = constrain.prefix_ids(model, opts["prefix"])
+    dfa = constrain.compile_for(model, opts["constraint"], limits)
+    c = constrain.cost(model, dfa, guide_rows=1 if opts["weights"] else 0, prefix_tokens=len(prefix or ()))
+    return Call(model, op, opts, [], req, c, input_tokens=len(prefix or ()), prepared={"dfa": dfa, "prefix": prefix},
+                limits=limits)
+
+
+def _run_constraint(call: Call, max_batch_tokens: int | None) -> list[dict]:
+    return [constrain.probability(call.model, call.prepared["dfa"], call.prepared["prefix"],
+                                  temperature=call.opts["temperature"], weights=call.opts["weights"],
+                                  limits=call.limits)]
+
+
+def _constraint_body(call: Call, results: list[dict]) -> dict[str, Any]:
+    """`{"object": "constraint", "model", "log_prob", "automaton"[, "weights"], "usage"}`."""
+    return {"object": "constraint", "model": call.model.name, **results[0],
+            "usage": format.usage(call, results)}
 
 
 def _posterior_pieces(call: Call, positions: int, offset: int = 0) -> Iterator[dict]:
@@ -103,7 +152,7 @@ class Operation:
     name: str
     help: str
     request: type[BaseModel]
-    prepare: Callable[[LoadedModel, Operation, BaseModel, dict[str, Any]], Call] = _prepare_input
+    prepare: Callable[[LoadedModel, Operation, BaseModel, dict[str, Any], Limits], Call] = _prepare_input
     run: Callable[[Call, int | None], list[dict]] = _run_input
     merge: bool = True
     cache: bool = True
@@ -114,6 +163,7 @@ class Operation:
     supports: Callable[[LoadedModel], bool] | None = None  # default: the family lists `name` in its `operations`
     cli_backend: bool = False
     advice: str = "send less input (or shorter sequences) per request"
+    body: Callable[[Call, list[dict]], dict[str, Any]] = format.body  # the whole response
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -168,9 +218,9 @@ def describe(model: LoadedModel) -> dict[str, Any]:
     return {**model.describe(), "operations": sorted(n for n, op in OPERATIONS.items() if supported(model, op))}
 
 
-def prepare(model: LoadedModel, op: Operation | str, req: BaseModel) -> Call:
+def prepare(model: LoadedModel, op: Operation | str, req: BaseModel, limits: Limits = Limits()) -> Call:
     """Options (defaults filled), support checked (400 for an operation or decode method the family lacks), inputs
-    encoded and the cost estimated, before any work."""
+    encoded (a constraint compiled, within `limits`) and the cost estimated, before any work."""
     op = get(op) if isinstance(op, str) else op
     opts = op.options(model, req)
     if op.supports is not None and not op.supports(model):
@@ -178,7 +228,7 @@ def prepare(model: LoadedModel, op: Operation | str, req: BaseModel) -> Call:
                                    param="model")
     if op.supports is None:
         batching.check_supported(model, op.name, opts.get("method"))
-    return op.prepare(model, op, req, opts)
+    return op.prepare(model, op, req, opts, limits)
 
 
 def run_merged(op: Operation, model: LoadedModel, opts: dict[str, Any], groups: list[list[list[int]]],
@@ -194,7 +244,7 @@ def run_merged(op: Operation, model: LoadedModel, opts: dict[str, Any], groups: 
 
 def execute(call: Call, max_batch_tokens: int | None = None) -> dict[str, Any]:
     """Run a prepared call without a batcher (CLI, batch-job workers) and shape its body."""
-    return format.body(call, call.op.run(call, max_batch_tokens))
+    return call.op.body(call, call.op.run(call, max_batch_tokens))
 
 
 # -- CLI flags, derived from the request models ------------------------------------------------------------------
@@ -278,3 +328,8 @@ register(Operation("sample", "sample sentences or continuations of --prefix", Sa
                    prepare=_prepare_sample, run=_run_sample, merge=False, cache=False, generates=True, stream="sse",
                    input_field="prefix", advice="ask for fewer or shorter samples (n, max_tokens)"))
 register(Operation("embed", "per-token embeddings", EmbedRequest))
+register(Operation("constraint", "the probability that a continuation of --prefix satisfies a constraint "
+                   "[, and each next token's weight P(C | prefix, v)]", ConstraintRequest, prepare=_prepare_constraint,
+                   run=_run_constraint, merge=False, cache=False, input_field="prefix", body=_constraint_body,
+                   supports=lambda model: model.family in constrain.constrained.FAMILIES,
+                   advice="ask for fewer automaton states (a smaller constraint) or a shorter max_tokens"))

@@ -7,14 +7,33 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from latentlm.models.family import OPERATIONS
+from latentlm.ops import spec
 from latentlm.service.errors import APIError
 from latentlm.service.jobs.jsonl import DEFAULT_MAX_LINE_BYTES, checked_upload, parse_input_file
 from latentlm.service.jobs.store import LIVE, TERMINAL, JobStore, new_id, valid_id, visible
 
-ENDPOINTS = {f"/v1/{op}": op for op in OPERATIONS}
+
+class _Endpoints(Mapping[str, str]):
+    """route -> operation name, for every operation declared now (`ops.spec.OPERATIONS`): a batch runs any of
+    them."""
+
+    def __getitem__(self, path: str) -> str:
+        for name, op in spec.OPERATIONS.items():
+            if op.path == path:
+                return name
+        raise KeyError(path)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([op.path for op in spec.OPERATIONS.values()])
+
+    def __len__(self) -> int:
+        return len(spec.OPERATIONS)
+
+
+ENDPOINTS: Mapping[str, str] = _Endpoints()
 INTERNAL = ("total", "cancel_requested", "owner", "final_counts")  # batch record fields never shown
 
 

@@ -3,7 +3,8 @@ committed once (keyed by the chunk index), under a lease on the batch refreshed 
 the output and error files written and the terminal status set in one conditional step. A Redis outage is
 waited out and the batch resumes from its committed chunks; any other error fails the batch visibly.
 
-Lines of the same model version and options share one batched `ops.run_merged` call (`execute_lines`)."""
+Lines of the same model version and options share one batched run (`execute_lines`, `spec.run_merged`) where
+the operation merges; the others (sampling) run line by line."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from typing import Any
 
 import orjson
 
-from latentlm import ops
 from latentlm.models.errors import LatentLMError
 from latentlm.ops import dumps
+from latentlm.ops.spec import run_merged
 from latentlm.service.errors import APIError, error_payload, from_model_error
-from latentlm.service.execute import body, check_sample, parse, prepare, run_sample
+from latentlm.service.execute import body, limits, parse, prepare, run_direct
 from latentlm.service.jobs.api import ENDPOINTS
 from latentlm.service.jobs.jsonl import max_line_bytes, parse_input_file
 from latentlm.service.jobs.redis_store import REDIS_DOWN, wait_for_redis
@@ -42,22 +43,21 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
         try:
             req = parse(op, b)
             model = models.get(req.model)
-            if op == "sample":
-                check_sample(req, settings.max_sample_tokens, model=model,
-                             max_request_tokens=settings.max_request_tokens, max_cost=settings.max_request_cost)
-                out[i] = (200, run_sample(model, req))
+            call = prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries,
+                           max_cost=settings.max_request_cost, max_sample_tokens=settings.max_sample_tokens,
+                           limits=limits(settings))
+            if not call.op.merge:  # e.g. sampling: each line on its own
+                out[i] = (200, run_direct(call, settings.max_batch_tokens))
                 continue
-            prep = prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries,
-                           max_cost=settings.max_request_cost)
-            groups[(id(model), op, tuple(sorted(prep.opts.items())))].append((i, prep))
+            groups[(id(model), op, tuple(sorted(call.opts.items())))].append((i, call))
         except Exception as e:
             out[i] = line_failure(i, e)
     for members in groups.values():
         first = members[0][1]
-        parts = ops.run_merged(first.model, op, [p.seqs for _, p in members],
-                               max_batch_tokens=settings.max_batch_tokens, **first.opts)
-        for (i, p), res in zip(members, parts, strict=True):
-            out[i] = line_failure(i, res) if isinstance(res, Exception) else (200, body(p, res))
+        parts = run_merged(first.op, first.model, first.opts, [c.seqs for _, c in members],
+                           settings.max_batch_tokens)
+        for (i, c), res in zip(members, parts, strict=True):
+            out[i] = line_failure(i, res) if isinstance(res, Exception) else (200, body(c, res))
     return [o for o in out if o is not None]
 
 

@@ -181,7 +181,8 @@ async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Re
     s = state.settings
     call = execute.prepare(state.registry.get(req.model), op, req, s.max_request_tokens, s.max_posterior_entries,
                            max_cost=s.max_request_cost, streaming=call_streams(op, req),
-                           max_sample_tokens=s.max_sample_tokens, max_stream_entries=s.max_stream_entries)
+                           max_sample_tokens=s.max_sample_tokens, limits=execute.limits(s),
+                           max_stream_entries=s.max_stream_entries)
     if op.stream == "ndjson" and call.streaming:
         return await stream_pieces(call, state)
     cache, key = state.cache, None
@@ -197,7 +198,7 @@ async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Re
         raise state.queue_full(e) from None
     if op.stream == "sse" and call.streaming:
         return sse_response(call, results)
-    data = format.body(call, results)
+    data = op.body(call, results)
     big = call.num_tokens > BIG_RESPONSE_TOKENS or op.name == "posterior"
     payload = await anyio.to_thread.run_sync(ops.dumps, data) if big else ops.dumps(data)
     if key is None:

@@ -1,0 +1,99 @@
+"""Constrained generation as operations: a `constraint` object compiled to an automaton over the model's vocabulary
+(`models.constraint`), and exact inference on the model x automaton product (`models.constrained`): P(C | prefix),
+the guide's next-token weights, exact constrained sampling.
+
+    P(C | prefix) = sum over complete continuations y (ending in <eos>) with min_tokens <= |y| <= max_tokens
+                    that satisfy C of p(y | prefix).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from latentlm.models import constrained
+from latentlm.models import constraint as automata
+from latentlm.models.errors import InputError, UnsupportedOperation
+from latentlm.ops.inputs import check_seed
+from latentlm.ops.model import LoadedModel
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The sizes a constrained request may reach before it is refused 413, before any work: states of its
+    minimised automaton, bytes of its backward messages. The service sets them (LATENTLM_MAX_CONSTRAINT_STATES,
+    LATENTLM_MAX_CONSTRAINT_BYTES)."""
+
+    max_states: int = automata.DEFAULT_MAX_STATES
+    max_bytes: int = constrained.DEFAULT_MAX_TABLE_BYTES
+
+
+def check_family(model: LoadedModel, param: str = "constraint") -> None:
+    if model.family not in constrained.FAMILIES:
+        raise UnsupportedOperation(f"{param}: model {model.name!r} (family {model.family}) has no constrained "
+                                   f"inference; families with it: {', '.join(constrained.FAMILIES)}", param=param)
+
+
+def compile_for(model: LoadedModel, spec: Any, limits: Limits, *, default_max_tokens: int | None = None
+                ) -> automata.WordDFA:
+    """The request's `constraint` (a `ConstraintSpec` or a dict) -> its minimal automaton over the model's vocabulary.
+    422 naming the field and the word for words outside the vocabulary or an empty language; 413 above
+    `limits.max_states`. `default_max_tokens`: the window's end when the constraint names none."""
+    check_family(model)
+    raw = spec.model_dump(exclude_none=True) if hasattr(spec, "model_dump") else dict(spec)
+    if default_max_tokens is not None:
+        raw.setdefault("max_tokens", default_max_tokens)
+    parsed = automata.parse_constraint(raw, model.vocab)
+    return automata.compile_constraint(parsed, model.vocab, max_states=limits.max_states)
+
+
+def prefix_ids(model: LoadedModel, prefix: str | list[int] | None) -> list[int] | None:
+    """A prefix as token ids (text without `<eos>`), None when empty."""
+    if prefix is None or prefix == "" or prefix == []:
+        return None
+    if isinstance(prefix, str):
+        return model.vocab.encode(prefix, add_eos=False, where="prefix")
+    return model.vocab.check_ids(list(prefix), where="prefix")
+
+
+def automaton_sizes(dfa: automata.WordDFA) -> dict[str, Any]:
+    """What a response reports of the automaton: its states, edges, word classes and the parts' sizes."""
+    return {"states": dfa.num_states, "classes": dfa.num_classes, "edges": int((dfa.delta >= 0).sum()),
+            "min_tokens": dfa.min_tokens, "max_tokens": dfa.max_tokens, **dfa.sizes}
+
+
+def probability(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | None, *, temperature: float = 1.0,
+                weights: bool = False, limits: Limits = Limits()) -> dict[str, Any]:
+    """`{"log_prob": log P(C | prefix) or None for probability 0, "automaton": sizes[, "weights": P(C | prefix, v)
+    for every token id v]}`. O(max_tokens (Q S^2 + E S)) for the messages, O(prefix S^2) for the prefix."""
+    with torch.no_grad():
+        msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
+        out: dict[str, Any] = {"log_prob": msgs.log_prob(prefix), "automaton": automaton_sizes(dfa)}
+        if weights:
+            out["weights"] = constrained.Guide(msgs, [prefix]).weights()[0].tolist()
+    return out
+
+
+def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, prefix: list[int] | None,
+           temperature: float = 1.0, limits: Limits = Limits()) -> list[dict]:
+    """n continuations drawn exactly from p(y | prefix, y complete, y satisfies C) (the model tempered first), each
+    `{"index", "tokens", "ids", "finish_reason": "eos"}`; 422 naming `constraint` when P(C | prefix) = 0."""
+    check_seed(seed)
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise InputError(f"temperature must be a positive finite number, got {temperature!r}", param="temperature")
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
+        draws = constrained.sample(msgs, n, gen, prefix=prefix)
+    return [{"index": i, "tokens": model.vocab.decode(ids), "ids": ids, "finish_reason": "eos"}
+            for i, ids in enumerate(draws)]
+
+
+def cost(model: LoadedModel, dfa: automata.WordDFA, *, n_samples: int = 0, guide_rows: int = 0,
+         prefix_tokens: int = 0) -> int:
+    """The request's work in the cost model's units, known once the automaton is compiled."""
+    return constrained.estimate_cost(model.impl, dfa, n_samples=n_samples, guide_rows=guide_rows,
+                                     prefix_tokens=prefix_tokens)
