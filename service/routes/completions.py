@@ -19,7 +19,6 @@ answer 400 naming the field; nothing is silently ignored. Errors are the `{"erro
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 import secrets
@@ -37,11 +36,11 @@ from latentlm.models.base import ChainFamily
 from latentlm.models.errors import InputError, LatentLMError
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.ops import spec
+from latentlm.ops.requests import ConstraintSpec, SampleRequest
 from latentlm.service import execute
 from latentlm.service.batcher import QueueFull
 from latentlm.service.errors import APIError
 from latentlm.service.routes.operations import CANCEL, JSONBytes, OperationRoute
-from latentlm.service.schemas import SampleRequest
 from latentlm.service.state import ServiceState, get_state
 
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's completions allow 5)
@@ -101,8 +100,10 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = Field(None, description="not supported (400) unless 0")
     frequency_penalty: float | None = Field(None, description="not supported (400) unless 0")
     user: str | None = Field(None, description="accepted, not used")
-    constraint: Any = Field(None, description="the constraint object of constrained generation (`extra_body` in "
-                                              "the openai client), where the server supports it")
+    constraint: ConstraintSpec | None = Field(
+        None, description="the constraint object of constrained generation (`extra_body` in the openai client): "
+                          "each choice drawn exactly from the model conditioned on it (as /v1/sample with "
+                          "`constraint`)")
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")
     @classmethod
@@ -126,16 +127,9 @@ def refuse_unsupported(req: CompletionRequest) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise no(name, "repetition penalties are not supported; leave it out or send 0")
-    if req.constraint is not None and not constraint_supported():
-        raise no("constraint", "constrained generation is not available on this server; leave constraint out")
     if req.stream_options is not None and not req.stream:
         raise APIError(422, "stream_options: only allowed with stream: true", param="stream_options",
                        code="invalid_value")
-
-
-def constraint_supported() -> bool:
-    """Whether this server's sampler takes a constraint (`SampleRequest.constraint` or `ops.sample(constraint=)`)."""
-    return "constraint" in SampleRequest.model_fields or "constraint" in inspect.signature(ops.sample).parameters
 
 
 @dataclass
@@ -193,6 +187,10 @@ def prepare(model: ops.LoadedModel, req: CompletionRequest, state: ServiceState)
         raise APIError(422, e.message, param="prompt", code="invalid_value") from None
     prep = Prepared(model, req, prompts, [], seed=secrets.randbelow(ops.MAX_SEED) if req.seed is None else req.seed)
     temperature = 1.0 if req.temperature is None else req.temperature
+    if temperature == 0 and req.constraint is not None:
+        raise APIError(400, "temperature: 0 (greedy) is not combined with constraint (constrained choices are "
+                            "drawn exactly from the conditioned model); use a temperature > 0", param="temperature",
+                       code="unsupported_parameter")
     if temperature == 0:  # greedy: the most probable next token (top_k 1 of the next-token distribution)
         if not getattr(model.impl, "predictive_sampling", False):
             raise APIError(400, f"temperature: 0 (greedy) draws from the next-token distribution, which family "
@@ -217,11 +215,9 @@ def prepare(model: ops.LoadedModel, req: CompletionRequest, state: ServiceState)
     for ids in prompts:
         sreq = None
         if prep.max_tokens > 0:
-            extra = {"constraint": req.constraint} if req.constraint is not None and (
-                "constraint" in SampleRequest.model_fields) else {}
             sreq = SampleRequest(model=req.model, n=prep.n, max_tokens=prep.max_tokens, seed=prep.seed,
                                  prefix=ids or None, temperature=prep.temperature, top_k=prep.top_k,
-                                 top_p=prep.top_p, stop=req.stop, **extra)
+                                 top_p=prep.top_p, stop=req.stop, constraint=req.constraint)
             cost += execute.check_sample(sreq, s.max_sample_tokens, model=model)
         prep.samples.append(sreq)
         if req.logprobs is not None or req.echo:
@@ -337,7 +333,7 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
     completion_tokens = 0
     for p_index, (ids, sreq) in enumerate(zip(prep.prompts, prep.samples, strict=True)):
         if sreq is not None:
-            data = sample_like_v1(model, sreq, None if "constraint" in SampleRequest.model_fields else req.constraint)
+            data = sample_like_v1(model, sreq)
             drawn = data["data"]
             completion_tokens += data["usage"]["output_tokens"]
         else:
@@ -395,19 +391,10 @@ def spaced(words: list[str], first_spaced: bool) -> list[str]:
     return [(" " if (i > 0 or first_spaced) else "") + w for i, w in enumerate(words)]
 
 
-def sample_like_v1(model: ops.LoadedModel, sreq: SampleRequest, constraint: Any = None) -> dict[str, Any]:
-    """`/v1/sample`'s run (`execute.run_sample`) of these settings; with a `constraint` the request model does not
-    carry (the sampler takes it, `constraint_supported`), `ops.sample` with it. Errors about the prefix name
-    `prompt`."""
+def sample_like_v1(model: ops.LoadedModel, sreq: SampleRequest) -> dict[str, Any]:
+    """`/v1/sample`'s run (`execute.run_sample`) of these settings. Errors about the prefix name `prompt`."""
     try:
-        if constraint is None:
-            return execute.run_sample(model, sreq)
-        data = ops.sample(model, n=sreq.n, max_tokens=sreq.max_tokens, seed=sreq.seed, prefix=sreq.prefix,
-                          temperature=sreq.temperature, stop_at_eos=sreq.stop_at_eos, stop=sreq.stop,
-                          top_k=sreq.top_k, top_p=sreq.top_p, constraint=constraint)  # type: ignore[call-arg]
-        out, n_prefix = sum(len(d["ids"]) for d in data), len(sreq.prefix or [])
-        return {"data": data, "usage": {"input_tokens": n_prefix, "output_tokens": out,
-                                        "total_tokens": n_prefix + out}}
+        return execute.run_sample(model, sreq)
     except LatentLMError as e:
         if e.param == "prefix":
             raise InputError(e.message.replace("prefix", "prompt", 1), param="prompt") from None
@@ -439,7 +426,6 @@ async def completions(req: CompletionRequest, state: ServiceState = Depends(get_
     model = state.registry.get(req.model)
     prep = prepare(model, req, state)
     s = state.settings
-    state.batcher.max_heavy = s.max_heavy_requests
     call = spec.Call(model, OPERATION, {"prepared": prep}, [], req, prep.cost,
                      input_tokens=sum(len(p) for p in prep.prompts), output_tokens=prep.n * prep.max_tokens)
     try:

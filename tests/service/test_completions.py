@@ -231,17 +231,19 @@ def test_accepted_no_op_fields(oa):
 
 
 def test_constraint_through_extra_body(server, oa):
-    """Where the server cannot constrain generation, a constraint is refused 400 naming it (never ignored)."""
-    kinds = server.client.get("/openapi.json").json()["components"]["schemas"]
-    try:
-        c = oa.completions.create(model="tiny", prompt="w1", max_tokens=3, seed=1,
-                                  extra_body={"constraint": {"type": "contains", "words": ["w5"]}})
-    except openai.BadRequestError as e:
-        err = openai_error(e)
-        assert err["param"] == "constraint" and "constrained generation" in err["message"], err
-        assert "constraint" not in kinds["SampleRequest"]["properties"]
-    else:
-        assert c.choices[0].text
+    """A constraint in `extra_body` conditions every choice exactly as /v1/sample's `constraint` does: the same
+    seeded draws, each containing the keyword and ending at <eos> (finish_reason "stop"); a malformed constraint is
+    refused naming its field."""
+    constraint = {"include": [["w5"]], "max_tokens": 6}
+    c = oa.completions.create(model="tiny", prompt="w1", max_tokens=6, n=4, seed=1,
+                              extra_body={"constraint": constraint})
+    want = server.client.post("/v1/sample", json={"model": "tiny", "prefix": "w1", "n": 4, "max_tokens": 6,
+                                                  "seed": 1, "constraint": constraint}).json()["data"]
+    assert [ch.text.split() for ch in c.choices] == [d["tokens"][:-1] for d in want]  # <eos> left out of text
+    assert all("w5" in ch.text.split() and ch.finish_reason == "stop" for ch in c.choices), c.choices
+    with pytest.raises(openai.UnprocessableEntityError) as e:
+        oa.completions.create(model="tiny", prompt="w1", max_tokens=3, extra_body={"constraint": {"words": ["w5"]}})
+    assert openai_error(e.value)["param"] == "constraint.words"
 
 
 @pytest.mark.parametrize(("fields", "param"), [
