@@ -119,13 +119,12 @@ class ModelRegistry:
                             verify_files(path, manifest)
                         new[name], verified[name] = old, sig
                         continue
+                    kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
                     model = ops.load_model(self.store, name, device=self.device, dtype=self.dtype,
                                            backend=self.backend,
-                                           storage_dtype="tfloat32" if self.allow_tf32 else self.storage_dtype)
+                                           storage_dtype="tfloat32" if self.allow_tf32 else self.storage_dtype,
+                                           calibrate=self.calibrate)  # the fastest engine/BLAS here
                     new[name], verified[name] = model, sig
-                    kernels.warm_up(getattr(torch, self.dtype))  # compile now, not in a user's request
-                    if self.calibrate and hasattr(model.impl, "calibrate"):  # the fastest engine/BLAS here
-                        model.impl.calibrate()
                     (updated if old is not None else added).append(name)
                 except Exception as e:  # a bad artifact must not keep the others from serving
                     msg = e.message if isinstance(e, LatentLMError) else f"{type(e).__name__}: {e}"

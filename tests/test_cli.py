@@ -156,3 +156,29 @@ def test_every_command_prints_its_help(capsys):
             main([name, "--help"])
         assert e.value.code == 0, name
         assert "--" in capsys.readouterr().out, name
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_cli_calibrates_its_model_like_the_service(tmp_path, capsys, monkeypatch, setting):
+    """`latentlm score` times the CPU engines on the model's matrix as `latentlm serve` does (LATENTLM_CALIBRATE, on
+    by default), so both run the same engines; with LATENTLM_CALIBRATE=0 neither does."""
+    import torch
+
+    from latentlm.models import backend as dispatch
+
+    write_npz(tmp_path / "m.npz", 24, 9)
+    store = str(tmp_path / "s")
+    main(["import-hmm", str(tmp_path / "m.npz"), "--name", "m", "--store", store])
+    capsys.readouterr()
+    saved = dict(dispatch.CHOICES)
+    dispatch.CHOICES.clear()
+    monkeypatch.setenv("LATENTLM_CALIBRATE", setting)
+    try:
+        rc, rows, _ = run_cli(capsys, "score", "--model", "m", "--store", store, "--ids", "-", stdin="1 2 3\n",
+                              monkeypatch=monkeypatch)
+        assert rc == 0 and len(rows) == 1
+        chosen = {key for key in dispatch.CHOICES if key[0] == 24 and key[1] == torch.float32}
+        assert chosen == ({(24, torch.float32, False), (24, torch.float32, True)} if setting == "1" else set())
+    finally:
+        dispatch.CHOICES.clear()
+        dispatch.CHOICES.update(saved)

