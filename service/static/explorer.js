@@ -78,13 +78,20 @@
     parse: (m) => isTree(m) && can(m, "decode"),
     embeddings: (m) => can(m, "embed"),
     sampling: (m) => can(m, "sample"),
+    constraints: (m) => can(m, "constraint"),
     card: () => true,
   };
+
+  /** The words of `text` as the server's whitespace tokenizer sees them (lowercased if the manifest says so). */
+  function wordsOf(m, text) {
+    const p = m.preprocessing || {};
+    return (p.lowercase ? text.toLowerCase() : text).split(/\s+/).filter(Boolean);
+  }
 
   /** The tokens the server will see for `text` (its whitespace tokenizer, as the manifest says). */
   function tokenize(m, text) {
     const p = m.preprocessing || {};
-    const words = (p.lowercase ? text.toLowerCase() : text).split(/\s+/).filter(Boolean);
+    const words = wordsOf(m, text);
     if (p.add_eos && p.eos && words.length) words.push(p.eos);
     return words;
   }
@@ -177,7 +184,7 @@
     const sizes = ["num_states", "rank", "nt", "pt", "dim", "num_clusters"]
       .filter((k) => m[k] !== undefined && m[k] !== null).map((k) => `${k} ${m[k]}`);
     $("#model-summary").textContent = `${m.family} · vocabulary ${m.vocab_size} · ${sizes.join(" · ")}`;
-    for (const v of [...TEXT_VIEWS, "sampling"]) resetView(v);
+    for (const v of [...TEXT_VIEWS, "sampling", "constraints"]) resetView(v);
     updateTabs();
     setupSampling(m);
     loadCard(m);
@@ -192,6 +199,8 @@
     $(".error", sec).textContent = "";
     for (const e of sec.querySelectorAll("svg")) { clear(e); e.setAttribute("width", 0); e.setAttribute("height", 0); }
     for (const e of sec.querySelectorAll(".summary, .tokens, .detail, .legend, #samples, #sample-usage")) clear(e);
+    for (const e of sec.querySelectorAll("#constraint-automaton, #constraint-legend, #constraint-samples, #constraint-usage")) clear(e);
+    clearFieldErrors(sec);
   }
 
   function analyze() {
@@ -600,36 +609,47 @@
     viewState("sampling", "loading");
     try {
       const r = await request("v1/sample", body);
-      const reader = r.body.getReader();
-      const dec = new TextDecoder();
-      let buf = "", done = false;
-      const handle = (event) => {
-        for (const line of event.split("\n")) {
-          if (!line.startsWith("data:")) continue;
-          const data = line.slice(5).trim();
-          if (data === "[DONE]") { done = true; continue; }
-          const obj = JSON.parse(data);
-          if (obj.object === "sample.chunk") list.append(sampleItem(m, prefix, obj));
-          else if (obj.object === "sample.usage") {
-            $("#sample-usage").textContent = `${obj.usage.output_tokens} tokens sampled (prefix ${obj.usage.input_tokens} tokens)`;
-          } else if (obj.error) throw new ApiError(0, obj.error.message, obj.error.param);
+      const done = await readEvents(r, "sampling", gen, (obj) => {
+        if (obj.object === "sample.chunk") list.append(sampleItem(m, prefix, obj));
+        else if (obj.object === "sample.usage") {
+          $("#sample-usage").textContent = `${obj.usage.output_tokens} tokens sampled (prefix ${obj.usage.input_tokens} tokens)`;
         }
-      };
-      for (;;) {
-        const { value, done: end } = await reader.read();
-        if (gen !== gens.sampling) { reader.cancel(); return; }
-        if (end) break;
-        buf += dec.decode(value, { stream: true });
-        let i;
-        while ((i = buf.indexOf("\n\n")) >= 0) { handle(buf.slice(0, i)); buf = buf.slice(i + 2); }
-      }
-      if (buf.trim()) handle(buf);
+      });
+      if (done === null) return;
       viewState("sampling", done ? "done" : "error", done ? "" : "the stream ended early");
     } catch (e) {
       if (gen === gens.sampling) viewState("sampling", "error", e.message);
     } finally {
       $("#sample").disabled = false;
     }
+  }
+
+  /** Read a server-sent-events answer of `v1/sample`, calling `onEvent` with each JSON object. Returns whether the
+   *  stream ended with [DONE], or null when a newer run of `view` superseded this one (the stream is cancelled). */
+  async function readEvents(r, view, gen, onEvent) {
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    let buf = "", done = false;
+    const handle = (event) => {
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") { done = true; continue; }
+        const obj = JSON.parse(data);
+        if (obj.error) throw new ApiError(0, obj.error.message, obj.error.param);
+        onEvent(obj);
+      }
+    };
+    for (;;) {
+      const { value, done: end } = await reader.read();
+      if (gen !== gens[view]) { reader.cancel(); return null; }
+      if (end) break;
+      buf += dec.decode(value, { stream: true });
+      let i;
+      while ((i = buf.indexOf("\n\n")) >= 0) { handle(buf.slice(0, i)); buf = buf.slice(i + 2); }
+    }
+    if (buf.trim()) handle(buf);
+    return done;
   }
 
   function sampleItem(m, prefix, obj) {
@@ -648,6 +668,219 @@
     if ((tree.match(leaf) || []).length !== tokens.length) return tree;
     let k = 0;
     return tree.replace(leaf, (_, label) => `(${label} ${tokens[k++]})`);
+  }
+
+  // -- constraints ----------------------------------------------------------------------------------------
+  // The form's text -> the `constraint` object: keywords one group per line, alternatives within a group (and
+  // excluded words) separated by "|", a phrase being words separated by spaces. P(C | prefix) from
+  // v1/constraint, then exact constrained samples from v1/sample (same `constraint`), streamed.
+  const GROUP_COLOURS = 8; // .kw.g0 .. .kw.g7 in the CSS; group i uses i mod 8
+  const FIELD_NAMES = { include: "keywords", exclude: "excluded", ordered: "ordered", min_tokens: "min tokens",
+    max_tokens: "max tokens", regex: "regex", suffix: "suffix", prefix: "prefix", n: "samples", seed: "seed",
+    temperature: "temperature" };
+
+  /** "stock | shares  fell" -> ["stock", "shares fell"]: the pieces between "|", spaces collapsed, empty ones dropped. */
+  const alternatives = (text) => text.split("|").map((x) => x.trim().replace(/\s+/g, " ")).filter(Boolean);
+
+  /** The form -> {spec (the constraint object), lines (the keyword line of each include group), prefix, n, seed,
+   *  temperature}. Numbers are passed on as typed; the server checks them and names the field. */
+  function readConstraintForm() {
+    const spec = {}, lines = [];
+    const groups = [];
+    $("#c-include").value.split("\n").forEach((line, i) => {
+      const alts = alternatives(line);
+      if (alts.length) { groups.push(alts); lines.push(i + 1); }
+    });
+    if (groups.length) spec.include = groups;
+    if ($("#c-ordered").checked) spec.ordered = true;
+    const exclude = alternatives($("#c-exclude").value);
+    if (exclude.length) spec.exclude = exclude;
+    const num = (id) => { const v = $(id).value.trim(); return v === "" ? null : Number(v); };
+    const lo = num("#c-min-tokens"), hi = num("#c-max-tokens");
+    if (lo !== null) spec.min_tokens = lo;
+    if (hi !== null) spec.max_tokens = hi;
+    const suffix = $("#c-suffix").value.trim(), regex = $("#c-regex").value.trim();
+    if (suffix) spec.suffix = suffix;
+    if (regex) spec.regex = regex;
+    const n = num("#c-n");
+    return {
+      spec, lines, prefix: $("#c-prefix").value.trim(), n: n === null ? 0 : Math.min(20, n),
+      seed: num("#c-seed") ?? 0, temperature: num("#c-temperature") ?? 1,
+    };
+  }
+
+  function clearFieldErrors(root) {
+    for (const f of root.querySelectorAll(".c-field.invalid")) f.classList.remove("invalid");
+    for (const e of root.querySelectorAll(".field-error")) e.textContent = "";
+  }
+
+  /** Show an API error next to the field its `param` names (`constraint.include`, `prefix`, `max_tokens`, ...). */
+  function markField(err, lines) {
+    if (!err.param) return;
+    const key = (err.param.replace(/^constraint\./, "").match(/^[a-z_]+/) || [])[0];
+    const field = key && $(`#constraint-form .c-field[data-field="${key}"]`);
+    if (!field) return;
+    field.classList.add("invalid");
+    const group = key === "include" ? /include\[(\d+)\]/.exec(err.message) : null;
+    const where = group && lines[+group[1]] ? ` (line ${lines[+group[1]]})` : "";
+    $(".field-error", field).textContent = `${FIELD_NAMES[key] || key}${where}: ${err.message.replace(/^[\w.[\]]+: /, "")}`;
+  }
+
+  /** p = e^lp written for any lp, even below what a double holds (e^-800): "0.0123", "3.210e-7", "4.5e-348". */
+  function probText(lp) {
+    if (lp === null) return "0";
+    const p = Math.exp(lp);
+    if (p >= 1e-3) return p.toPrecision(4);
+    const l10 = lp / Math.LN10, e = Math.floor(l10);
+    let mant = Math.pow(10, l10 - e), exp = e;
+    if (Number(mant.toFixed(3)) >= 10) { mant /= 10; exp += 1; }
+    return `${mant.toFixed(3)}e${exp}`;
+  }
+
+  async function constrain(ev) {
+    ev.preventDefault();
+    const m = state.model;
+    if (!m || !VIEWS.constraints(m)) return;
+    const form = readConstraintForm();
+    resetView("constraints");
+    const gen = bump("constraints");
+    const body = { model: m.id, constraint: form.spec };
+    if (form.prefix) body.prefix = form.prefix;
+    if (form.temperature !== 1) body.temperature = form.temperature;
+    $("#constraint-request pre").textContent = JSON.stringify(body, null, 2);
+    $("#constrain").disabled = true;
+    viewState("constraints", "loading");
+    try {
+      const res = await post("v1/constraint", body);
+      if (gen !== gens.constraints) return;
+      drawConstraint(m, form, res);
+      if (res.log_prob === null || form.n < 1) { viewState("constraints", "done"); return; }
+      const sbody = { ...body, n: form.n, seed: form.seed, max_tokens: res.automaton.max_tokens, stream: true };
+      const r = await request("v1/sample", sbody);
+      if (gen !== gens.constraints) return;
+      const groups = (form.spec.include || []).map((alts) => alts.map((a) => wordsOf(m, a)));
+      const suffix = form.spec.suffix ? wordsOf(m, form.spec.suffix) : [];
+      const list = $("#constraint-samples");
+      const done = await readEvents(r, "constraints", gen, (obj) => {
+        if (obj.object === "sample.chunk") list.append(constrainedItem(m, form.prefix, groups, suffix, obj));
+        else if (obj.object === "sample.usage") {
+          $("#constraint-usage").textContent = `${obj.usage.output_tokens} tokens sampled exactly from p(y | prefix, y satisfies C)`
+            + (form.temperature !== 1 ? ` at temperature ${form.temperature}` : "") + ` · seed ${form.seed}`;
+        }
+      });
+      if (done === null) return;
+      viewState("constraints", done ? "done" : "error", done ? "" : "the stream ended early");
+    } catch (e) {
+      if (gen !== gens.constraints) return;
+      viewState("constraints", "error", e.message);
+      markField(e, form.lines);
+      if (e.status === 401) status(e.message, true);
+    } finally {
+      $("#constrain").disabled = false;
+    }
+  }
+
+  function drawConstraint(m, form, res) {
+    const lp = res.log_prob, a = res.automaton;
+    const window_ = `${a.min_tokens}–${a.max_tokens} tokens`;
+    const cond = form.prefix ? "prefix" : "start";
+    const summary = $("#constraint-summary");
+    if (lp === null) {
+      summary.replaceChildren(`P(C | ${cond}) = `, h("b", { id: "constraint-prob", "data-log-prob": "null", text: "0" }),
+        h("span", { class: "note", text: ` · no continuation of ${window_} (with <eos>) satisfies the constraint: nothing to sample` }));
+    } else {
+      summary.replaceChildren(`P(C | ${cond}) = `, h("b", { id: "constraint-prob", "data-log-prob": lp, text: probText(lp) }),
+        " · log P = ", h("b", { id: "constraint-logprob", text: fmt(lp, 4) }), ` nats (${fmt(lp / Math.LN10, 2)} in log10)`,
+        h("span", { class: "note", text: ` · the probability that a continuation ends (<eos>) within ${window_} and satisfies C` }));
+    }
+    drawScale(lp);
+    const parts = [`automaton: ${a.states} state${a.states === 1 ? "" : "s"}`, `${a.edges} edges`, `${a.classes} word classes`];
+    const built = [["aho_corasick_nodes", "keyphrase-matcher nodes"], ["regex_states", "regex states"],
+      ["product_states", "product states before minimisation"]].filter(([k]) => a[k]).map(([k, what]) => `${a[k]} ${what}`);
+    $("#constraint-automaton").replaceChildren(h("span", { id: "constraint-states", "data-states": a.states, "data-edges": a.edges,
+      text: parts.join(" · ") }), built.length ? ` (from ${built.join(", ")})` : "", ` · length window ${window_}, counting <eos>`);
+    drawLegend(form);
+  }
+
+  /** A log10 axis from a decade below P(C) to 1, with P(C) marked (nothing for probability 0). */
+  function drawScale(lp) {
+    const svgEl = clear($("#constraint-scale"));
+    if (lp === null) { svgEl.setAttribute("width", 0); svgEl.setAttribute("height", 0); return; }
+    const l10 = lp / Math.LN10;
+    const lo = Math.min(-3, Math.floor(l10) - 1);
+    const step = Math.max(1, Math.ceil(-lo / 8));
+    const W = 620, H = 44, left = 14, right = W - 30;
+    const x = (v) => left + (v - lo) / -lo * (right - left);
+    svgEl.setAttribute("width", W); svgEl.setAttribute("height", H); svgEl.setAttribute("viewBox", `0 0 ${W} ${H}`);
+    svgEl.append(s("rect", { class: "scale-track", x: left, y: 10, width: right - left, height: 8, rx: 4 }));
+    svgEl.append(titled(s("rect", { class: "scale-bar", x: left, y: 10, width: Math.max(2, x(Math.min(0, l10)) - left), height: 8, rx: 4 }),
+      `log10 P(C) = ${l10.toFixed(3)}`));
+    for (let v = 0; v >= lo; v -= step) {
+      svgEl.append(s("line", { class: "scale-tick", x1: x(v), x2: x(v), y1: 20, y2: 25 }));
+      svgEl.append(s("text", { class: "axis-label", x: x(v), y: 38, "text-anchor": "middle" }, v === 0 ? "1" : `1e${v}`));
+    }
+    svgEl.append(s("circle", { class: "scale-mark", cx: x(Math.min(0, l10)), cy: 14, r: 6 }));
+  }
+
+  function drawLegend(form) {
+    const box = clear($("#constraint-legend"));
+    const groups = form.spec.include || [];
+    groups.forEach((alts, g) => {
+      if (g) box.append(h("span", { class: "c-join", text: form.spec.ordered ? "then" : "and" }));
+      box.append(h("span", { class: `kw g${g % GROUP_COLOURS}`, "data-group": g, title: `group ${g + 1}: one of these must appear` },
+        alts.join(" | ")));
+    });
+    if (form.spec.exclude) box.append(h("span", { class: "c-join", text: "never" }), h("span", { class: "excl", text: form.spec.exclude.join(" | ") }));
+    if (form.spec.suffix) box.append(h("span", { class: "c-join", text: "ends with" }), h("span", { class: "sfx-key", text: form.spec.suffix }));
+    if (form.spec.regex) box.append(h("span", { class: "c-join", text: "matches" }), h("code", { text: form.spec.regex }));
+  }
+
+  /** Where the keyword groups occur in `words`: [{start, end, groups}] left to right, overlapping occurrences
+   *  merged into one span that names every group occurring inside it. O(len(words) x total alternative length). */
+  function keywordSpans(words, groups) {
+    const hits = [];
+    groups.forEach((alts, g) => alts.forEach((alt) => {
+      for (let i = 0; i + alt.length <= words.length; i++) {
+        if (alt.length && alt.every((w, k) => words[i + k] === w)) hits.push([i, i + alt.length, g]);
+      }
+    }));
+    hits.sort((x, y) => x[0] - y[0] || y[1] - x[1]);
+    const spans = [];
+    for (const [a, b] of hits) {
+      const last = spans[spans.length - 1];
+      if (last && a < last.end) last.end = Math.max(last.end, b);
+      else spans.push({ start: a, end: b, groups: new Set() });
+    }
+    for (const [a, b, g] of hits) spans.find((sp) => a >= sp.start && b <= sp.end).groups.add(g);
+    return spans;
+  }
+
+  function constrainedItem(m, prefix, groups, suffix, obj) {
+    const eos = (m.preprocessing || {}).eos;
+    const toks = obj.tokens;
+    const content = toks.length && toks[toks.length - 1] === eos ? toks.slice(0, -1) : toks.slice();
+    const spans = keywordSpans(content, groups);
+    const sfxFrom = suffix.length && suffix.every((w, k) => content[content.length - suffix.length + k] === w)
+      ? content.length - suffix.length : content.length;
+    const tok = (i) => h("span", { class: "stok" + (i >= sfxFrom ? " in-suffix" : ""), text: content[i] });
+    const cont = h("span", { class: "continuation" });
+    const items = [];
+    for (let i = 0; i < content.length;) {
+      const sp = spans.find((x) => x.start === i);
+      if (!sp) { items.push(tok(i)); i += 1; continue; }
+      const gs = [...sp.groups].sort((x, y) => x - y);
+      const mark = h("mark", { class: `kw g${gs[0] % GROUP_COLOURS}`, "data-groups": gs.join(" "),
+        title: gs.map((g) => `group ${g + 1}`).join(", ") });
+      for (let k = sp.start; k < sp.end; k++) { if (k > sp.start) mark.append(" "); mark.append(tok(k)); }
+      items.push(mark);
+      i = sp.end;
+    }
+    if (content.length < toks.length) items.push(h("span", { class: "eos", text: toks[toks.length - 1] }));
+    items.forEach((x, i) => { if (i) cont.append(" "); cont.append(x); });
+    const li = h("li", { class: "sample", "data-index": obj.index });
+    if (prefix) li.append(h("span", { class: "prefix", text: prefix + " " }));
+    li.append(cont);
+    return li;
   }
 
   // -- model card -----------------------------------------------------------------------------------------
@@ -757,6 +990,11 @@
     $("#tree-method").addEventListener("change", () => { if (state.parse) drawParse(); });
     $("#prefix").addEventListener("input", () => { $("#prefix").dataset.edited = "1"; });
     $("#sample-form").addEventListener("submit", sample);
+    $("#constraint-form").addEventListener("submit", constrain);
+    $("#constraint-form").addEventListener("input", (ev) => {
+      const field = ev.target.closest(".c-field");
+      if (field) { field.classList.remove("invalid"); $(".field-error", field).textContent = ""; }
+    });
     $("#text").value = localStorage.getItem(TEXT_STORE) || "";
     showKeyState();
     showView("surprisal");
