@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import json
 import os
 import re
 import shutil
@@ -307,13 +308,14 @@ def test_key_prompt_prefix_and_model_list(page, api, proxy):
 
 def test_views_follow_the_operations(page, api):
     models = {m["id"]: m for m in api.get("/v1/models").json()["data"]}
-    expect = {"ptb-hmm": {"surprisal", "posterior", "sampling", "card"},
-              "brown-tagger": {"surprisal", "posterior", "sampling", "card"},
+    expect = {"ptb-hmm": {"surprisal", "posterior", "sampling", "constraints", "card"},
+              "brown-tagger": {"surprisal", "posterior", "sampling", "constraints", "card"},
               "ptb-lds": {"embeddings", "card"},
               "toy-grammar": {"surprisal", "parse", "sampling", "card"},
               "toy-rank-pcfg": {"surprisal", "parse", "sampling", "card"}}
     for model, views in expect.items():
         assert ("embed" in models[model]["operations"]) == ("embeddings" in views)
+        assert ("constraint" in models[model]["operations"]) == ("constraints" in views)
         choose(page, model)
         shown = {b.get_attribute("data-view") for b in css(page, "#tabs button") if b.is_displayed()}
         assert shown == views, model
@@ -471,6 +473,101 @@ def test_sampling_streams_the_api_samples(page, api):
     # textContent, not .text: Selenium's .text is "" for an element scrolled out of the visible box
     trees = [e.get_attribute("textContent").strip() for e in css(page, "#samples .tree-string")]
     assert len(trees) == n and all(t.startswith("(S") and re.search(r"\((Det|N|V|P|Adj) [a-z]+\)", t) for t in trees)
+
+
+def fill(driver, values: dict[str, object]) -> None:
+    """Type each value into its field (replacing what is there)."""
+    for field, value in values.items():
+        box = one(driver, field)
+        box.clear()
+        box.send_keys(str(value))
+
+
+def keyword_groups(page) -> list[set[int]]:
+    """Each sample's marked keyword groups (the `data-groups` of its marks)."""
+    return [{int(g) for mark in li.find_elements("css selector", "mark.kw")
+             for g in mark.get_attribute("data-groups").split()} for li in css(page, "#constraint-samples li.sample")]
+
+
+def test_constraints(page, api):
+    prefix, n, seed = "the company said", 5, 3
+    spec = {"include": [["stock", "shares"], ["fell"]], "ordered": True, "exclude": ["the"], "min_tokens": 3,
+            "max_tokens": 15}
+    want = api.post("/v1/constraint", json={"model": "ptb-hmm", "prefix": prefix, "constraint": spec}).json()
+    assert want["log_prob"] is not None, want
+    samples = api.post("/v1/sample", json={"model": "ptb-hmm", "prefix": prefix, "n": n, "seed": seed,
+                                           "max_tokens": 15, "constraint": spec}).json()["data"]
+    choose(page, "ptb-hmm")
+    tab(page, "constraints")
+    fill(page, {"#c-include": "stock | shares\nfell", "#c-exclude": "the", "#c-min-tokens": 3, "#c-max-tokens": 15,
+                "#c-prefix": prefix, "#c-n": n, "#c-seed": seed})
+    if not one(page, "#c-ordered").is_selected():
+        one(page, "#c-ordered").click()
+    one(page, "#constrain").click()
+    done(page, "constraints")
+    # P(C | prefix) as the REST answer for the same body: the page's request, its number and its text
+    sent = json.loads(one(page, "#constraint-request pre").get_attribute("textContent"))
+    assert sent == {"model": "ptb-hmm", "prefix": prefix, "constraint": spec}
+    prob = one(page, "#constraint-prob")
+    lp = float(prob.get_attribute("data-log-prob"))
+    assert lp == pytest.approx(want["log_prob"], rel=1e-12)
+    assert float(prob.text) == pytest.approx(np.exp(want["log_prob"]), rel=1e-3)
+    assert one(page, "#constraint-logprob").text == f"{want['log_prob']:.4f}"
+    states = one(page, "#constraint-states")
+    assert int(states.get_attribute("data-states")) == want["automaton"]["states"]
+    assert int(states.get_attribute("data-edges")) == want["automaton"]["edges"]
+    assert len(css(page, "#constraint-scale .scale-mark")) == 1
+    # the samples are the API's (same seed), each satisfies the constraint and has every group marked
+    items = css(page, "#constraint-samples li.sample")
+    assert len(items) == n
+    for li, w in zip(items, samples, strict=True):
+        assert li.find_element("css selector", ".prefix").get_attribute("textContent").strip() == prefix
+        toks = li.find_element("css selector", ".continuation").get_attribute("textContent").split()
+        assert toks == w["tokens"] and toks[-1] == "<eos>" and 3 <= len(toks) <= 15
+        assert "the" not in toks
+        first = {word: toks.index(word) for word in ("stock", "shares", "fell") if word in toks}
+        assert "fell" in first and min(first.get("stock", 99), first.get("shares", 99)) < first["fell"], toks
+        marks = li.find_elements("css selector", "mark.kw")
+        assert {m.get_attribute("textContent") for m in marks} <= {"stock", "shares", "fell"}
+        assert sum(toks.count(word) for word in ("stock", "shares", "fell")) == len(marks)  # every occurrence
+    assert all(groups == {0, 1} for groups in keyword_groups(page))
+    legend = [e.text for e in css(page, "#constraint-legend .kw")]
+    assert legend == ["stock | shares", "fell"]
+    shot(page, "constraints")
+    # a suffix: every sample ends with it, and it is underlined
+    fill(page, {"#c-suffix": "yesterday", "#c-n": 3})
+    one(page, "#constrain").click()
+    done(page, "constraints")
+    spec2 = {**spec, "suffix": "yesterday"}
+    want2 = api.post("/v1/constraint", json={"model": "ptb-hmm", "prefix": prefix, "constraint": spec2}).json()
+    assert float(one(page, "#constraint-prob").get_attribute("data-log-prob")) == pytest.approx(want2["log_prob"],
+                                                                                                rel=1e-12)
+    items = css(page, "#constraint-samples li.sample")
+    assert len(items) == 3 and all(groups == {0, 1} for groups in keyword_groups(page))
+    for li in items:
+        assert li.find_element("css selector", ".continuation").get_attribute("textContent").split()[-2:] == [
+            "yesterday", "<eos>"]
+        assert [e.get_attribute("textContent") for e in li.find_elements("css selector", ".in-suffix")] == ["yesterday"]
+    # a word outside the vocabulary: 422 naming the field, shown inline at the keywords (its line), no result
+    fill(page, {"#c-include": "stock\nzyzzyva", "#c-suffix": ""})
+    one(page, "#constrain").click()
+    sec = one(page, "#view-constraints")
+    wait(page, lambda d: sec.get_attribute("data-state") in ("done", "error"), "the constraint error")
+    assert sec.get_attribute("data-state") == "error"
+    err = one(page, "#view-constraints .error").text
+    assert "constraint.include" in err and "zyzzyva" in err
+    field = one(page, '.c-field[data-field="include"]')
+    assert "invalid" in field.get_attribute("class")
+    assert field.find_element("css selector", ".field-error").text.startswith("keywords (line 2):")
+    assert not css(page, "#constraint-samples li") and not one(page, "#constraint-summary").text
+    one(page, "#c-include").send_keys("\b")  # editing the field clears its mark
+    assert "invalid" not in field.get_attribute("class")
+    # min above max: named at max tokens
+    fill(page, {"#c-include": "stock", "#c-min-tokens": 9, "#c-max-tokens": 4})
+    one(page, "#constrain").click()
+    wait(page, lambda d: sec.get_attribute("data-state") in ("done", "error"), "the window error")
+    assert "constraint.max_tokens" in one(page, "#view-constraints .error").text
+    assert "invalid" in one(page, '.c-field[data-field="max_tokens"]').get_attribute("class")
 
 
 def test_model_card(page, api):
