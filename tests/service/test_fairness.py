@@ -43,7 +43,9 @@ def fair_store(base_store, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(fair_store, tmp_path_factory):
     s = Server(fair_store, tmp_path_factory.mktemp("fair"), env={"LATENTLM_POSTERIOR_STREAM_POSITIONS": "7",
-                                                                  "LATENTLM_MAX_POSTERIOR_ENTRIES": "5000"})
+                                                                  "LATENTLM_MAX_POSTERIOR_ENTRIES": "5000",
+                                                                  # the heavy stream below sends 15.4M entries
+                                                                  "LATENTLM_MAX_STREAM_ENTRIES": "20000000"})
     s.fair_store = fair_store
     yield s
     s.stop()
