@@ -77,6 +77,6 @@ async def reload(state: ServiceState = Depends(get_state)) -> dict:
     too (within about a second of their next request)."""
     out = await asyncio.get_running_loop().run_in_executor(state.loader, state.reload_models)
     watcher = getattr(state, "reload_watcher", None)
-    if watcher is not None:  # API processes on the same Redis reload too (middleware.ReloadWatcher)
+    if watcher is not None:  # API processes on the same Redis reload too (reload.ReloadWatcher)
         await watcher.bump()
     return {"object": "list", "data": [spec.describe(m) for m in state.registry.list()], **out}

@@ -1,6 +1,6 @@
 """Issue 16: two API processes on one Redis (how users scale out) see a reload made in either of them. Two real
 `latentlm serve` processes on one model store and one redis-server; `POST /v1/models/reload` goes to one, the
-other serves the new versions within about a second of its next request (`middleware.ReloadWatcher`)."""
+other serves the new versions within about a second of its next request (`reload.ReloadWatcher`)."""
 
 from __future__ import annotations
 
