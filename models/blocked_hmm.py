@@ -38,7 +38,10 @@ class BlockedHMM(ChainFamily):
     has_fused_score = True  # on CUDA `score` runs `triton_chain.blocked_forward_cuda` (see `models.backend.score`)
     recipes = (Recipe("blocked_hmm", {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64,
                                       "lr": 1e-2, "checkpoint_every": 200},
-                      positive=("states", "epochs", "batch", "clusters", "hidden"), check=lambda s: check_recipe(s)),)
+                      positive=("states", "epochs", "batch", "clusters", "hidden"), check=lambda s: check_recipe(s),
+                      shape=("states", "clusters", "hidden", "split_at"),
+                      options=frozenset({"bptt", "split_at", "export_only", "weight_decay", "weight_average"}),
+                      needs=("scipy", "matplotlib"), trainer="latentlm.training.neural"),)  # scipy: Brown clusters
 
     def __init__(self, start: Tensor, trans: Tensor, emit: Tensor, word_cluster: Tensor, num_clusters: int,
                  extras: dict[str, Tensor] | None = None):

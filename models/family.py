@@ -54,14 +54,26 @@ class Importer:
 
 @dataclass(frozen=True)
 class Recipe:
-    """`latentlm train --family NAME`: a training recipe writing this family's artifact. `defaults` fill
-    the shared training options (`latentlm.training.settings.OPTIONS`) left unset; `positive` names the
-    options that must be positive integers; `check(settings)` adds the family's own checks."""
+    """`latentlm train --family NAME`: a training recipe writing this family's artifact, declared as data.
+    - `defaults` fill the shared training options (`latentlm.training.settings.OPTIONS`) left unset;
+    - `positive` names the options that must be positive integers; `check(settings)` adds the family's own checks;
+    - `shape`: the options that fix the parameters' shapes (a checkpoint continues only a run with the same);
+    - `options`: the recipe-specific options it takes (`bptt`, `split_at`, `export_only`, `weight_decay`,
+      `weight_average`); set for another recipe they are refused;
+    - `corpora`: the named corpora `--data` may give besides text files;
+    - `needs`: the modules its training imports beyond the serving install (checked before any work);
+    - `trainer`: the module whose training loop registers this recipe (`latentlm.training.recipes.trainer`),
+      imported only when the recipe trains."""
 
     name: str
     defaults: dict[str, Any] = field(default_factory=dict)
     positive: tuple[str, ...] = ()
     check: Callable[[Any], None] | None = None
+    shape: tuple[str, ...] = ()
+    options: frozenset[str] = frozenset()
+    corpora: tuple[str, ...] = ("ptb",)
+    needs: tuple[str, ...] = ("matplotlib",)  # every trainer draws its training curve
+    trainer: str = ""
 
 
 class Family:

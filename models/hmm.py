@@ -28,9 +28,10 @@ class DenseHMM(ChainFamily):
     family = "hmm"
     recipes = (
         Recipe("hmm", {"states": 256, "epochs": 10, "batch": 256, "checkpoint_every": 0},
-               positive=("states", "epochs", "batch")),
+               positive=("states", "epochs", "batch"), shape=("states",), trainer="latentlm.training.baum_welch"),
         Recipe("densehmm", {"states": 128, "hidden": 64, "epochs": 10, "batch": 256, "lr": 0.05,
-                            "checkpoint_every": 0}, positive=("states", "epochs", "batch", "hidden")),
+                            "checkpoint_every": 0}, positive=("states", "epochs", "batch", "hidden"),
+               shape=("states", "hidden"), trainer="latentlm.training.densehmm"),
     )
     importers = (Importer("import-hmm", "import an hmmlearn-style .npz (startprob, transmat, emissionprob)",
                           "FILE.npz", lambda path: read_hmmlearn_npz(path)),)

@@ -180,7 +180,8 @@ def filter_smooth(F: Tensor, gains: Tensor, J: Tensor, L: Tensor, lengths: Tenso
 
 class LDS(Family):
     family = "lds"
-    recipes = (Recipe("lds", positive=("dim", "lags")),)  # unset dim/lags: the trainer's defaults
+    recipes = (Recipe("lds", {"dim": 50, "lags": 7, "epochs": 20}, positive=("dim", "lags"), shape=("dim", "lags"),
+                      corpora=("ptb", "brown"), needs=("scipy", "matplotlib"), trainer="latentlm.training.lds"),)
     operations = frozenset({"embed"})
     decode_methods = frozenset()
 

@@ -68,7 +68,9 @@ class RankPCFG(PCFGOps, Family):
     operations = frozenset({"score", "posterior", "decode", "sample"})
     decode_methods = frozenset({"mbr"})
     default_method = "mbr"
-    recipes = (Recipe("pcfg", positive=("nt", "pt", "rank")),)  # unset sizes: the trainer's defaults
+    recipes = (Recipe("pcfg", {"nt": 30, "pt": 60, "rank": 64, "hidden": 256, "epochs": 5, "batch": 64, "lr": 2e-3},
+                      positive=("nt", "pt", "rank", "hidden", "epochs", "batch"), shape=("nt", "pt", "rank", "hidden"),
+                      trainer="latentlm.training.pcfg"),)
 
     def __init__(self, t: dict[str, Tensor], config: dict[str, Any]):
         for k in FACTORS + CACHED:

@@ -39,7 +39,9 @@ class RankHMM(ChainFamily):
     family = "rank_hmm"
     recipes = (Recipe("rank_hmm", {"states": 1024, "rank": 256, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
                                    "dropout": 0.1, "checkpoint_every": 200},
-                      positive=("states", "epochs", "batch", "rank", "hidden")),)
+                      positive=("states", "epochs", "batch", "rank", "hidden"), shape=("states", "rank", "hidden"),
+                      options=frozenset({"export_only", "weight_decay", "weight_average"}),
+                      trainer="latentlm.training.neural"),)
     viterbi_max_elements = VITERBI_MAX_ELEMENTS
     has_fused_score = True  # on CUDA `score` runs `triton_chain.rank_forward_cuda` (see `models.backend.score`)
 

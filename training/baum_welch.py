@@ -4,12 +4,12 @@ M-step. Each iteration costs O(N Z^2) for N training tokens and never decreases 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +20,10 @@ from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training import common
 from latentlm.training.data import load_training_split
+from latentlm.training.recipes import trainer
+
+if TYPE_CHECKING:
+    from latentlm.training.settings import TrainSettings
 
 
 @dataclass
@@ -154,7 +158,8 @@ def load_partial(tensors: dict[str, Tensor], state: dict) -> tuple[Counts | None
                   float(state["partial_loglik"]), int(state["partial_tokens"])), int(state["batch"])
 
 
-def train(ns: argparse.Namespace) -> Path:
+@trainer("hmm")
+def train(ns: TrainSettings) -> Path:
     """`latentlm train --family hmm`: EM for `--epochs` iterations (or `--max-steps`), early stopping on
     validation perplexity with `--patience`, checkpoint after every iteration (and every
     `--checkpoint-every` E-step batches, with the partial counts), export of the best."""

@@ -14,15 +14,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from latentlm.models.base import Batch
+from latentlm.training.recipes import recipes, recipes_with
+
+if TYPE_CHECKING:
+    from latentlm.training.settings import TrainSettings
 
 STATE_EMBEDDINGS = ("factored", "independent", "tied")  # blocked_hmm's state parameterisations (neural.VLHMM)
 
@@ -168,7 +172,7 @@ class Splits:
         return f" (x2 at epoch {', '.join(str(int(a)) for a in ahead)})"
 
 
-def split_plan(ns: Any) -> Splits:
+def split_plan(ns: TrainSettings) -> Splits:
     """`--split-at`, checked: epochs ("20,60": distinct, in [1, epochs)) or shares of the training budget ("10%,30%":
     distinct, in (0%, 100%)); blocked_hmm only; the starting model (states / 2^splits) still has whole clusters
     that keep a state under dropout."""
@@ -185,8 +189,9 @@ def split_plan(ns: Any) -> Splits:
     except ValueError:
         raise InputError(f"--split-at: expected comma-separated epochs (20,60) or shares of the budget (10%,30%), "
                          f"got {ns.split_at!r}", param="split_at") from None
-    if ns.family != "blocked_hmm":
-        raise InputError(f"--split-at: only blocked_hmm splits its states, not {ns.family}", param="split_at")
+    if "split_at" not in recipes()[ns.family].options:
+        raise InputError(f"--split-at: only {' and '.join(recipes_with('split_at'))} splits its states, not "
+                         f"{ns.family}", param="split_at")
     if by_budget:
         if len(set(at)) != len(at) or any(not 0 < a < 1 for a in at):
             raise InputError(f"--split-at: expected distinct shares of the budget between 0% and 100%, got "
@@ -209,24 +214,21 @@ def checkpoint_dir(store: Path | str, name: str) -> Path:
     return Path(store) / ".train" / name
 
 
-# the settings that fix a family's parameter shapes: a checkpoint only continues the run that wrote it
-SHAPE_SETTINGS: dict[str, tuple[str, ...]] = {
-    "hmm": ("states",),
-    "densehmm": ("states", "hidden"),
-    "blocked_hmm": ("states", "clusters", "hidden", "split_at"),
-    "rank_hmm": ("states", "rank", "hidden"),
-    "pcfg": ("nt", "pt", "rank", "hidden"),
-    "lds": ("dim", "lags"),
-}
 _DESCRIBE = {"states": "{} states", "clusters": "{} clusters", "rank": "rank {}", "hidden": "hidden size {}",
              "nt": "{} nonterminals", "pt": "{} preterminals", "dim": "latent dimension {}", "lags": "{} lags",
              "split_at": "--split-at {!r}"}
 
 
-def shape_settings(ns: Any) -> dict[str, Any]:
+def shape_keys(family: str) -> tuple[str, ...]:
+    """The settings that fix recipe `family`'s parameter shapes (`Recipe.shape`): a checkpoint only continues
+    the run that wrote it."""
+    recipe = recipes().get(family)
+    return recipe.shape if recipe is not None else ()
+
+
+def shape_settings(ns: TrainSettings) -> dict[str, Any]:
     """`family` and the shape settings of `ns` (what `save_checkpoint` records and `check_resume` compares)."""
-    family = getattr(ns, "family", None)
-    return {"family": family, **{k: getattr(ns, k, None) for k in SHAPE_SETTINGS.get(family, ())}}
+    return {"family": ns.family, **{k: getattr(ns, k) for k in shape_keys(ns.family)}}
 
 
 def _inferred_settings(path: Path) -> dict[str, Any]:
@@ -244,14 +246,14 @@ def _inferred_settings(path: Path) -> dict[str, Any]:
         return {}
 
 
-def check_resume(ns: Any) -> None:
+def check_resume(ns: TrainSettings) -> None:
     """For `--resume`: refuse (InputError naming the flag) when the checkpoint of `ns.name` was written with
     another family or other shape settings than `ns` asks for, before any data is read. Without this the
     parameters would silently take the checkpoint's shapes while the settings (and the progress label,
     the manifest) say otherwise."""
     from latentlm.models.errors import InputError
 
-    if not getattr(ns, "resume", False):
+    if not ns.resume:
         return
     path = checkpoint_dir(ns.store, ns.name)
     if not (path / "state.json").is_file():
@@ -263,7 +265,7 @@ def check_resume(ns: Any) -> None:
     if fam is not None and fam != want["family"]:
         raise InputError(f"--family: the checkpoint of {ns.name!r} is a {fam} run, not {want['family']}; "
                          f"drop --resume or use --family {fam}", param="family")
-    for key in SHAPE_SETTINGS.get(want["family"], ()):
+    for key in shape_keys(ns.family):
         have = saved.get(key)
         if have is not None and have != want[key]:
             flag = "--" + key.replace("_", "-")
@@ -272,7 +274,8 @@ def check_resume(ns: Any) -> None:
                              f"{want[key]}; drop --resume or use {flag} {shown}", param=key)
 
 
-def save_checkpoint(path: Path, tensors: dict[str, Tensor], state: dict[str, Any], ns: Any = None) -> None:
+def save_checkpoint(path: Path, tensors: dict[str, Tensor], state: dict[str, Any], ns: TrainSettings | None = None
+                    ) -> None:
     """Write tensors.safetensors + state.json atomically (state.json last, so it marks completeness).
     With the run's settings `ns`, state.json records its shape settings for `check_resume`."""
     if ns is not None:
@@ -443,9 +446,11 @@ def series_png(ys: list[float], *, xs: list[float] | None = None, xlabel: str, y
     return buf.getvalue()
 
 
-def provenance(ns: Any, history: History, seconds: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """What the manifest records about training: settings, data, time, final validation perplexity."""
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items() if k != "func"}
+def provenance(ns: TrainSettings, history: History, seconds: float, extra: dict[str, Any] | None = None,
+               more_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the manifest records about training: settings (with a trainer's own fixed ones, `more_settings`),
+    data, time, final validation perplexity."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in {**asdict(ns), **(more_settings or {})}.items()}
     return {"source": "latentlm train", "settings": settings, "train_seconds": round(seconds, 1),
             "best_valid_ppl": history.best, "curve": history.rows[-50:], **(extra or {})}
 

@@ -12,9 +12,13 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from latentlm.models.errors import InputError, read_text_file
 from latentlm.models.vocab import Preprocessing, Vocabulary
+
+if TYPE_CHECKING:
+    from latentlm.training.settings import TrainSettings
 
 PTB_SPLITS = ("train", "valid", "test")
 PTB_MD5 = {
@@ -156,8 +160,8 @@ def running_text(seqs: Sequence[Sequence[int]]) -> list[int]:
     return [t for s in seqs for t in s]
 
 
-def load_training_split(ns) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:
-    """(vocab, train ids, valid ids) for a `latentlm train` namespace: `--data`, vocabulary options and the
+def load_training_split(ns: TrainSettings) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:
+    """(vocab, train ids, valid ids) for a `latentlm train` run: `--data`, vocabulary options and the
     `--train-sentences` / `--valid-sentences` caps (0 = all)."""
     vocab, data = load_corpus(ns.data, lowercase=ns.lowercase, min_count=ns.min_count, max_size=ns.max_vocab)
     return vocab, data["train"][: ns.train_sentences or None], data["valid"][: ns.valid_sentences or None]

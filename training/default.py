@@ -39,7 +39,7 @@ from typing import Any
 
 DEFAULT_NAME = "ptb-hmm"
 DEFAULT_SETTINGS: dict[str, Any] = {
-    "family": "blocked_hmm", "data": ["ptb"], "states": 4096, "clusters": 128, "hidden": 256,
+    "family": "blocked_hmm", "data": ("ptb",), "states": 4096, "clusters": 128, "hidden": 256,
     "state_embedding": "independent", "state_dropout": 0.5, "bptt": 32, "bptt_rotate": True, "batch": 512,
     "lr": 0.01, "epochs": 26, "eval_every": 300, "lr_patience": 4, "lr_decay": 1.0, "patience": 0, "time_limit": 4.5,
     "lr_anneal": 1.0}

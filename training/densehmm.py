@@ -23,10 +23,10 @@ batches) let `--resume` continue exactly. Exported as an `hmm` artifact with `st
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +34,10 @@ from torch import Tensor, nn
 from latentlm.training import baum_welch as bw
 from latentlm.training import common
 from latentlm.training.data import load_training_split
+from latentlm.training.recipes import trainer
+
+if TYPE_CHECKING:
+    from latentlm.training.settings import TrainSettings
 
 M_STEPS = 25  # Adam steps per gradient M-step (em)
 COOC_STEPS = 50  # full-batch Adam steps per iteration (cooc)
@@ -176,7 +180,8 @@ def _vectors(model: DenseParams) -> dict[str, Tensor]:
             "state_out_vectors": d["z"], "start_vector": d["z_start"]}
 
 
-def train(ns: argparse.Namespace) -> Path:
+@trainer("densehmm")
+def train(ns: TrainSettings) -> Path:
     """`latentlm train --family densehmm [--fit em|em-tied|cooc]`: export as an `hmm` artifact with vectors."""
     common.check_resume(ns)
     t0 = time.perf_counter()

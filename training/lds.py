@@ -11,12 +11,12 @@ Psi_0 = I - s s^T. Dense numpy N_k (s = 0) are accepted too, for simulated data 
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import scipy.sparse as sp
@@ -32,6 +32,10 @@ from latentlm.models.lds import (
     stein,
     sym,
 )
+from latentlm.training.recipes import trainer
+
+if TYPE_CHECKING:
+    from latentlm.training.settings import TrainSettings
 
 MAX_HORIZON = 40
 LAM_CEIL = 1 - 1e-3  # eigenvalues of the explained-variance part of D~: keeps D SPD (App. A.1's fix)
@@ -435,23 +439,20 @@ def curve_png(trace: list[float]) -> bytes:
                       title="lds: ASOS EM")
 
 
-def train(args: argparse.Namespace) -> Path:
+@trainer("lds")
+def train(args: TrainSettings) -> Path:
     """`latentlm train --family lds`: writes `<name>` (SSID + EM) and `<name>-ssid` artifacts; returns the first."""
     import torch
 
     from latentlm.models.registry import save_artifact
 
     torch.set_num_threads(1)
-    dim = getattr(args, "dim", None) or 50
-    lags = getattr(args, "lags", None) or 7
-    em_iters = getattr(args, "epochs", None) or 20
-    seed = getattr(args, "seed", 0) or 0
+    dim, lags, em_iters, seed = args.dim, args.lags, args.epochs, args.seed  # the recipe's defaults (`LDS.recipes`)
     data = list(args.data)
-    vocab, seqs = corpus(data, getattr(args, "max_vocab", None) or 50000, bool(getattr(args, "lowercase", False)))
-    if getattr(args, "train_sentences", 0):
+    vocab, seqs = corpus(data, args.max_vocab, args.lowercase)
+    if args.train_sentences:
         seqs = seqs[: args.train_sentences]
-    tensors, report = fit(seqs, len(vocab), dim, lags, em_iters, seed=seed,
-                          progress=bool(getattr(args, "progress", True)))
+    tensors, report = fit(seqs, len(vocab), dim, lags, em_iters, seed=seed, progress=args.progress)
     config = {"dim": dim, "lags": lags, "em_iterations": report["em_iterations"],
               "objective": report["objective_trace"][-1]}
     prov = {"trainer": "training.lds", "data": data, "seed": seed, **{k: report[k] for k in ("tokens", "seconds")},

@@ -20,6 +20,7 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -31,9 +32,12 @@ from latentlm.models.tree import inside
 from latentlm.models.vocab import Preprocessing, Vocabulary
 from latentlm.training import common
 from latentlm.training.neural import YangRes
+from latentlm.training.recipes import trainer
 
-DEFAULTS = {"nt": 30, "pt": 60, "rank": 64, "hidden": 256, "epochs": 5, "batch": 64, "lr": 2e-3}
-TRAIN_MAX_LENGTH = 40
+if TYPE_CHECKING:
+    from latentlm.training.settings import TrainSettings
+
+TRAIN_MAX_LENGTH = 40  # words of the longest training sentence (TN-PCFG's setting); validation uses every one
 
 
 class NeuralPCFG(nn.Module):
@@ -90,11 +94,11 @@ def corpus_logprob(model: RankPCFG, seqs: list[list[int]], batch: int = 256) -> 
     return total
 
 
-def load_data(ns: argparse.Namespace) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:
+def load_data(ns: TrainSettings) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:
     """PTB (Mikolov split, lower-cased, no punctuation, 10k words incl. <unk>) or text files, without <eos>."""
     from latentlm.training.data import build_vocab, encode_corpus, ptb_sentences, read_text_files
 
-    pre = Preprocessing(lowercase=bool(getattr(ns, "lowercase", False)), unk="<unk>", eos=None, add_eos=False)
+    pre = Preprocessing(lowercase=ns.lowercase, unk="<unk>", eos=None, add_eos=False)
     if list(ns.data) == ["ptb"]:
         train_s, valid_s = ptb_sentences("train"), ptb_sentences("valid")
         vocab = build_vocab(train_s, preprocessing=pre)
@@ -102,52 +106,35 @@ def load_data(ns: argparse.Namespace) -> tuple[Vocabulary, list[list[int]], list
         sents = read_text_files(ns.data, lowercase=pre.lowercase)
         train_s = [s for i, s in enumerate(sents) if i % 20 != 19]
         valid_s = [s for i, s in enumerate(sents) if i % 20 == 19] or train_s[-1:]
-        vocab = build_vocab(train_s, min_count=getattr(ns, "min_count", 1), max_size=getattr(ns, "max_vocab", None),
-                            preprocessing=pre)
+        vocab = build_vocab(train_s, min_count=ns.min_count, max_size=ns.max_vocab, preprocessing=pre)
     train, valid = encode_corpus(train_s, vocab), encode_corpus(valid_s, vocab)
-    if getattr(ns, "train_sentences", 0):
-        train = train[: ns.train_sentences]
-    if getattr(ns, "valid_sentences", 0):
-        valid = valid[: ns.valid_sentences]
-    return vocab, train, valid
+    return vocab, train[: ns.train_sentences or None], valid[: ns.valid_sentences or None]
 
 
-def settings(ns: argparse.Namespace) -> argparse.Namespace:
-    """Fill the pcfg defaults and validate (InputError naming the flag)."""
-    for key, v in DEFAULTS.items():
-        if getattr(ns, key, None) is None:
-            setattr(ns, key, v)
-    for key in ("nt", "pt", "rank", "hidden", "epochs", "batch"):
-        v = getattr(ns, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(f"--{key}: must be a positive integer, got {v!r}", param=key)
-    if not (ns.lr > 0 and math.isfinite(ns.lr)):
-        raise InputError(f"--lr: must be a positive number, got {ns.lr}", param="lr")
-    ns.max_length = getattr(ns, "max_length", None) or TRAIN_MAX_LENGTH
-    return ns
-
-
-def train(args: argparse.Namespace) -> Path:
-    """Train, checkpoint every epoch, export `args.name` into `args.store`; returns the artifact directory."""
-    ns = settings(args)
+@trainer("pcfg")
+def train(ns: TrainSettings) -> Path:
+    """Train, checkpoint every epoch, export `ns.name` into `ns.store`; returns the artifact directory. The sizes
+    and the optimiser's settings come validated, with the recipe's defaults (`RankPCFG.recipes`); a resumed run
+    must have its checkpoint's sizes (`common.check_resume`)."""
+    common.check_resume(ns)
     gen = common.seed_all(ns.seed)
     device = common.resolve_device(ns.device)
     vocab, train_ids, valid_ids = load_data(ns)
-    train_ids = [s for s in train_ids if 1 <= len(s) <= ns.max_length]
+    train_ids = [s for s in train_ids if 1 <= len(s) <= TRAIN_MAX_LENGTH]
     if not train_ids:
-        raise InputError(f"data: no training sentences of 1..{ns.max_length} words", param="data")
+        raise InputError(f"data: no training sentences of 1..{TRAIN_MAX_LENGTH} words", param="data")
     net = NeuralPCFG(ns.nt, ns.pt, ns.rank, len(vocab), ns.hidden).to(device)
     opt = torch.optim.Adam(net.parameters(), lr=ns.lr, betas=(0.75, 0.999))
     history, epoch0, step = common.History(), 0, 0
     ckdir = common.checkpoint_dir(ns.store, ns.name)
-    if getattr(ns, "resume", False):
+    if ns.resume:
         tensors, state = common.load_checkpoint(ckdir)
         net.load_state_dict({k[4:]: v for k, v in tensors.items() if k.startswith("net.")})
         common.restore_optimizer(opt, tensors, state["optimizer"])
         history, epoch0, step = common.History.from_json(state["history"]), state["epoch"], state["step"]
     N = common.num_tokens(train_ids)
     bar = common.Progress(N * max(ns.epochs - epoch0, 0), f"pcfg NT={ns.nt} PT={ns.pt} r={ns.rank}",
-                          getattr(ns, "progress", True))
+                          ns.progress)
     t0, seen = time.perf_counter(), 0
     for epoch in range(epoch0, ns.epochs):
         lp, tok, step, stop = run_epoch(net, opt, train_ids, ns.batch, gen, device, bar, step, ns.max_steps)
@@ -156,7 +143,7 @@ def train(args: argparse.Namespace) -> Path:
         history.add(step=step, epoch=epoch + 1, tokens=seen, seconds=time.perf_counter() - t0,
                     train_ppl=math.exp(-lp / max(tok, 1)), valid_ppl=valid_ppl)
         bar.update(0, valid_ppl=valid_ppl)
-        save(ckdir, net, opt, history, epoch + 1, step)
+        save(ckdir, net, opt, history, epoch + 1, step, ns)
         if stop:
             break
     bar.close()
@@ -197,14 +184,16 @@ def evaluate(net: NeuralPCFG, seqs: list[list[int]]) -> float:
 
 
 def save(ckdir: Path, net: NeuralPCFG, opt: torch.optim.Optimizer, history: common.History, epoch: int,
-         step: int) -> None:
+         step: int, ns: TrainSettings | None = None) -> None:
+    """Checkpoint the parameters, Adam's state and the history after `epoch` epochs (`step` steps), with the run's
+    shape settings (`ns`) for `common.check_resume`."""
     otensors, ometa = common.optimizer_tensors(opt)
     tensors = {f"net.{k}": v for k, v in net.state_dict().items()} | otensors
     common.save_checkpoint(ckdir, tensors, {"epoch": epoch, "step": step, "history": history.to_json(),
-                                            "optimizer": ometa})
+                                            "optimizer": ometa}, ns)
 
 
-def export(ns: argparse.Namespace, net: NeuralPCFG, vocab: Vocabulary, history: common.History,
+def export(ns: TrainSettings, net: NeuralPCFG, vocab: Vocabulary, history: common.History,
            seconds: float) -> Path:
     """Materialise the factors and the cached rank-space products into a `pcfg` artifact (+ curve.png)."""
     with torch.no_grad():
@@ -212,7 +201,8 @@ def export(ns: argparse.Namespace, net: NeuralPCFG, vocab: Vocabulary, history: 
     tensors, config = pcfg_tensors(**f)
     tensors = {k: v.float() for k, v in tensors.items()}
     title = f"rank-space PCFG NT={ns.nt} PT={ns.pt} r={ns.rank}"
-    prov = common.provenance(ns, history, seconds, {"word_level_ppl_note": "perplexity per word, no <eos>"})
+    prov = common.provenance(ns, history, seconds, {"word_level_ppl_note": "perplexity per word, no <eos>"},
+                             {"max_length": TRAIN_MAX_LENGTH})
     return save_artifact(ns.store, ns.name, "pcfg", tensors, vocab, config=config, provenance=prov,
                          extra_files={"curve.png": common.curve_png(history, title)})
 
@@ -285,9 +275,9 @@ def recovery(*, seed: int = 0, true_nt: int = 6, true_pt: int = 12, V: int = 200
             learned = RankPCFG.from_tensors(pcfg_tensors(**{k: v.double() for k, v in net().items()})[0],
                                             {"nt": nt, "pt": pt, "rank": rank}, dtype=torch.float64)
         curve.append((epoch, step, ppl(learned)))
-    learned_mbr = [set(map(tuple, d["spans"])) for d in learned.op_decode(test_ids, method="mbr")]
-    true_mbr = [set(map(tuple, d["spans"])) for d in truth.op_decode(test_ids, method="mbr")]
-    true_vit = [set(map(tuple, d["spans"])) for d in truth.op_decode(test_ids, method="viterbi")]
+    learned_mbr = [set(d.spans) for d in learned.op_decode(test_ids, method="mbr")]
+    true_mbr = [set(d.spans) for d in truth.op_decode(test_ids, method="mbr")]
+    true_vit = [set(d.spans) for d in truth.op_decode(test_ids, method="viterbi")]
     rows = [("true grammar, MBR", span_f1(true_mbr, gold_test, lengths), ppl(truth)),
             ("true grammar, Viterbi", span_f1(true_vit, gold_test, lengths), None),
             (f"learned rank-space `pcfg` (NT={nt}, PT={pt}, r={rank}), MBR", span_f1(learned_mbr, gold_test, lengths),

