@@ -171,6 +171,9 @@ def test_checkpoint_every_writes_position_and_generators(tmp_path):
     ("blocked_hmm", {"states": 16, "clusters": 4, "hidden": 8, "split_at": ""},
      {"states": 16, "clusters": 4, "hidden": 8, "split_at": "1"}, "split_at",
      "--split-at: the checkpoint of 'run' has --split-at '', not 1; drop --resume or use --split-at ''"),
+    # the rank-space PCFG's checkpoint records its sizes too (it used to die in load_state_dict)
+    ("pcfg", {"nt": 2, "pt": 3, "rank": 2, "hidden": 8}, {"nt": 3, "pt": 3, "rank": 2, "hidden": 8}, "nt",
+     "--nt: the checkpoint of 'run' has 2 nonterminals, not 3; drop --resume or use --nt 2"),
 ])
 def test_resume_refuses_other_shape_settings(tmp_path, monkeypatch, family, first, second, flag, message):
     from latentlm.models.errors import InputError
