@@ -59,6 +59,17 @@ def prefix_ids(model: LoadedModel, prefix: str | list[int] | None) -> list[int] 
     return model.vocab.check_ids(list(prefix), where="prefix")
 
 
+def generated_ids(model: LoadedModel, ids: list[int] | None) -> list[int]:
+    """The continuation generated so far (token ids in [0, V), no `<eos>`: a continuation ends at its first)."""
+    if not ids:
+        return []
+    model.vocab.check_ids(list(ids), where="generated")
+    if model.vocab.eos_id is not None and model.vocab.eos_id in ids:
+        raise InputError(f"generated: holds <eos> (id {model.vocab.eos_id}) at position "
+                         f"{list(ids).index(model.vocab.eos_id)}: a continuation ends there", param="generated")
+    return list(ids)
+
+
 def automaton_sizes(dfa: automata.WordDFA) -> dict[str, Any]:
     """What a response reports of the automaton: its states, edges, word classes and the parts' sizes."""
     return {"states": dfa.num_states, "classes": dfa.num_classes, "edges": int((dfa.delta >= 0).sum()),
@@ -66,14 +77,24 @@ def automaton_sizes(dfa: automata.WordDFA) -> dict[str, Any]:
 
 
 def probability(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | None, *, temperature: float = 1.0,
-                weights: bool = False, limits: Limits = Limits()) -> dict[str, Any]:
-    """`{"log_prob": log P(C | prefix) or None for probability 0, "automaton": sizes[, "weights": P(C | prefix, v)
-    for every token id v]}`. O(max_tokens (Q S^2 + E S)) for the messages, O(prefix S^2) for the prefix."""
+                weights: bool = False, generated: list[int] | None = None, limits: Limits = Limits()
+                ) -> dict[str, Any]:
+    """`{"log_prob": log P(C | prefix[, generated]) or None for probability 0, "automaton": sizes[, "weights":
+    P(C | prefix[, generated], v) for every token id v]}`; `generated`: continuation tokens already produced (one
+    guide step each). O(max_tokens (Q S^2 + E S)) for the messages, O((prefix + generated) S^2) for the tokens."""
     with torch.no_grad():
         msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
-        out: dict[str, Any] = {"log_prob": msgs.log_prob(prefix), "automaton": automaton_sizes(dfa)}
+        if not generated:
+            out: dict[str, Any] = {"log_prob": msgs.log_prob(prefix), "automaton": automaton_sizes(dfa)}
+            if weights:
+                out["weights"] = constrained.Guide(msgs, [prefix]).weights()[0].tolist()
+            return out
+        guide = constrained.Guide(msgs, [prefix])
+        for token in generated:
+            guide.advance([token])
+        out = {"log_prob": guide.log_prob()[0], "automaton": automaton_sizes(dfa)}
         if weights:
-            out["weights"] = constrained.Guide(msgs, [prefix]).weights()[0].tolist()
+            out["weights"] = guide.weights()[0].tolist()
     return out
 
 

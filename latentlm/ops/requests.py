@@ -218,6 +218,10 @@ class ConstraintRequest(OperationRequest):
                                            "conditioning")
     weights: StrictBool = Field(False, description="add `weights`: for every token v (by id) P(C | prefix, v), the "
                                                    "factor that steers a neural LM's next-token distribution")
+    generated: Annotated[list[StrictInt] | None, Cli(hidden=True)] = Field(
+        None, description="token ids of the continuation generated so far (no <eos>): counted in the constraint's "
+                          "window and read by its automaton; `log_prob` and `weights` are then P(C | prefix, "
+                          "generated[, v]) (a guide that asks each step)")
 
     @field_validator("temperature", mode="before")
     @classmethod

@@ -115,16 +115,18 @@ def _run_sample(call: Call, max_batch_tokens: int | None) -> list[dict]:
 def _prepare_constraint(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any], limits: Limits
                         ) -> Call:
     prefix = constrain.prefix_ids(model, opts["prefix"])
+    generated = constrain.generated_ids(model, opts.get("generated"))
     dfa = constrain.compile_for(model, opts["constraint"], limits)
-    c = constrain.cost(model, dfa, guide_rows=1 if opts["weights"] else 0, prefix_tokens=len(prefix or ()))
-    return Call(model, op, opts, [], req, c, input_tokens=len(prefix or ()), prepared={"dfa": dfa, "prefix": prefix},
-                limits=limits)
+    read = len(prefix or ()) + len(generated)
+    c = constrain.cost(model, dfa, guide_rows=1 if opts["weights"] else 0, prefix_tokens=read)
+    return Call(model, op, opts, [], req, c, input_tokens=read,
+                prepared={"dfa": dfa, "prefix": prefix, "generated": generated}, limits=limits)
 
 
 def _run_constraint(call: Call, max_batch_tokens: int | None) -> list[dict]:
     return [constrain.probability(call.model, call.prepared["dfa"], call.prepared["prefix"],
                                   temperature=call.opts["temperature"], weights=call.opts["weights"],
-                                  limits=call.limits)]
+                                  generated=call.prepared["generated"], limits=call.limits)]
 
 
 def _constraint_body(call: Call, results: list[dict]) -> dict[str, Any]:
