@@ -23,7 +23,7 @@ from latentlm.training.data import load_training_split
 from latentlm.training.recipes import trainer
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 
 @dataclass

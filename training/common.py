@@ -26,7 +26,7 @@ from latentlm.models.base import Batch
 from latentlm.training.recipes import recipes, recipes_with
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 STATE_EMBEDDINGS = ("factored", "independent", "tied")  # blocked_hmm's state parameterisations (neural.VLHMM)
 

@@ -18,7 +18,7 @@ from latentlm.models.errors import InputError, read_text_file
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 PTB_SPLITS = ("train", "valid", "test")
 PTB_MD5 = {

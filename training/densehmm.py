@@ -37,7 +37,7 @@ from latentlm.training.data import load_training_split
 from latentlm.training.recipes import trainer
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 M_STEPS = 25  # Adam steps per gradient M-step (em)
 COOC_STEPS = 50  # full-batch Adam steps per iteration (cooc)

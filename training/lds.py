@@ -35,7 +35,7 @@ from latentlm.models.lds import (
 from latentlm.training.recipes import trainer
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 MAX_HORIZON = 40
 LAM_CEIL = 1 - 1e-3  # eigenvalues of the explained-variance part of D~: keeps D SPD (App. A.1's fix)

@@ -35,7 +35,7 @@ from latentlm.training.neural import YangRes
 from latentlm.training.recipes import trainer
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 TRAIN_MAX_LENGTH = 40  # words of the longest training sentence (TN-PCFG's setting); validation uses every one
 

@@ -23,7 +23,7 @@ from latentlm.models.family import Recipe
 from latentlm.models.registry import FAMILIES
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 Trainer = Callable[["TrainSettings"], Path]
 TRAINERS: dict[str, Trainer] = {}

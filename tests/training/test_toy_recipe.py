@@ -19,8 +19,8 @@ from latentlm.models.family import Family, Recipe
 from latentlm.models.registry import FAMILIES, save_artifact
 from latentlm.training import common
 from latentlm.training.data import load_training_split
+from latentlm.training.options import TrainSettings
 from latentlm.training.recipes import TRAINERS, recipes, trainer
-from latentlm.training.settings import TrainSettings
 
 MISSING = "a_module_no_install_has_4d1c"  # what a recipe needing an uninstalled extra names
 

@@ -43,7 +43,7 @@ from latentlm.training.neural.schedule import (
 from latentlm.training.recipes import trainer
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 
 class TrainingDiverged(LatentLMError):

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from latentlm.training import common
 
 if TYPE_CHECKING:
-    from latentlm.training.settings import TrainSettings
+    from latentlm.training.options import TrainSettings
 
 
 def make_optimizer(model: nn.Module, lr: float, blocked: bool, weight_decay: float | None = None
