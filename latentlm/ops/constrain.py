@@ -98,6 +98,22 @@ def probability(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | N
     return out
 
 
+def beam(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | None, *, width: int, n_best: int = 1,
+         temperature: float = 1.0, limits: Limits = Limits()) -> dict[str, Any]:
+    """`{"completions": [{"tokens", "ids", "log_prob", "log_prob_given"}], "certified", "gap"}`: the constrained beam
+    search (`models.constrained.beam_search`: hypotheses ranked by p(h | x) P(C | x, h)), best first; `log_prob` is
+    log p(y | prefix), `log_prob_given` log p(y | prefix, C); `certified`: provably the n_best most probable
+    satisfying continuations, else `gap` bounds how much more probable (in log) an unseen one could be.
+    O(max_tokens width (S V + S^2)) after the messages."""
+    if n_best > width:
+        raise InputError(f"n_best: {n_best} is above the beam width {width}", param="n_best")
+    with torch.no_grad():
+        msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
+        found = constrained.beam_search(msgs, prefix=prefix, beam=width, n_best=n_best)
+    return {"completions": [{"tokens": model.vocab.decode(r["ids"]), **r} for r in found.results],
+            "certified": found.certified, "gap": found.gap}
+
+
 def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, prefix: list[int] | None,
            temperature: float = 1.0, limits: Limits = Limits()) -> list[dict]:
     """n continuations drawn exactly from p(y | prefix, y complete, y satisfies C) (the model tempered first), each
@@ -113,8 +129,8 @@ def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, pref
             for i, ids in enumerate(draws)]
 
 
-def cost(model: LoadedModel, dfa: automata.WordDFA, *, n_samples: int = 0, guide_rows: int = 0,
+def cost(model: LoadedModel, dfa: automata.WordDFA, *, n_samples: int = 0, guide_rows: int = 0, beam: int = 0,
          prefix_tokens: int = 0) -> int:
     """The request's work in the cost model's units, known once the automaton is compiled."""
-    return constrained.estimate_cost(model.impl, dfa, n_samples=n_samples, guide_rows=guide_rows,
+    return constrained.estimate_cost(model.impl, dfa, n_samples=n_samples, guide_rows=guide_rows, beam=beam,
                                      prefix_tokens=prefix_tokens)

@@ -218,6 +218,12 @@ class ConstraintRequest(OperationRequest):
                                            "conditioning")
     weights: StrictBool = Field(False, description="add `weights`: for every token v (by id) P(C | prefix, v), the "
                                                    "factor that steers a neural LM's next-token distribution")
+    beam: StrictInt | None = Field(None, ge=1, le=256, description="add `completions`: the most probable "
+                                   "continuations satisfying the constraint, by a beam search of this width ranked by "
+                                   "model probability x the exact lookahead P(C | prefix, h) (Ctrl-G's ranking), with "
+                                   "`certified` when they are provably the most probable (not what Viterbi gives: "
+                                   "that is a best state path)")
+    n_best: StrictInt = Field(1, ge=1, le=256, description="how many completions the beam search returns")
     generated: Annotated[list[StrictInt] | None, Cli(hidden=True)] = Field(
         None, description="token ids of the continuation generated so far (no <eos>): counted in the constraint's "
                           "window and read by its automaton; `log_prob` and `weights` are then P(C | prefix, "

@@ -118,19 +118,31 @@ def _prepare_constraint(model: LoadedModel, op: Operation, req: BaseModel, opts:
     generated = constrain.generated_ids(model, opts.get("generated"))
     dfa = constrain.compile_for(model, opts["constraint"], limits)
     read = len(prefix or ()) + len(generated)
-    c = constrain.cost(model, dfa, guide_rows=1 if opts["weights"] else 0, prefix_tokens=read)
+    c = constrain.cost(model, dfa, guide_rows=1 if opts["weights"] else 0, beam=opts.get("beam") or 0,
+                       prefix_tokens=read)
     return Call(model, op, opts, [], req, c, input_tokens=read,
                 prepared={"dfa": dfa, "prefix": prefix, "generated": generated}, limits=limits)
 
 
 def _run_constraint(call: Call, max_batch_tokens: int | None) -> list[dict]:
-    return [constrain.probability(call.model, call.prepared["dfa"], call.prepared["prefix"],
-                                  temperature=call.opts["temperature"], weights=call.opts["weights"],
-                                  generated=call.prepared["generated"], limits=call.limits)]
+    o, p = call.opts, call.prepared
+    out = constrain.probability(call.model, p["dfa"], p["prefix"], temperature=o["temperature"],
+                                weights=o["weights"], generated=p["generated"], limits=call.limits)
+    if o.get("beam"):
+        if p["generated"]:
+            raise InputError("beam: searches from the prefix; leave `generated` out (or append it to the prefix)",
+                             param="beam")
+        if out["log_prob"] is not None:
+            out.update(constrain.beam(call.model, p["dfa"], p["prefix"], width=o["beam"], n_best=o["n_best"],
+                                      temperature=o["temperature"], limits=call.limits))
+        else:
+            out.update({"completions": [], "certified": True, "gap": 0.0})
+    return [out]
 
 
 def _constraint_body(call: Call, results: list[dict]) -> dict[str, Any]:
-    """`{"object": "constraint", "model", "log_prob", "automaton"[, "weights"], "usage"}`."""
+    """`{"object": "constraint", "model", "log_prob", "automaton"[, "weights"][, "completions", "certified", "gap"],
+    "usage"}`."""
     return {"object": "constraint", "model": call.model.name, **results[0],
             "usage": format.usage(call, results)}
 

@@ -131,3 +131,27 @@ def test_errors_name_the_field(client):
     # probability 0: a suffix that no continuation of at most 2 tokens (with <eos>) can end with
     status, param, _ = err({"model": "hmm", "max_tokens": 2, "constraint": {"suffix": "a b"}}, "/v1/sample")
     assert status == 422 and param.startswith("constraint")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_returns_the_most_probable_satisfying_continuations(client, family):
+    """`beam`: the completions, best first, equal the n most probable satisfying continuations by enumeration
+    when the search certifies them; `log_prob_given` is log p(y | C)."""
+    spec = SPECS[0]
+    r = client.post("/v1/constraint", json={"model": family, "constraint": spec, "beam": 64, "n_best": 3})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    ranked = sorted(((p, y) for y, p in continuations(family, ()).items() if naive_satisfies(spec, y)),
+                    reverse=True)
+    got = body["completions"]
+    assert got and all(naive_satisfies(spec, tuple(c["ids"])) for c in got)
+    assert [c["log_prob"] for c in got] == sorted((c["log_prob"] for c in got), reverse=True)
+    if body["certified"]:
+        assert [tuple(c["ids"]) for c in got] == [y for _, y in ranked[: len(got)]]
+        for c, (p, _) in zip(got, ranked, strict=False):
+            assert math.isclose(c["log_prob"], math.log(p), rel_tol=1e-9)
+            assert math.isclose(c["log_prob_given"], math.log(p) - body["log_prob"], rel_tol=1e-9, abs_tol=1e-12)
+    else:
+        assert body["gap"] > 0
+    r = client.post("/v1/constraint", json={"model": family, "constraint": spec, "beam": 2, "n_best": 3})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "n_best"
