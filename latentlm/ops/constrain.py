@@ -9,6 +9,8 @@ the guide's next-token weights, exact constrained sampling.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,46 @@ class Limits:
 
     max_states: int = automata.DEFAULT_MAX_STATES
     max_bytes: int = constrained.DEFAULT_MAX_TABLE_BYTES
+
+
+class MessageCache:
+    """The backward messages of recent (model version, constraint, temperature) triples, least recently used
+    dropped first, at most `max_bytes` in all (`constrained.table_bytes` each): they depend on neither the prefix nor
+    the samples, so a guide asking once per generated token (`generated`), or the same constraint asked again, reuses
+    them instead of rebuilding O(max_tokens (Q S^2 + E S)) work. Thread-safe (the service's lanes share it)."""
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, tuple[constrained.Messages, int]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, model: LoadedModel, dfa: automata.WordDFA, temperature: float, limits: Limits
+            ) -> constrained.Messages:
+        key = (id(model.impl), model.content_hash, model.numerics(), dfa.constraint, int(dfa.cls.shape[0]),
+               limits.max_states, float(temperature))
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+                return hit[0]
+            self.misses += 1
+        msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
+        size = constrained.table_bytes(model.impl, dfa)
+        if size <= self.max_bytes:
+            with self._lock:
+                self._entries[key] = (msgs, size)
+                while sum(b for _, b in self._entries.values()) > self.max_bytes:
+                    self._entries.popitem(last=False)
+        return msgs
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+MESSAGES = MessageCache()
 
 
 def check_family(model: LoadedModel, param: str = "constraint") -> None:
@@ -83,7 +125,7 @@ def probability(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | N
     P(C | prefix[, generated], v) for every token id v]}`; `generated`: continuation tokens already produced (one
     guide step each). O(max_tokens (Q S^2 + E S)) for the messages, O((prefix + generated) S^2) for the tokens."""
     with torch.no_grad():
-        msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
+        msgs = MESSAGES.get(model, dfa, temperature, limits)
         if not generated:
             out: dict[str, Any] = {"log_prob": msgs.log_prob(prefix), "automaton": automaton_sizes(dfa)}
             if weights:
@@ -108,7 +150,7 @@ def beam(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | None, *,
     if n_best > width:
         raise InputError(f"n_best: {n_best} is above the beam width {width}", param="n_best")
     with torch.no_grad():
-        msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
+        msgs = MESSAGES.get(model, dfa, temperature, limits)
         found = constrained.beam_search(msgs, prefix=prefix, beam=width, n_best=n_best)
     return {"completions": [{"tokens": model.vocab.decode(r["ids"]), **r} for r in found.results],
             "certified": found.certified, "gap": found.gap}
@@ -123,7 +165,7 @@ def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, pref
         raise InputError(f"temperature must be a positive finite number, got {temperature!r}", param="temperature")
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
-        msgs = constrained.prepare(model.impl, dfa, temperature=temperature, max_bytes=limits.max_bytes)
+        msgs = MESSAGES.get(model, dfa, temperature, limits)
         draws = constrained.sample(msgs, n, gen, prefix=prefix)
     return [{"index": i, "tokens": model.vocab.decode(ids), "ids": ids, "finish_reason": "eos"}
             for i, ids in enumerate(draws)]

@@ -155,3 +155,19 @@ def test_beam_returns_the_most_probable_satisfying_continuations(client, family)
         assert body["gap"] > 0
     r = client.post("/v1/constraint", json={"model": family, "constraint": spec, "beam": 2, "n_best": 3})
     assert r.status_code == 422 and r.json()["error"]["param"] == "n_best"
+
+
+def test_messages_are_reused_across_requests(client):
+    """A guide asks once per generated token: the backward messages of the same (model, constraint, temperature)
+    are built once and reused (`constrain.MESSAGES`), with the same answers as built afresh."""
+    from latentlm.ops.constrain import MESSAGES
+
+    body = {"model": "hmm", "constraint": {"include": [["b"]], "max_tokens": 5}, "weights": True}
+    first = client.post("/v1/constraint", json=body).json()
+    hits = MESSAGES.hits
+    again = client.post("/v1/constraint", json={**body, "generated": [0]}).json()
+    assert MESSAGES.hits == hits + 1
+    MESSAGES.clear()
+    fresh = client.post("/v1/constraint", json={**body, "generated": [0]}).json()
+    assert again["weights"] == fresh["weights"] and again["log_prob"] == fresh["log_prob"]
+    assert first["log_prob"] != again["log_prob"]  # after "a" the window and the automaton moved on
