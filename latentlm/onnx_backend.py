@@ -3,7 +3,7 @@
     export_model(loaded, path)                  # a LoadedModel (latentlm.ops.load_model) -> .onnx file
     scorer = OnnxScorer(path, expected_hash=loaded.content_hash)
     logprobs, token_logprobs = scorer.score([[1, 2, 3], [4]])
-    scorer.op_score(seqs, token_logprobs=True)  # the same dicts as Family.op_score (CLI / service shape)
+    scorer.op_score(seqs, token_logprobs=True)  # the same `Score` results as Family.op_score
 
 The graph is built by `latentlm.models.onnx_graph` (see its docstring for the recursion and contract).
 This module imports neither torch nor onnx at import time: scoring needs onnxruntime and numpy only
@@ -19,7 +19,8 @@ import numpy as np
 import onnxruntime as ort
 
 from latentlm.models.errors import ArtifactError, InputError
-from latentlm.models.family import length_batches, perplexity
+from latentlm.models.family import length_batches
+from latentlm.models.results import Score
 
 META = "latentlm."
 DEFAULT_MAX_BATCH_TOKENS = 16384
@@ -145,15 +146,8 @@ class OnnxScorer:
                 toks[i] = tok_list[r][: lens[r]]
         return logps, toks
 
-    def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[dict]:
-        """The dicts `Family.op_score` returns (logprob, num_tokens, perplexity[, token_logprobs]; -inf for
-        probability 0, written as null by `latentlm.ops.dumps`), so `latentlm.ops.run` can use this object in
-        place of `model.impl` for scoring."""
+    def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[Score]:
+        """The `Score` results `Family.op_score` returns (logprob -inf for probability 0, written as null by
+        `latentlm.ops.dumps`), so `latentlm.ops.run` can use this object in place of `model.impl` for scoring."""
         logps, toks = self.score(seqs)
-        out = []
-        for s, lp, tk in zip(seqs, logps, toks, strict=True):
-            item: dict[str, Any] = {"logprob": lp, "num_tokens": len(s), "perplexity": perplexity(lp, len(s))}
-            if token_logprobs:
-                item["token_logprobs"] = tk
-            out.append(item)
-        return out
+        return [Score(lp, len(s), tk if token_logprobs else None) for s, lp, tk in zip(seqs, logps, toks, strict=True)]

@@ -23,7 +23,8 @@ from latentlm.models.backend import Backend
 from latentlm.models.chain import Emit, Trans
 from latentlm.models.cost import ENTRY_COST, OUTPUT_TOKEN_COST, SAMPLE_STEP_COST, TOKEN_COST, Work
 from latentlm.models.errors import InputError
-from latentlm.models.family import Family, perplexity
+from latentlm.models.family import Family
+from latentlm.models.results import Decoded, Embedding, Marginals, Path, Sample, Score
 from latentlm.models.sampling import CategoricalTable, Samples, draw_rows, run_sampler, slot_to_token, truncated
 
 
@@ -54,47 +55,46 @@ class Batch:
         return chain.valid_mask(self.lengths, self.ids.shape[1])
 
 
-class ChainOps:
-    """Mixin giving ChainFamily the `op_*` methods used by `latentlm.ops` (CLI and service)."""
+def top_marginals(ids: Tensor, probs: Tensor, top_k: int | None) -> tuple[Tensor, Tensor]:
+    """The `top_k` (None: all K) most probable states per position, sorted by probability: (states (..., k) int64,
+    probs (..., k) float64), both on CPU, from state ids and marginals (..., K). O(K log k) per position."""
+    K = probs.shape[-1]
+    k = K if top_k is None else min(top_k, K)
+    p, j = probs.topk(k, dim=-1)
+    return ids.gather(-1, j).cpu(), p.double().cpu()
 
-    def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[dict]:
+
+class ChainOps:
+    """Mixin giving ChainFamily the `op_*` methods used by `latentlm.ops` (CLI and service); each returns one
+    typed result (`models.results`) per input."""
+
+    def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[Score]:
         logp, cond = self.score(Batch.from_lists(seqs, self.device))
         logps = logp.double().cpu().tolist()  # plain floats at once: no tensor indexing per sequence
         conds = cond.double().cpu().tolist() if token_logprobs else None
-        out = []
-        for i, (s, lp) in enumerate(zip(seqs, logps, strict=True)):
-            item = {"logprob": lp, "num_tokens": len(s), "perplexity": perplexity(lp, len(s))}
-            if conds is not None:
-                item["token_logprobs"] = conds[i][: len(s)]
-            out.append(item)
-        return out
+        return [Score(lp, len(s), None if conds is None else conds[i][: len(s)])
+                for i, (s, lp) in enumerate(zip(seqs, logps, strict=True))]
 
-    def op_posterior(self, seqs: list[list[int]], *, top_k: int | None = None) -> list[dict]:
+    def op_posterior(self, seqs: list[list[int]], *, top_k: int | None = None) -> list[Marginals]:
         ids, probs = self.posterior(Batch.from_lists(seqs, self.device))
-        K = probs.shape[-1]
-        k = K if top_k is None else min(top_k, K)
-        p, j = probs.topk(k, dim=-1)  # sorted by probability
-        states = ids.gather(-1, j)
-        p, states = p.double().cpu(), states.cpu()
-        return [{"marginals": [{"states": states[i, t].tolist(), "probs": p[i, t].tolist()}
-                               for t in range(len(s))]} for i, s in enumerate(seqs)]
+        states, p = top_marginals(ids, probs, top_k)
+        return [Marginals(states[i, : len(s)].tolist(), p[i, : len(s)].tolist()) for i, s in enumerate(seqs)]
 
-    def op_decode(self, seqs: list[list[int]], *, method: str = "viterbi") -> list[dict]:
+    def op_decode(self, seqs: list[list[int]], *, method: str = "viterbi") -> list[Path] | list[Decoded]:
         batch = Batch.from_lists(seqs, self.device)
         if method == "viterbi":
             path, logp = self.viterbi(batch)
             path, logp = path.cpu(), logp.double().cpu()
-            return [{"states": path[i, : len(s)].tolist(), "logprob": logp[i].item()}
-                    for i, s in enumerate(seqs)]
+            return [Path(path[i, : len(s)].tolist(), logp[i].item()) for i, s in enumerate(seqs)]
         states, p = self.mbr(batch)
         states, p = states.cpu(), p.double().cpu()
-        return [{"states": states[i, : len(s)].tolist(), "state_probs": p[i, : len(s)].tolist(),
-                 "expected_correct": float(p[i, : len(s)].sum())} for i, s in enumerate(seqs)]
+        return [Decoded(states[i, : len(s)].tolist(), float(p[i, : len(s)].sum()), state_probs=p[i, : len(s)].tolist())
+                for i, s in enumerate(seqs)]
 
     def op_sample(self, *, n: int, max_tokens: int, seed: int, prefix: list[int] | None = None,
                   temperature: float = 1.0, stop_id: int | None = None,
                   stop_seqs: Sequence[Sequence[int]] = (), top_k: int | None = None,
-                  top_p: float | None = None) -> list[dict]:
+                  top_p: float | None = None) -> list[Sample]:
         """n samples; with `top_k` or `top_p`, each token drawn from the shaped next-token distribution
         (`sample_predictive`), otherwise ancestrally (`sample`)."""
         g = torch.Generator(device=self.device).manual_seed(seed)
@@ -105,10 +105,9 @@ class ChainOps:
             s = self.sample(n, max_tokens, g, prefix=prefix, temperature=temperature, stop_id=stop_id,
                             stop_seqs=stop_seqs)
         ids, states, lengths = s.ids.cpu(), s.states.cpu(), s.lengths.cpu()
-        return [{"ids": ids[i, : lengths[i]].tolist(), "states": states[i, : lengths[i]].tolist()}
-                for i in range(n)]
+        return [Sample(ids[i, : lengths[i]].tolist(), states=states[i, : lengths[i]].tolist()) for i in range(n)]
 
-    def op_embed(self, seqs: list[list[int]], *, causal: bool = False) -> list[dict]:
+    def op_embed(self, seqs: list[list[int]], *, causal: bool = False) -> list[Embedding]:
         """Posterior-weighted average of the `state_vectors` extra (Z, d): sum_z p(z_t | x) v_z, or with
         `causal` the filtered p(z_t | x_<=t). O(T K^2 + T K d) per sequence."""
         vecs = self.extras["state_vectors"]
@@ -125,7 +124,7 @@ class ChainOps:
         else:  # reduced state spaces (blocked): per position, so memory stays O(B K d)
             e = torch.stack([torch.einsum("bk,bkd->bd", probs[:, t], vecs[ids[:, t]]) for t in range(ids.shape[1])], 1)
         e = e.double().cpu()
-        return [{"embeddings": e[i, : len(s)].tolist(), "dim": vecs.shape[1]} for i, s in enumerate(seqs)]
+        return [Embedding(e[i, : len(s)].tolist(), vecs.shape[1]) for i, s in enumerate(seqs)]
 
 
 class _ChainOperations:

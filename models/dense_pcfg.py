@@ -21,6 +21,7 @@ from latentlm.models.checks import check_distribution, check_positive_ints, chec
 from latentlm.models.errors import ArtifactError
 from latentlm.models.family import Family, Importer, Option
 from latentlm.models.grammar_text import read_grammar_file
+from latentlm.models.results import Parse
 from latentlm.models.sampling import CategoricalTable
 from latentlm.models.tree import DEFAULT_MAX_LENGTH, PCFGOps, bracket, by_length, check_possible, viterbi
 
@@ -123,10 +124,10 @@ class DensePCFG(PCFGOps, Family):
         return (leaf + self._logs[0]).max(-1).values
 
     # -- Viterbi --------------------------------------------------------------------------------------
-    def decode_viterbi(self, seqs: list[list[int]]) -> list[dict]:
+    def decode_viterbi(self, seqs: list[list[int]]) -> list[Parse]:
         """Best labelled tree and log p(x, tree) per sentence (leaves are token ids)."""
         S = self.nt + self.pt
-        res: list[dict | None] = [None] * len(seqs)
+        res: list[Parse | None] = [None] * len(seqs)
         for idx in by_length(seqs, self.max_length, self.viterbi_elems, self.nt * S * S):
             n = len(seqs[idx[0]])
             best, labels, word_labels = viterbi(self, self._ids(seqs, idx))
@@ -139,7 +140,7 @@ class DensePCFG(PCFGOps, Family):
                     spans = {}
                 tree = bracket(n, spans, [str(t) for t in seqs[i]],
                                [self.symbol_name(int(x)) for x in word_labels[r]])
-                res[i] = {"tree": tree, "spans": [list(sp) for sp in sorted(spans)], "logprob": float(best[r])}
+                res[i] = Parse(tree, sorted(spans), logprob=float(best[r]))
         return res  # type: ignore[return-value]
 
     # -- sampling -------------------------------------------------------------------------------------

@@ -6,13 +6,13 @@ A family class is the one declaration the CLI, the service, batch jobs and train
 - `operations` it answers (a subset of `OPERATIONS`), its `decode_methods` and `default_method`;
 - `recipes`: how `latentlm train --family NAME` trains it (defaults of the shared training options);
 - `importers`: commands that turn another tool's file into its artifact (`latentlm import-hmm`, ...).
-The operations themselves (`op_score`, `op_posterior`, `op_decode`, `op_sample`, `op_embed`) return plain
-Python numbers and lists (a log-probability may be -inf); `latentlm.ops.dumps` turns them into JSON.
+The operations themselves (`op_score`, `op_posterior`, `op_decode`, `op_sample`, `op_embed`) return typed
+results (`models.results`) holding plain Python numbers and lists (a log-probability may be -inf);
+`latentlm.ops.format` turns them into JSON.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,21 +128,14 @@ class Family:
         return (width if top_k is None else min(top_k, width)) * sum(lengths)
 
     # Operations used by `latentlm.ops` (CLI, service, jobs). Each takes validated token-id sequences and
-    # returns one dict per input (or per sample) with the documented fields; a family that lacks an
-    # operation leaves it out of `operations` and `latentlm.ops` answers "unsupported".
-    #   op_score(seqs, *, token_logprobs)            -> logprob, num_tokens, perplexity[, token_logprobs]
-    #   op_posterior(seqs, *, top_k)                 -> marginals
-    #   op_decode(seqs, *, method)                   -> states/tags/tree..., logprob
-    #   op_sample(*, n, max_tokens, seed, prefix, temperature, stop_id) -> ids, states/tree
-    #   op_embed(seqs, *, causal)                    -> embeddings, dim
-
-
-def perplexity(logprob: float, num_tokens: int) -> float:
-    """exp(-logprob / num_tokens); inf for probability 0 or when it overflows."""
-    try:
-        return math.exp(-logprob / num_tokens)
-    except OverflowError:
-        return math.inf
+    # returns one typed result (`models.results`) per input (or per sample); `latentlm.ops.format` alone writes
+    # them as JSON. A family that lacks an operation leaves it out of `operations` and `latentlm.ops` answers
+    # "unsupported".
+    #   op_score(seqs, *, token_logprobs)            -> Score
+    #   op_posterior(seqs, *, top_k)                 -> Marginals (chains) | SpanMarginals (PCFGs)
+    #   op_decode(seqs, *, method)                   -> Path (Viterbi) | Decoded (MBR) | Parse (PCFGs)
+    #   op_sample(*, n, max_tokens, seed, prefix, temperature, stop_id) -> Sample
+    #   op_embed(seqs, *, causal)                    -> Embedding
 
 
 def path_read(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -33,6 +33,7 @@ from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.cost import ENTRY_COST, OUTPUT_TOKEN_COST, Work
 from latentlm.models.errors import ArtifactError
 from latentlm.models.family import Family, Recipe
+from latentlm.models.results import Embedding
 
 SQUARE = ("A", "noise_lowrank", "sigma_pred", "sigma_filt", "sigma_smooth", "filter_trans", "smooth_J",
           "smooth_L", "embed_whiten")
@@ -246,6 +247,6 @@ class LDS(Family):
         z = self.means(batch, causal) @ self.whiten.T
         return z / z.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(z.dtype).tiny)
 
-    def op_embed(self, seqs: list[list[int]], *, causal: bool = False) -> list[dict]:
+    def op_embed(self, seqs: list[list[int]], *, causal: bool = False) -> list[Embedding]:
         e = self.embed(Batch.from_lists(seqs, self.device), causal).double().cpu()
-        return [{"embeddings": e[i, : len(s)].tolist(), "dim": self.num_states} for i, s in enumerate(seqs)]
+        return [Embedding(e[i, : len(s)].tolist(), self.num_states) for i, s in enumerate(seqs)]

@@ -30,6 +30,7 @@ from latentlm.models.checks import NORMALISATION_TOL, check_shape
 from latentlm.models.cost import TOKEN_COST, Work
 from latentlm.models.errors import ArtifactError, InputError, UnsupportedOperation
 from latentlm.models.family import Family, Importer, Option
+from latentlm.models.results import Result
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
 LN10 = math.log(10.0)
@@ -141,22 +142,22 @@ class NGramLM(Family):
         cond = torch.where(mask, cond, torch.zeros_like(cond))
         return cond.double().sum(1), cond
 
-    op_score = ChainOps.op_score  # the HMM families' JSON fields, from `score` above
+    op_score = ChainOps.op_score  # the HMM families' `Score` results, from `score` above
 
     def _unsupported(self, op: str) -> UnsupportedOperation:
         return UnsupportedOperation(f"family ngram supports only 'score', not {op!r} (an n-gram model has no "
                                     "latent states)", param="model")
 
-    def op_posterior(self, seqs: list[list[int]], *, top_k: int | None = None) -> list[dict]:
+    def op_posterior(self, seqs: list[list[int]], *, top_k: int | None = None) -> list[Result]:
         raise self._unsupported("posterior")
 
-    def op_decode(self, seqs: list[list[int]], *, method: str = "viterbi") -> list[dict]:
+    def op_decode(self, seqs: list[list[int]], *, method: str = "viterbi") -> list[Result]:
         raise self._unsupported("decode")
 
-    def op_sample(self, **_: Any) -> list[dict]:
+    def op_sample(self, **_: Any) -> list[Result]:
         raise self._unsupported("sample")
 
-    def op_embed(self, seqs: list[list[int]], *, causal: bool = False) -> list[dict]:
+    def op_embed(self, seqs: list[list[int]], *, causal: bool = False) -> list[Result]:
         raise self._unsupported("embed")
 
 

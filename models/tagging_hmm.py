@@ -26,6 +26,7 @@ from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError
 from latentlm.models.hmm import DenseHMM
+from latentlm.models.results import Decoded, Path
 
 
 class TaggingHMM(DenseHMM):
@@ -80,18 +81,18 @@ class TaggingHMM(DenseHMM):
         _, gamma = self.posterior(batch)
         return gamma @ self.tag_emit
 
-    def op_decode(self, seqs: list[list[int]], *, method: str = "viterbi") -> list[dict]:
+    def op_decode(self, seqs: list[list[int]], *, method: str = "viterbi") -> list[Path] | list[Decoded]:
         batch = Batch.from_lists(seqs, self.device)
         if method == "viterbi":
             path, logp = self.viterbi(batch)
             tag_ids = self._best_tag[1][path.clamp_min(0)].cpu()
             path, logp = path.cpu(), logp.double().cpu()
-            return [{"tags": [self.tags[j] for j in tag_ids[i, : len(s)].tolist()],
-                     "states": path[i, : len(s)].tolist(), "logprob": float(logp[i])} for i, s in enumerate(seqs)]
+            return [Path(path[i, : len(s)].tolist(), float(logp[i]),
+                         tags=[self.tags[j] for j in tag_ids[i, : len(s)].tolist()]) for i, s in enumerate(seqs)]
         _, gamma = self.posterior(batch)
         p, y = (gamma @ self.tag_emit).max(-1)
         states = gamma.argmax(-1).cpu()
         p, y = p.double().cpu(), y.cpu()
-        return [{"tags": [self.tags[j] for j in y[i, : len(s)].tolist()], "tag_probs": p[i, : len(s)].tolist(),
-                 "states": states[i, : len(s)].tolist(), "expected_correct": float(p[i, : len(s)].sum())}
+        return [Decoded(states[i, : len(s)].tolist(), float(p[i, : len(s)].sum()),
+                        tags=[self.tags[j] for j in y[i, : len(s)].tolist()], tag_probs=p[i, : len(s)].tolist())
                 for i, s in enumerate(seqs)]

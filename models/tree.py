@@ -28,7 +28,7 @@ from torch import Tensor
 
 from latentlm.models.cost import ENTRY_COST, PCFG_VITERBI_FACTOR, SAMPLE_STEP_COST, TOKEN_COST, Work
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
-from latentlm.models.family import perplexity
+from latentlm.models.results import Parse, Sample, Score, Span, SpanMarginals
 from latentlm.models.sampling import CategoricalTable
 
 DEFAULT_MAX_LENGTH = 200  # words per sentence a PCFG model accepts unless its config says `max_length`
@@ -484,15 +484,14 @@ class PCFGOps:
                 out[idx] = inside(self, self._ids(seqs, idx)).double().cpu()
         return out
 
-    def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[dict]:
+    def op_score(self, seqs: list[list[int]], *, token_logprobs: bool = False) -> list[Score]:
         if token_logprobs:
             raise UnsupportedOperation(
                 "token_logprobs: a PCFG scores whole sentences; per-token conditionals p(x_t | x_<t) would "
                 "need prefix probabilities (Jelinek-Lafferty), which this family does not compute",
                 param="token_logprobs")
         logp = self.log_prob(seqs)
-        return [{"logprob": float(lp), "num_tokens": len(s), "perplexity": perplexity(float(lp), len(s))}
-                for s, lp in zip(seqs, logp, strict=True)]
+        return [Score(float(lp), len(s)) for s, lp in zip(seqs, logp, strict=True)]
 
     def marginals(self, seqs: list[list[int]]) -> list[Tensor]:
         """Span marginals per sentence, (n, n) float64 at [w-1, i]; InputError if p(x) = 0."""
@@ -505,23 +504,22 @@ class PCFGOps:
                 out[i] = marg[r]
         return out  # type: ignore[return-value]
 
-    def op_posterior(self, seqs: list[list[int]], *, top_k: int | None = None) -> list[dict]:
+    def op_posterior(self, seqs: list[list[int]], *, top_k: int | None = None) -> list[SpanMarginals]:
         res = []
         for s, marg in zip(seqs, self.marginals(seqs), strict=True):
             n = len(s)
-            spans = [{"start": i, "end": i + w, "prob": float(marg[w - 1, i])}
-                     for w in range(2, n + 1) for i in range(n - w + 1)]
-            spans.sort(key=lambda d: (-d["prob"], d["end"] - d["start"], d["start"]))
-            res.append({"spans": spans if top_k is None else spans[:top_k]})
+            spans = [Span(i, i + w, float(marg[w - 1, i])) for w in range(2, n + 1) for i in range(n - w + 1)]
+            spans.sort(key=lambda sp: (-sp.prob, sp.end - sp.start, sp.start))
+            res.append(SpanMarginals(spans if top_k is None else spans[:top_k]))
         return res
 
-    def op_decode(self, seqs: list[list[int]], *, method: str = "mbr") -> list[dict]:
+    def op_decode(self, seqs: list[list[int]], *, method: str = "mbr") -> list[Parse]:
         if method == "viterbi":
             return self.decode_viterbi(seqs)
         if method != "mbr":
             raise UnsupportedOperation(f"method: unknown decode method {method!r}", param="method")
         margs = self.marginals(seqs)
-        res: list[dict | None] = [None] * len(seqs)
+        res: list[Parse | None] = [None] * len(seqs)
         by_n: dict[int, list[int]] = {}
         for i, s in enumerate(seqs):
             by_n.setdefault(len(s), []).append(i)
@@ -530,16 +528,15 @@ class PCFGOps:
             for r, i in enumerate(idx):
                 labels = {sp: "X" for sp in spans[r]}
                 labels[(0, n)] = "S"
-                res[i] = {"tree": bracket(n, labels, [str(t) for t in seqs[i]], ["X"] * n),
-                          "spans": [list(sp) for sp in sorted(spans[r])],
-                          "expected_correct": float(score[r])}
+                res[i] = Parse(bracket(n, labels, [str(t) for t in seqs[i]], ["X"] * n), sorted(spans[r]),
+                               expected_correct=float(score[r]))
         return res  # type: ignore[return-value]
 
-    def decode_viterbi(self, seqs: list[list[int]]) -> list[dict]:
+    def decode_viterbi(self, seqs: list[list[int]]) -> list[Parse]:
         raise UnsupportedOperation("method: this family has no Viterbi decoding; use 'mbr'", param="method")
 
     def op_sample(self, *, n: int, max_tokens: int, seed: int, prefix: list[int] | None = None,
-                  temperature: float = 1.0, stop_id: int | None = None) -> list[dict]:
+                  temperature: float = 1.0, stop_id: int | None = None) -> list[Sample]:
         """n sentences with their trees (`stop_id` is ignored: a PCFG sentence ends with its tree)."""
         if prefix:
             raise UnsupportedOperation("prefix: PCFG sampling draws whole sentences; continuing a prefix would "
@@ -549,8 +546,7 @@ class PCFGOps:
         root, expand, emit = self.sampling_tables(temperature)
         out = sample_trees(n, num_nt=self.nt, root=root, expand=lambda a: expand(a, g), emit=lambda t: emit(t, g),
                            max_tokens=max_tokens, generator=g, device=self.device)
-        return [{"ids": ids, "tree": tree_string(t, self.symbol_name)} for ids, t in zip(out.ids, out.trees,
-                                                                                         strict=True)]
+        return [Sample(ids, tree=tree_string(t, self.symbol_name)) for ids, t in zip(out.ids, out.trees, strict=True)]
 
     def symbol_name(self, i: int) -> str:
         return f"NT{i}" if i < self.nt else f"T{i - self.nt}"

@@ -8,6 +8,7 @@ import random
 import pytest
 
 from latentlm import ops
+from latentlm.models.results import Sample
 
 
 def occurs_within(ids: list[int], stops: list[list[int]], upto: int) -> bool:
@@ -21,11 +22,11 @@ def test_cut_at_stop_is_the_first_completed_stop_sequence(seed):
     ids = [rng.randrange(3) for _ in range(rng.randint(0, 12))]
     stops = [[rng.randrange(3) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(0, 4))]
     eos = 2 if rng.random() < 0.5 else None
-    sample = {"ids": ids, "states": [10 + i for i in ids], "extra": 1}
+    sample = Sample(ids, states=[10 + i for i in ids], tree="kept")
     got = ops.cut_at_stop(sample, stops, eos, max_tokens=12)
-    keep = len(got["ids"])
-    assert got["ids"] == ids[:keep] and got["states"] == sample["states"][:keep] and got["extra"] == 1
-    if got["finish_reason"] == "stop":
+    keep = len(got.ids)
+    assert got.ids == ids[:keep] and got.states == sample.states[:keep] and got.tree == "kept"
+    if got.finish_reason == "stop":
         # a stop sequence starts where the sample was cut and completes at `end`, where none had completed before;
         # it is the longest completing there (the cut removes all of it)
         ends = [keep + len(s) for s in stops if ids[keep: keep + len(s)] == s]
@@ -35,7 +36,7 @@ def test_cut_at_stop_is_the_first_completed_stop_sequence(seed):
         assert all(not (len(s) > end - keep and ids[end - len(s): end] == s) for s in stops)
     else:
         assert keep == len(ids) and not occurs_within(ids, stops, len(ids))
-        assert got["finish_reason"] == ("eos" if eos is not None and ids and ids[-1] == eos else "length")
+        assert got.finish_reason == ("eos" if eos is not None and ids and ids[-1] == eos else "length")
 
 
 @pytest.mark.parametrize("family", ["hmm", "blocked_hmm", "rank_hmm"])
@@ -60,4 +61,4 @@ def test_sampling_ends_at_stop_sequences_as_cutting_would(family):
             early = model.op_sample(n=40, max_tokens=30, seed=seed, stop_id=eos, stop_seqs=stops)
             cut = [ops.cut_at_stop(r, stops, eos, 30) for r in full]
             assert [ops.cut_at_stop(r, stops, eos, 30) for r in early] == cut
-            assert all(len(e["ids"]) <= len(f["ids"]) for e, f in zip(early, full, strict=True))
+            assert all(len(e.ids) <= len(f.ids) for e, f in zip(early, full, strict=True))

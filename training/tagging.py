@@ -182,7 +182,7 @@ def decode_tags(model: TaggingHMM, ids: list[list[int]], method: str, batch: int
     for j in range(0, len(order), batch):
         idx = order[j: j + batch]
         for i, r in zip(idx, model.op_decode([ids[i] for i in idx], method=method), strict=True):
-            out[i] = r["tags"]
+            out[i] = r.tags
     return out  # type: ignore[return-value]
 
 

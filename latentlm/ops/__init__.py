@@ -5,6 +5,7 @@
 - `requests`: the request models (pydantic) the declarations name.
 - `model`: loading a verified model (`load_model`, `LoadedModel`).
 - `inputs`: inputs to token ids, stop sequences, seeds, top_k.
+- `compute`: a family's operation over sequences in length-sorted batches, its typed results in input order.
 - `batching`: `run` an operation in length-sorted batches; `run_merged` several requests in one run.
 - `generate`: `sample`.
 - `cost`: a request's estimated work, as its family states it.

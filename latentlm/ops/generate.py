@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from functools import partial
 
 from latentlm.models.errors import InputError, UnsupportedOperation
-from latentlm.ops.batching import check_supported
+from latentlm.models.results import Sample
+from latentlm.ops import format
+from latentlm.ops.compute import check_supported
 from latentlm.ops.inputs import check_seed, check_shaping, encode_stops
 from latentlm.ops.model import LoadedModel
 
@@ -51,22 +55,23 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
                                stop_id=stop_id, **({"stop_seqs": stops} if stops else {}), **shaping)
     if not trees:
         res = [cut_at_stop(r, stops, stop_id, max_tokens) for r in res]
-    return [{"index": i, "tokens": model.vocab.decode(r["ids"]), **r} for i, r in enumerate(res)]
+    return [format.answer(r, i, tokens=partial(model.vocab.decode, r.ids)) for i, r in enumerate(res)]
 
 
 
-def cut_at_stop(sample: dict, stops: list[list[int]], stop_id: int | None, max_tokens: int) -> dict:
-    """A chain family's drawn sample {"ids", "states"} cut before the first stop sequence its ids spell (the
+def cut_at_stop(sample: Sample, stops: list[list[int]], stop_id: int | None, max_tokens: int) -> Sample:
+    """A chain family's drawn sample (ids and states) cut before the first stop sequence its ids spell (the
     first to be complete; of those complete at the same token, the longest), with its `finish_reason` ("stop",
     "eos" or "length"). O(len(ids) x total stop length)."""
-    ids = sample["ids"]
+    ids = sample.ids
     for end in range(1, len(ids) + 1):  # the first place a stop sequence is complete; there, the longest one
         hit = max((len(s) for s in stops if len(s) <= end and ids[end - len(s): end] == s), default=0)
         if hit:
             keep = end - hit
-            return {**sample, "ids": ids[:keep], "states": sample["states"][:keep], "finish_reason": "stop"}
+            states = None if sample.states is None else sample.states[:keep]
+            return dataclasses.replace(sample, ids=ids[:keep], states=states, finish_reason="stop")
     eos = stop_id is not None and bool(ids) and ids[-1] == stop_id
-    return {**sample, "finish_reason": "eos" if eos else "length"}
+    return dataclasses.replace(sample, finish_reason="eos" if eos else "length")
 
 
 

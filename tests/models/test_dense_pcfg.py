@@ -16,6 +16,7 @@ from scipy.stats import chi2
 from latentlm.models.dense_pcfg import DensePCFG, random_dense_pcfg
 from latentlm.models.errors import ArtifactError, InputError, LimitExceeded, UnsupportedOperation
 from latentlm.models.registry import load_artifact, save_artifact
+from latentlm.models.results import SpanMarginals
 from latentlm.models.tree import bracket, mbr_cky, relabel_leaves
 from latentlm.models.vocab import Preprocessing, Vocabulary
 from tests.models.tree_brute import brute, tree_string
@@ -46,37 +47,37 @@ def test_everything_matches_brute_force(seed, n):
     ref = brute(model.start, model.rules, model.emit, x)
     # sentence probability
     [score] = model.op_score([x])
-    assert score["logprob"] == pytest.approx(ref.logprob, abs=1e-10)
-    assert score["num_tokens"] == n
+    assert score.logprob == pytest.approx(ref.logprob, abs=1e-10)
+    assert score.num_tokens == n
     # span marginals (every span of width >= 2, the whole sentence included)
     [post] = model.op_posterior([x])
-    got = {(d["start"], d["end"]): d["prob"] for d in post["spans"]}
+    got = {(d.start, d.end): d.prob for d in post.spans}
     assert set(got) == {(i, i + w) for w in range(2, n + 1) for i in range(n - w + 1)}
     for sp, p in got.items():
         assert p == pytest.approx(ref.marginals.get(sp, 0.0), abs=1e-10)
-    probs = [d["prob"] for d in post["spans"]]
+    probs = [d.prob for d in post.spans]
     assert probs == sorted(probs, reverse=True)
     # Viterbi: best labelled tree and its joint log-probability
     [vit] = model.op_decode([x], method="viterbi")
-    assert vit["logprob"] == pytest.approx(ref.best_logprob, abs=1e-10)
-    assert vit["tree"] == tree_string(ref.best_tree, model.symbol_name)
+    assert vit.logprob == pytest.approx(ref.best_logprob, abs=1e-10)
+    assert vit.tree == tree_string(ref.best_tree, model.symbol_name)
     # MBR: the bracketing with the largest summed marginals
     [mbr] = model.op_decode([x], method="mbr")
-    assert mbr["expected_correct"] == pytest.approx(ref.mbr_score, abs=1e-9)
-    assert {tuple(s) for s in mbr["spans"]} in ref.mbr_spans
+    assert mbr.expected_correct == pytest.approx(ref.mbr_score, abs=1e-9)
+    assert {tuple(s) for s in mbr.spans} in ref.mbr_spans
 
 
 def test_length_one_sentences():
     model = make(3)
     [s] = model.op_score([[2]])
     expected = float(model.start[model.nt:] @ model.emit[:, 2])
-    assert s["logprob"] == pytest.approx(math.log(expected))
-    assert model.op_posterior([[2]]) == [{"spans": []}]
+    assert s.logprob == pytest.approx(math.log(expected))
+    assert model.op_posterior([[2]]) == [SpanMarginals([])]
     [m] = model.op_decode([[2]], method="mbr")
-    assert m["tree"] == "(S (X 2))" and m["spans"] == []
+    assert m.tree == "(S (X 2))" and m.spans == []
     [v] = model.op_decode([[2]], method="viterbi")
     best = int((model.start[model.nt:] * model.emit[:, 2]).argmax())
-    assert v["tree"] == f"(T{best} 2)"
+    assert v.tree == f"(T{best} 2)"
 
 
 @settings(max_examples=15, deadline=None)
@@ -88,22 +89,22 @@ def test_batches_equal_one_at_a_time(seed, lengths):
     together = model.op_score(seqs)
     alone = [model.op_score([s])[0] for s in seqs]
     for a, b in zip(together, alone, strict=True):
-        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-10)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-10)
     post = model.op_posterior(seqs, top_k=3)
     for s, p in zip(seqs, post, strict=True):
         q = model.op_posterior([s], top_k=3)[0]
-        assert [d["prob"] for d in p["spans"]] == pytest.approx([d["prob"] for d in q["spans"]], abs=1e-12)
-        assert len(p["spans"]) == min(3, len(s) * (len(s) - 1) // 2)
+        assert [d.prob for d in p.spans] == pytest.approx([d.prob for d in q.spans], abs=1e-12)
+        assert len(p.spans) == min(3, len(s) * (len(s) - 1) // 2)
     for a, b in zip(model.op_decode(seqs, method="viterbi"), [model.op_decode([s], method="viterbi")[0] for s in seqs],
                     strict=True):
-        assert a["tree"] == b["tree"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-10)
+        assert a.tree == b.tree and a.logprob == pytest.approx(b.logprob, abs=1e-10)
 
 
 def test_marginals_sum_to_expected_number_of_constituents():
     model = make(5, nt=3, pt=3)
     for n in (2, 6, 9):
         [p] = model.op_posterior([sentence(5, n)])
-        assert sum(d["prob"] for d in p["spans"]) == pytest.approx(n - 1, abs=1e-9)
+        assert sum(d.prob for d in p.spans) == pytest.approx(n - 1, abs=1e-9)
 
 
 def test_float32_long_sentence_does_not_underflow():
@@ -112,10 +113,10 @@ def test_float32_long_sentence_does_not_underflow():
     m32 = DensePCFG.from_tensors(t, cfg, dtype=torch.float32)
     x = torch.randint(0, 50, (100,), generator=torch.Generator().manual_seed(0)).tolist()
     [a], [b] = m64.op_score([x]), m32.op_score([x])
-    assert math.isfinite(b["logprob"]) and b["logprob"] < -300  # far below float32's range as a probability
-    assert b["logprob"] == pytest.approx(a["logprob"], rel=1e-4)
+    assert math.isfinite(b.logprob) and b.logprob < -300  # far below float32's range as a probability
+    assert b.logprob == pytest.approx(a.logprob, rel=1e-4)
     [v64], [v32] = m64.op_decode([x], method="viterbi"), m32.op_decode([x], method="viterbi")
-    assert v32["logprob"] == pytest.approx(v64["logprob"], rel=1e-4)
+    assert v32.logprob == pytest.approx(v64.logprob, rel=1e-4)
 
 
 def test_limits_and_errors():
@@ -134,7 +135,7 @@ def test_limits_and_errors():
     t["emit"][:, 3] = 0
     t["emit"] /= t["emit"].sum(1, keepdim=True)
     m = DensePCFG.from_tensors(t, cfg, dtype=torch.float64)
-    assert m.op_score([[0, 3]])[0]["logprob"] == float("-inf")
+    assert m.op_score([[0, 3]])[0].logprob == float("-inf")
     with pytest.raises(InputError, match=r"input\[1\]"):
         m.op_posterior([[0, 1], [0, 3]])
     with pytest.raises(InputError, match=r"input\[0\]"):
@@ -175,7 +176,7 @@ def sentence_probs(model, max_len: int, vocab: int) -> dict:
     """Exact p(x | length <= max_len) of every sentence up to max_len words (sampling rejects longer trees
     and a random grammar may put mass on infinite trees, so tests compare these conditionals)."""
     seqs = [list(x) for n in range(1, max_len + 1) for x in itertools.product(range(vocab), repeat=n)]
-    probs = {tuple(s): math.exp(r["logprob"]) for s, r in zip(seqs, model.op_score(seqs), strict=True)}
+    probs = {tuple(s): math.exp(r.logprob) for s, r in zip(seqs, model.op_score(seqs), strict=True)}
     total = sum(probs.values())
     return {k: v / total for k, v in probs.items()}
 
@@ -185,19 +186,19 @@ def test_samples_follow_the_grammar():
     model = DensePCFG.from_tensors(t, cfg, dtype=torch.float64)
     N = 6000
     out = model.op_sample(n=N, max_tokens=60, seed=1)
-    counts = collections.Counter(tuple(o["ids"]) for o in out if len(o["ids"]) <= 3)
+    counts = collections.Counter(tuple(o.ids) for o in out if len(o.ids) <= 3)
     assert sum(counts.values()) > N / 3
     assert chi_square_pvalue(counts, sentence_probs(model, 3, 2), sum(counts.values())) > 1e-3
     # trees are consistent with their sentences, and the seed reproduces them
     for o in out[:50]:
-        assert relabel_leaves(o["tree"], [str(i) for i in o["ids"]]) == o["tree"]
+        assert relabel_leaves(o.tree, [str(i) for i in o.ids]) == o.tree
     assert model.op_sample(n=20, max_tokens=60, seed=3) == model.op_sample(n=20, max_tokens=60, seed=3)
 
 
 def test_sample_max_tokens_is_respected():
     model = make(2, nt=2, pt=2)
     out = model.op_sample(n=200, max_tokens=3, seed=0)
-    assert all(1 <= len(o["ids"]) <= 3 for o in out)
+    assert all(1 <= len(o.ids) <= 3 for o in out)
 
 
 def test_tree_helpers():

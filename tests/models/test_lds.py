@@ -78,9 +78,9 @@ def test_batch_equals_one_at_a_time(seqs, causal):
     together = model.op_embed(seqs, causal=causal)
     for s, res in zip(seqs, together, strict=True):
         alone = model.op_embed([s], causal=causal)[0]
-        np.testing.assert_allclose(res["embeddings"], alone["embeddings"], atol=1e-10)
-        assert res["dim"] == 3 and len(res["embeddings"]) == len(s)
-        np.testing.assert_allclose(np.linalg.norm(res["embeddings"], axis=1), 1.0, atol=1e-9)
+        np.testing.assert_allclose(res.embeddings, alone.embeddings, atol=1e-10)
+        assert res.dim == 3 and len(res.embeddings) == len(s)
+        np.testing.assert_allclose(np.linalg.norm(res.embeddings, axis=1), 1.0, atol=1e-9)
 
 
 def test_embeddings_whitened_by_M(tmp_path):

@@ -25,6 +25,7 @@ from latentlm.models.synthetic import random_blocked_hmm, random_hmm, random_ran
 from latentlm.models.vocab import Vocabulary
 from latentlm.onnx_backend import OnnxScorer, export_model
 from latentlm.ops import dumps
+from latentlm.ops.format import fields
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,10 +158,11 @@ def test_probability_zero_gives_minus_inf_like_torch(tmp_path):
     assert tok[2] == [-math.inf] == ref_tok[2]
     assert not any(math.isnan(v) for row in tok for v in row)
     res = scorer.op_score(seqs, token_logprobs=True)
-    assert res[0]["logprob"] == -math.inf and res[0]["perplexity"] == math.inf
-    assert res[0]["token_logprobs"][1:] == [-math.inf] * 3
-    assert b'"logprob":null' in dumps(res[0]) and b'"perplexity":null' in dumps(res[0])  # JSON: null
-    assert res[1]["logprob"] == pytest.approx(2 * math.log(0.5))
+    first = fields(res[0])  # as the CLI and the service write it
+    assert res[0].logprob == -math.inf and first["perplexity"] == math.inf
+    assert res[0].token_logprobs[1:] == [-math.inf] * 3
+    assert b'"logprob":null' in dumps(first) and b'"perplexity":null' in dumps(first)  # JSON: null
+    assert res[1].logprob == pytest.approx(2 * math.log(0.5))
 
 
 def test_blocked_zero_block_gives_minus_inf(tmp_path):
@@ -202,10 +204,10 @@ def test_store_model_metadata_and_hash_check(tmp_path):
     got = scorer.op_score(seqs, token_logprobs=True)
     want = m.impl.op_score(seqs, token_logprobs=True)
     for g, w in zip(got, want, strict=True):
-        assert g["num_tokens"] == w["num_tokens"]
-        assert g["logprob"] == pytest.approx(w["logprob"], rel=1e-5)
-        assert g["perplexity"] == pytest.approx(w["perplexity"], rel=1e-4)
-        assert g["token_logprobs"] == pytest.approx(w["token_logprobs"], rel=1e-5, abs=1e-6)
+        assert g.num_tokens == w.num_tokens
+        assert g.logprob == pytest.approx(w.logprob, rel=1e-5)
+        assert fields(g)["perplexity"] == pytest.approx(fields(w)["perplexity"], rel=1e-4)
+        assert g.token_logprobs == pytest.approx(w.token_logprobs, rel=1e-5, abs=1e-6)
     # the model is retrained (new weights, new hash): the old file is refused
     t2, _ = random_blocked_hmm(3, 4, V, seed=8)
     save_artifact(tmp_path / "store", "blk", "blocked_hmm", t2, _vocab(V), config=c)

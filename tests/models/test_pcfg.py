@@ -48,7 +48,7 @@ def test_rank_inside_equals_dense_inside(seed, nt, pt, r, lengths):
     seqs = sentences(seed, lengths)
     a, b = rank.op_score(seqs), dense.op_score(seqs)
     for x, y in zip(a, b, strict=True):
-        assert x["logprob"] == pytest.approx(y["logprob"], abs=1e-9)
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-9)
     # span marginals (autograd through the rank-space pass) equal the dense ones
     for p, q in zip(rank.marginals(seqs), dense.marginals(seqs), strict=True):
         assert torch.allclose(p, q, atol=1e-9)
@@ -59,14 +59,14 @@ def test_marginals_and_mbr_match_brute_force(n):
     rank, dense = make(n, nt=2, pt=2, r=3)
     [x] = sentences(n, [n])
     ref = brute(dense.start, dense.rules, dense.emit, x)
-    assert rank.op_score([x])[0]["logprob"] == pytest.approx(ref.logprob, abs=1e-10)
+    assert rank.op_score([x])[0].logprob == pytest.approx(ref.logprob, abs=1e-10)
     [post] = rank.op_posterior([x])
-    for d in post["spans"]:
-        assert d["prob"] == pytest.approx(ref.marginals.get((d["start"], d["end"]), 0.0), abs=1e-10)
+    for d in post.spans:
+        assert d.prob == pytest.approx(ref.marginals.get((d.start, d.end), 0.0), abs=1e-10)
     [mbr] = rank.op_decode([x], method="mbr")
-    assert mbr["expected_correct"] == pytest.approx(ref.mbr_score, abs=1e-9)
-    assert {tuple(s) for s in mbr["spans"]} in ref.mbr_spans
-    assert mbr["tree"].startswith("(S ") and mbr["tree"].count("(") == max(2 * n - 1, 2)
+    assert mbr.expected_correct == pytest.approx(ref.mbr_score, abs=1e-9)
+    assert {tuple(s) for s in mbr.spans} in ref.mbr_spans
+    assert mbr.tree.startswith("(S ") and mbr.tree.count("(") == max(2 * n - 1, 2)
 
 
 def test_batching_by_length_equals_one_at_a_time():
@@ -75,11 +75,11 @@ def test_batching_by_length_equals_one_at_a_time():
     rank.chart_elems = 200  # several sub-batches per length
     together = rank.op_score(seqs)
     for s, t in zip(seqs, together, strict=True):
-        assert t["logprob"] == pytest.approx(rank.op_score([s])[0]["logprob"], abs=1e-10)
+        assert t.logprob == pytest.approx(rank.op_score([s])[0].logprob, abs=1e-10)
     dec = rank.op_decode(seqs, method="mbr")
     for a, b in zip(dec, [rank.op_decode([s], method="mbr")[0] for s in seqs], strict=True):
-        assert a["tree"] == b["tree"] and a["spans"] == b["spans"]
-        assert a["expected_correct"] == pytest.approx(b["expected_correct"], abs=1e-12)
+        assert a.tree == b.tree and a.spans == b.spans
+        assert a.expected_correct == pytest.approx(b.expected_correct, abs=1e-12)
 
 
 def test_float32_long_sentences_stay_finite_and_accurate():
@@ -89,7 +89,7 @@ def test_float32_long_sentences_stay_finite_and_accurate():
     seqs = sentences(0, [200, 150], vocab=200)
     a, b = m64.op_score(seqs), m32.op_score(seqs)
     for x, y in zip(a, b, strict=True):
-        assert y["logprob"] < -800 and y["logprob"] == pytest.approx(x["logprob"], rel=1e-4)
+        assert y.logprob < -800 and y.logprob == pytest.approx(x.logprob, rel=1e-4)
     short = [seqs[1][:60]]
     [p32], [p64] = m32.marginals(short), m64.marginals(short)
     assert torch.isfinite(p32).all() and (p32 - p64).abs().max() < 1e-3
@@ -111,18 +111,18 @@ def test_length_limit_and_length_one():
     with pytest.raises(LimitExceeded, match="max_length of 8"):
         rank.op_posterior([[0] * 3, [1] * 9])
     [s] = rank.op_score([[4]])
-    assert s["logprob"] == pytest.approx(dense.op_score([[4]])[0]["logprob"], abs=1e-12)
-    assert rank.op_decode([[4]], method="mbr")[0]["tree"] == "(S (X 4))"
+    assert s.logprob == pytest.approx(dense.op_score([[4]])[0].logprob, abs=1e-12)
+    assert rank.op_decode([[4]], method="mbr")[0].tree == "(S (X 4))"
 
 
 def test_samples_follow_the_grammar():
     rank, _ = make(11, nt=2, pt=2, r=2, vocab=2)
     N = 4000
     out = rank.op_sample(n=N, max_tokens=30, seed=0)
-    counts = collections.Counter(tuple(o["ids"]) for o in out if len(o["ids"]) <= 3)
+    counts = collections.Counter(tuple(o.ids) for o in out if len(o.ids) <= 3)
     assert sum(counts.values()) > N / 3
     assert chi_square_pvalue(counts, sentence_probs(rank, 3, 2), sum(counts.values())) > 1e-3
-    assert all(o["tree"].count("(") == 2 * len(o["ids"]) - 1 for o in out[:100])
+    assert all(o.tree.count("(") == 2 * len(o.ids) - 1 for o in out[:100])
 
 
 def test_artifact_round_trip_and_checks(tmp_path):
@@ -131,7 +131,7 @@ def test_artifact_round_trip_and_checks(tmp_path):
     art = load_artifact(save_artifact(tmp_path, "p", "pcfg", t, vocab, config={**cfg, "max_length": 50}))
     m = RankPCFG.from_tensors(art.tensors, art.config)
     assert m.describe() == {"num_states": 7, "nt": 3, "pt": 4, "rank": 5, "max_length": 50}
-    assert math.isfinite(m.op_score([[0, 1, 2]])[0]["logprob"])
+    assert math.isfinite(m.op_score([[0, 1, 2]])[0].logprob)
     stale = dict(t, rank_left=t["rank_left"] * 0.9)
     with pytest.raises(ArtifactError, match="'rank_left'"):
         save_artifact(tmp_path, "q", "pcfg", stale, vocab, config=cfg)
@@ -148,7 +148,7 @@ def test_cuda_matches_cpu():
     gpu = RankPCFG.from_tensors(t, cfg, dtype=torch.float64, device="cuda")
     seqs = sentences(0, [5, 12, 1], vocab=30)
     for a, b in zip(cpu.op_score(seqs), gpu.op_score(seqs), strict=True):
-        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-9)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-9)
     assert cpu.op_decode(seqs, method="mbr") == gpu.op_decode(seqs, method="mbr")
     assert len(gpu.op_sample(n=4, max_tokens=50, seed=0)) == 4
 
@@ -198,6 +198,6 @@ def test_training_smoke(tmp_path):
 def test_marginal_memory_limit_is_a_clear_413():
     rank, _ = make(0, r=4)
     rank.marginal_elems = 1000
-    assert rank.op_posterior([[0] * 5], top_k=1)[0]["spans"][0]["prob"] == pytest.approx(1.0)
+    assert rank.op_posterior([[0] * 5], top_k=1)[0].spans[0].prob == pytest.approx(1.0)
     with pytest.raises(LimitExceeded, match="marginal_elems"):
         rank.op_decode([[0] * 12], method="mbr")

@@ -283,7 +283,7 @@ def test_predictive_sampling_matches_enumeration(family, temperature, top_k, top
                           top_p=top_p)
     counts: dict = {}
     for s in got:
-        key = (*s["ids"], *s["states"])
+        key = (*s.ids, *s.states)
         assert key in probs, key  # never a token the shaping removed, nor an impossible state
         counts[key] = counts.get(key, 0) + 1
     assert chi_square_pvalue(counts, probs, n) > 1e-3

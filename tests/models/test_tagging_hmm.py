@@ -60,13 +60,13 @@ def test_decode_matches_brute_force(seqs, seed):
     mbr = model.op_decode(seqs, method="mbr")
     for s, v, m in zip(seqs, vit, mbr, strict=True):
         lp, ys, ymarg, _ = brute(t, s)
-        assert v["logprob"] == pytest.approx(lp, abs=1e-9)
+        assert v.logprob == pytest.approx(lp, abs=1e-9)
         # the decoded (states, tags) path attains the maximum
         te = t["tag_emit"].numpy()
-        assert [cfg["tags"].index(y) for y in v["tags"]] == [int(te[z].argmax()) for z in v["states"]]
-        assert len(v["tags"]) == len(s) == len(m["tags"])
-        np.testing.assert_allclose(m["tag_probs"], ymarg.max(1), atol=1e-10)
-        assert [cfg["tags"][j] for j in ymarg.argmax(1)] == m["tags"] or np.allclose(
+        assert [cfg["tags"].index(y) for y in v.tags] == [int(te[z].argmax()) for z in v.states]
+        assert len(v.tags) == len(s) == len(m.tags)
+        np.testing.assert_allclose(m.tag_probs, ymarg.max(1), atol=1e-10)
+        assert [cfg["tags"][j] for j in ymarg.argmax(1)] == m.tags or np.allclose(
             np.sort(ymarg, 1)[:, -1], np.sort(ymarg, 1)[:, -2])
         if ys is not None:
             assert len(ys) == len(s)
@@ -110,11 +110,11 @@ def test_hmm_embed_is_posterior_weighted_state_vectors():
     t2 = {**t, "tag_emit": torch.ones(3, 1, dtype=torch.float64)}
     for s, r, c in zip(seqs, model.op_embed(seqs), model.op_embed(seqs, causal=True), strict=True):
         _, _, _, zmarg = brute(t2, s)
-        np.testing.assert_allclose(r["embeddings"], zmarg @ vecs.numpy(), atol=1e-10)
-        assert r["dim"] == 5
+        np.testing.assert_allclose(r.embeddings, zmarg @ vecs.numpy(), atol=1e-10)
+        assert r.dim == 5
         for i in range(len(s)):  # filtered marginals: the smoothed ones of the prefix, at its end
             _, _, _, zp = brute(t2, s[: i + 1])
-            np.testing.assert_allclose(c["embeddings"][i], zp[-1] @ vecs.numpy(), atol=1e-10)
+            np.testing.assert_allclose(c.embeddings[i], zp[-1] @ vecs.numpy(), atol=1e-10)
 
 
 # -- Brown corpus: data and the trained tagger ------------------------------------------------------------

@@ -24,6 +24,7 @@ from latentlm.models import triton_chain as tc
 from latentlm.models.backend import Backend
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.results import Score
 from latentlm.service import settings as settings_mod
 from latentlm.service.app import create_app
 from latentlm.service.batcher import Batcher
@@ -85,7 +86,7 @@ class _Recorder:
 
     def op_score(self, seqs, **_):
         self.calls.append(len(seqs))
-        return [{"logprob": -1.0, "num_tokens": len(s), "perplexity": 1.0} for s in seqs]
+        return [Score(-1.0, len(s)) for s in seqs]
 
 
 def test_run_on_cuda_hands_large_batches(base_store):
