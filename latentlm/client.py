@@ -11,6 +11,9 @@ times; a `Retry-After` longer than `max_retry_wait_s` is not waited for (the err
 are retried the same way. A stream is retried only before its first byte. Every other error raises `APIError`
 with the server's `status`, `message`, `type`, `param` (the field at fault) and `code`.
 
+Its length (over 600 lines) is earned: every operation and batch call is written twice, once per client class
+(`Client`, `AsyncClient`), with the shared request building and retry policy kept once.
+
 This module imports only httpx and the standard library: responses are plain dicts and lists (typed below as
 `TypedDict`s), so it can be vendored into any program that talks to the service.
 """

@@ -1,6 +1,10 @@
 """The chain engine: forward, backward, posteriors and max-product, written once for every HMM-like
 family.
 
+Its length (over 600 lines) is earned: it is the one engine every HMM-like family shares (forward, backward,
+posteriors, max-product, chunked long sequences with their error bound), kept in one module so that it is written
+and tested once against brute force; the compiled kernels it calls live in `models/kernels/`.
+
 A family describes one batch of sequences to the engine with
   * `init`  (B, K): prior over the first position's (reduced) state space,
   * `emit`  (B, T, K): emission likelihoods p(x_t | z_t) of the observed tokens,

@@ -1,5 +1,7 @@
 """Scaled forward pass (scoring) of the rank-space HMM and the blocked VL-HMM on CUDA, near the device limit.
 
+(A kernel module: its length is the two families' fused Triton kernels and their launch plans.)
+
 Both families run the recursion of `models.chain.forward`:
     alpha_0 = init * e(x_0);   alpha_t = (alpha_{t-1} A_t) * e(x_t);   c_t = sum(alpha_t);   alpha_t /= c_t
     log_cond[:, t] = log c_t   (0 at padding positions, which leave alpha unchanged; -inf from a zero c on)
