@@ -2,6 +2,10 @@
 automaton (`models.constraint.WordDFA`): the probability that a continuation satisfies the constraint, exact
 conditional sampling, a guide for neural LMs, and a constrained beam search.
 
+Its length (over 600 lines) is earned: the four uses share one set of backward messages and one view of each
+family's step, and keeping the recursion, its two samplers, the guide and the beam search beside the messages they
+read keeps their exactness argument (below) in one place.
+
 Semantics. With prefix x, a continuation y = y_1 .. y_L is complete when it emits `<eos>` (y_L, the first one);
     P(C | x) = sum over complete y with min_tokens <= L <= max_tokens that satisfy C of p(y | x).
 The automaton reads the content words y_1 .. y_{L-1}; `<eos>` is its acceptance test.
