@@ -15,7 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    WithJsonSchema,
+    field_validator,
+)
 
 from latentlm.models.family import DECODE_METHODS
 from latentlm.ops.inputs import MAX_STOP_SEQUENCES
@@ -146,6 +156,24 @@ class EmbedRequest(InputRequest):
     causal: StrictBool = Field(False, description="filtered (left-context) instead of smoothed embeddings")
 
 
+def number(v: Any) -> Any:
+    """A JSON number (integer or float), never a boolean or a string (None passes, for optional fields)."""
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
+    return v
+
+
+def positive_finite(v: float) -> float:
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"must be a positive finite number, got {v!r}")
+    return v
+
+
+# > 0 and finite, as a JSON number; the schema says exclusiveMinimum 0 (added by each field's `json_schema_extra`)
+Temperature = Annotated[float, BeforeValidator(number), AfterValidator(positive_finite)]
+Probability = Annotated[float, Field(gt=0, le=1), BeforeValidator(number)]  # in (0, 1]
+
+
 class ConstraintSpec(BaseModel):
     """What a continuation must satisfy (`models.constraint`); a continuation is complete when it emits `<eos>`,
     and its length (min_tokens .. max_tokens) counts that `<eos>`."""
@@ -172,13 +200,13 @@ class SampleRequest(OperationRequest):
     max_tokens: StrictInt = Field(32, ge=1, description="tokens per sample at most")
     seed: StrictInt = Field(0, ge=0, lt=1 << 63, description="random seed in [0, 2^63) (same seed, same samples)")
     prefix: str | list[StrictInt] | None = Field(None, description="text or token ids to continue")
-    temperature: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},  # checked by `_t`, naming the field
+    temperature: Temperature = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},
                                description="> 0; below 1 sharpens, above 1 flattens")
     stop_at_eos: Annotated[StrictBool, Cli(flag="--no-stop")] = Field(
         True, description="end a sample after <eos> (CLI: --no-stop sets it false)")
     top_k: StrictInt | None = Field(None, ge=1, description="draw each token from the next-token distribution cut to "
                                                            "its k most probable tokens (hmm, tagging_hmm, blocked_hmm)")
-    top_p: float | None = Field(None, gt=0, le=1, description="draw each token from the fewest most probable next "
+    top_p: Probability | None = Field(None, description="draw each token from the fewest most probable next "
                                                              "tokens whose mass reaches p (hmm, tagging_hmm, "
                                                              "blocked_hmm)")
     stop: Annotated[str | list[str | list[StrictInt]] | None, Cli(metavar="TEXT")] = Field(
@@ -191,30 +219,14 @@ class SampleRequest(OperationRequest):
     stream: Annotated[StrictBool, Cli(hidden=True)] = Field(
         False, description="server-sent events, one per sample, ending 'data: [DONE]'")
 
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _t_type(cls, v, info):
-        if v is None and info.field_name == "top_p":
-            return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _t(cls, v):
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"must be a positive finite number, got {v!r}")
-        return v
-
 
 class ConstraintRequest(OperationRequest):
     """P(C | prefix): the probability that a continuation of `prefix` satisfies the constraint."""
 
     prefix: str | list[StrictInt] | None = Field(None, description="text or token ids the continuation follows")
     constraint: ConstraintField = Field(description="what the continuation must satisfy")
-    temperature: float = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},
-                               description="> 0: the model tempered (start, transition and emission rows) before "
+    temperature: Temperature = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},
+                                     description="> 0: the model tempered (start, transition and emission rows) before "
                                            "conditioning")
     weights: StrictBool = Field(False, description="add `weights`: for every token v (by id) P(C | prefix, v), the "
                                                    "factor that steers a neural LM's next-token distribution")
@@ -228,17 +240,3 @@ class ConstraintRequest(OperationRequest):
         None, description="token ids of the continuation generated so far (no <eos>): counted in the constraint's "
                           "window and read by its automaton; `log_prob` and `weights` are then P(C | prefix, "
                           "generated[, v]) (a guide that asks each step)")
-
-    @field_validator("temperature", mode="before")
-    @classmethod
-    def _t_type(cls, v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
-        return v
-
-    @field_validator("temperature")
-    @classmethod
-    def _t(cls, v):
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"must be a positive finite number, got {v!r}")
-        return v
