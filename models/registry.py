@@ -53,13 +53,14 @@ def save_artifact(store: Path | str, name: str, family: str, tensors: dict[str, 
 
 
 def load_artifact(path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                  storage_dtype: str | torch.dtype | None = None) -> Artifact:
+                  storage_dtype: str | torch.dtype | None = None, snapshots: Path | None = None) -> Artifact:
     """Read and verify `path`: hashes, shapes, finiteness and the family's own schema checks; the tensors
     are read straight onto `device`. With `dtype` (the computation dtype `from_tensors` will be given) the
     tensors the family keeps in another precision (`Family.read_dtypes`) are converted as they are read;
-    None reads every tensor as stored."""
+    None reads every tensor as stored. `snapshots`: map the weights from a shared verified snapshot in that
+    directory (`store.map_weights`) instead of reading them into this process's memory."""
     def cast_for(family: str, config: dict[str, Any]) -> dict[str, torch.dtype]:
         return get_family(family).read_dtypes(config, device=torch.device(device), dtype=dtype,
                                               storage_dtype=storage_dtype)
 
-    return read_artifact(path, _validator, device, cast_for if dtype is not None else None)
+    return read_artifact(path, _validator, device, cast_for if dtype is not None else None, snapshots=snapshots)

@@ -7,10 +7,12 @@ No pickle anywhere: tensors are safetensors, metadata is JSON, the vocabulary is
 from __future__ import annotations
 
 import datetime as _dt
+import fcntl
 import functools
 import hashlib
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -218,7 +220,8 @@ READ_CHUNK = 16 << 20  # bytes per read (and per host-to-device copy); a staged 
 
 
 def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", staged: bool | None = None,
-                 cast: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+                 cast: Mapping[str, torch.dtype] | None = None,
+                 snapshots: Path | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file, read once, straight into tensors on `device`, while the same bytes
     are hashed: the SHA-256 checked against `digest` (the manifest's) is that of exactly the bytes loaded (no
     window in which the file could change between a check and a read), and there is one copy of the weights
@@ -236,8 +239,13 @@ def read_weights(fpath: Path, digest: str, device: torch.device | str = "cpu", s
     without another pass. `cast` (name -> floating dtype) converts those tensors as they are read, so a model
     kept in another precision never holds its stored one whole (a bfloat16 copy of a float32 matrix is read in
     half the float32 size, a float64 one in 2x instead of 3x), and a narrowed tensor is still checked as
-    stored."""
+    stored.
+
+    `snapshots` (a directory the caller owns; CPU only): the tensors are pages of a verified snapshot of the file
+    there instead (`map_weights`), shared by every process that maps it."""
     dev = torch.device(device)
+    if snapshots is not None and dev.type == "cpu":
+        return map_weights(fpath, digest, snapshots, cast)
     staged = dev.type != "cpu" if staged is None else staged
     with _BackgroundHash() as h:
         tensors = _read_safetensors(fpath, h, dev, staged, cast or {})
@@ -292,25 +300,130 @@ def _read_safetensors(fpath: Path, h: _BackgroundHash, dev: torch.device, staged
         raw = f.read(n)
         h.update(head)
         h.update(raw)
-        entries = _safetensors_entries(raw, bad)
-        data_len = size - 8 - n
         tensors: dict[str, torch.Tensor] = {}
-        pos = 0
-        for name, (dtype, shape, begin, end) in sorted(entries.items(), key=lambda kv: kv[1][2]):
-            if begin != pos:
-                raise bad(f"tensor {name!r} starts at byte {begin}, expected {pos} (holes or overlaps)")
-            if math.prod(shape) * dtype.itemsize != end - begin:
-                raise bad(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
-            if end > data_len:
-                raise bad(f"tensor {name!r} runs past the end of the file")
-            target = cast.get(name, dtype)
-            if target != dtype and not (dtype.is_floating_point and target.is_floating_point):
-                raise bad(f"tensor {name!r}: cannot be read as {target} (stored as {dtype})")
-            tensors[name] = _read_rows(f, h, name, shape, dtype, target, dev, staged, bad)
-            pos = end
-        if pos != data_len:
-            raise bad(f"{data_len - pos} bytes after the last tensor")
+        for name, dtype, shape, _ in _layout(raw, size - 8 - n, cast, bad):
+            tensors[name] = _read_rows(f, h, name, shape, dtype, cast.get(name, dtype), dev, staged, bad)
     return tensors
+
+
+def _layout(raw: bytes, data_len: int, cast: Mapping[str, torch.dtype], bad: Callable[[str], ArtifactError]
+            ) -> list[tuple[str, torch.dtype, list[int], int]]:
+    """(name, stored dtype, shape, first byte within the data) of every tensor of a safetensors header, in file
+    order, once the layout is checked: no holes or overlaps, sizes that match shapes, nothing past the data's
+    `data_len` bytes or after the last tensor, and `cast` only between floating dtypes."""
+    out, pos = [], 0
+    for name, (dtype, shape, begin, end) in sorted(_safetensors_entries(raw, bad).items(), key=lambda kv: kv[1][2]):
+        if begin != pos:
+            raise bad(f"tensor {name!r} starts at byte {begin}, expected {pos} (holes or overlaps)")
+        if math.prod(shape) * dtype.itemsize != end - begin:
+            raise bad(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
+        if end > data_len:
+            raise bad(f"tensor {name!r} runs past the end of the file")
+        target = cast.get(name, dtype)
+        if target != dtype and not (dtype.is_floating_point and target.is_floating_point):
+            raise bad(f"tensor {name!r}: cannot be read as {target} (stored as {dtype})")
+        out.append((name, dtype, shape, begin))
+        pos = end
+    if pos != data_len:
+        raise bad(f"{data_len - pos} bytes after the last tensor")
+    return out
+
+
+def map_weights(fpath: Path, digest: str, snapshots: Path,
+                cast: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as pages of a snapshot of it, `<snapshots>/<digest>.safetensors`,
+    memory-mapped copy-on-write: every process that maps the same snapshot shares one copy of the weights in
+    memory (the page cache's), so N API workers hold a model once, not N times.
+
+    The snapshot is made from `fpath` by the first process that needs it (copied while hashed, refused unless
+    the bytes match `digest`, then made read-only and renamed into place, so a reader never sees half of one)
+    and is re-hashed by every later process that maps it, so what is served is always exactly the verified
+    bytes. It belongs to the service, not the user: the model file itself may be rewritten or truncated in place
+    without touching a serving process (a mapping of the user's file would die of SIGBUS instead). A tensor
+    named in `cast` is converted (a private copy); a tensor whose bytes are not aligned to its dtype is copied.
+    No row statistics are marked: the artifact checks take their own pass over the mapped pages. ArtifactError
+    as `read_weights`. O(file size) time; memory: the shared pages, plus what is converted."""
+    snapshots.mkdir(parents=True, exist_ok=True)
+    snap = snapshots / f"{digest}.safetensors"
+    made = False
+    for _ in range(2):
+        if not snap.is_file():
+            with open(snapshots / f".{digest}.lock", "a") as lock:  # workers starting together make it once
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not snap.is_file():
+                    _snapshot(fpath, snap, digest)
+                    made = True
+        try:
+            with open(snap, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except FileNotFoundError:  # pruned by another process meanwhile: made again
+            continue
+        if made or _sha256(memoryview(mm)) == digest:
+            break
+        mm.close()
+        snap.unlink(missing_ok=True)  # damaged on disk: made again from the model file
+    else:
+        raise ArtifactError(f"{snap}: cannot make a verified snapshot of {fpath}", param=WEIGHTS)
+
+    def bad(why: str) -> ArtifactError:
+        return ArtifactError(f"{fpath}: cannot read tensors ({why})", param=WEIGHTS)
+
+    size = len(mm)
+    n = int.from_bytes(mm[:8], "little") if size >= 8 else -1
+    if not 0 <= n <= min(MAX_HEADER_BYTES, size - 8):
+        raise bad("header length exceeds the file")
+    base = 8 + n
+    cast = cast or {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, dtype, shape, begin in _layout(mm[8:base], size - base, cast, bad):
+        count, at = math.prod(shape), base + begin
+        if count == 0:
+            t = torch.empty(shape, dtype=dtype)
+        elif at % dtype.itemsize == 0:
+            t = torch.frombuffer(mm, dtype=dtype, count=count, offset=at).view(shape)
+        else:  # misaligned (after an odd-sized tensor): a private copy
+            t = torch.frombuffer(bytearray(mm[at: at + count * dtype.itemsize]), dtype=dtype).view(shape)
+        target = cast.get(name, dtype)
+        tensors[name] = t if target == dtype else t.to(target)
+    return tensors
+
+
+def _sha256(buf: memoryview) -> str:
+    h = hashlib.sha256()
+    for lo in range(0, len(buf), READ_CHUNK):
+        h.update(buf[lo: lo + READ_CHUNK])
+    return h.hexdigest()
+
+
+def _snapshot(src: Path, dest: Path, digest: str) -> None:
+    """Copy `src` to `dest` while hashing it; the copy is renamed into place (read-only) only when its SHA-256 is
+    `digest` (ArtifactError otherwise: the model file changed since its manifest was written)."""
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    h = hashlib.sha256()
+    try:
+        with open(src, "rb") as fin, open(tmp, "wb") as fout:
+            while chunk := fin.read(READ_CHUNK):
+                h.update(chunk)
+                fout.write(chunk)
+        if h.hexdigest() != digest:
+            raise ArtifactError(f"{src}: SHA-256 mismatch (manifest {digest[:12]}…, file {h.hexdigest()[:12]}…)",
+                                param=WEIGHTS)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def prune_snapshots(snapshots: Path, keep: set[str]) -> list[str]:
+    """Delete the snapshots in `snapshots` whose digest is not in `keep` (the weights digests of the models served
+    now); a process that still maps one keeps its pages until it lets go. Returns the digests deleted."""
+    gone = []
+    for p in snapshots.glob("*.safetensors") if snapshots.is_dir() else []:
+        if p.stem not in keep:
+            p.unlink(missing_ok=True)
+            (snapshots / f".{p.stem}.lock").unlink(missing_ok=True)
+            gone.append(p.stem)
+    return gone
 
 
 def _read_rows(f: BinaryIO, h: _BackgroundHash, name: str, shape: list[int], stored: torch.dtype, target: torch.dtype,
@@ -418,12 +531,14 @@ def file_signature(path: Path, manifest: dict[str, Any]) -> tuple:
 
 def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
                   device: torch.device | str = "cpu",
-                  cast_for: Callable[[str, dict[str, Any]], Mapping[str, torch.dtype]] | None = None) -> Artifact:
+                  cast_for: Callable[[str, dict[str, Any]], Mapping[str, torch.dtype]] | None = None,
+                  snapshots: Path | None = None) -> Artifact:
     """Read and verify a model directory: file hashes, tensor shapes against the manifest, finiteness
     and the family's own checks (`validate_for(family)`: normalisation of every distribution within 1e-4).
     The weights are read once, straight onto `device` (`read_weights`: hashed as they are read, one copy),
     each tensor named by `cast_for(family, config)` converted to its dtype as it is read (checked as stored).
-    Use `latentlm.models.registry.load_artifact`, which looks the family up."""
+    `snapshots`: the weights are mapped from a verified snapshot in that directory (`map_weights`), shared by
+    the processes that map it. Use `latentlm.models.registry.load_artifact`, which looks the family up."""
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFound(f"{path}: no such model directory", param="model")
@@ -434,7 +549,7 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
     verify_files(path, manifest, skip=(WEIGHTS,))  # every listed file checked to be a regular file inside
     config = manifest.get("config") if isinstance(manifest.get("config"), dict) else {}
     cast = cast_for(manifest["family"], config) if cast_for is not None else None
-    tensors = read_weights(path / WEIGHTS, manifest["files"][WEIGHTS], device, cast=cast)
+    tensors = read_weights(path / WEIGHTS, manifest["files"][WEIGHTS], device, cast=cast, snapshots=snapshots)
     expected = manifest["shapes"]
     if set(expected) != set(tensors):
         raise ArtifactError(

@@ -21,7 +21,7 @@ from latentlm.ops import spec
 from latentlm.service import errors, jobs
 from latentlm.service.batcher import Batcher
 from latentlm.service.cache import ResponseCache
-from latentlm.service.metrics import Metrics
+from latentlm.service.metrics import LIVE_REFRESH_S, Metrics, multiprocess_dir
 from latentlm.service.middleware import Guard
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.routes import batches, completions, explorer, health, models, operations
@@ -58,9 +58,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         load.add_done_callback(lambda f: f.exception() and log.error("model loading failed: %s", f.exception()))
         state.runner.start()
         restore = install_sigterm(state)
+        refresher = asyncio.create_task(publish_live_metrics(metrics)) if multiprocess_dir() else None
         try:
             yield
         finally:
+            if refresher is not None:
+                refresher.cancel()
             restore()
             state.runner.stop()
             await state.batcher.stop()
@@ -86,6 +89,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router)
     app.openapi = lambda: openapi_document(app, settings)  # type: ignore[method-assign]
     return app
+
+
+async def publish_live_metrics(metrics: Metrics) -> None:
+    """One of several workers: publish this worker's current counts every LIVE_REFRESH_S (`Metrics.refresh`)."""
+    while True:
+        await asyncio.sleep(LIVE_REFRESH_S)
+        try:
+            metrics.refresh()
+        except Exception as e:  # a metric file that cannot be written must not stop the worker
+            log.warning("cannot publish this worker's metrics: %s", e)
 
 
 def operation_paths() -> set[str]:

@@ -1,12 +1,28 @@
-"""Prometheus metrics of one service instance (own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one service instance (own registry, so several apps can live in one process).
+
+Under `serve` with several workers (PROMETHEUS_MULTIPROC_DIR set by the supervisor for every worker), each worker
+writes its values to files there and /metrics, whichever worker answers it, reports the sum over the workers
+(prometheus_client's multiprocess mode): counters and histograms add up, the gauges of current counts (in-flight
+requests, open connections, queue depth) are the sum over live workers, `latentlm_models_loaded` the most any
+worker serves, and a gauge of another module (e.g. the heavy lane's) one series per worker (label `pid`). The
+current counts of the other workers are at most `LIVE_REFRESH_S` old."""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+LIVE_REFRESH_S = 1.0  # how often a worker publishes its current counts (`Metrics.refresh`) under several workers
+
+
+def multiprocess_dir() -> str | None:
+    """The directory of the workers' metric files when this process is one of several workers."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
 class Metrics:
@@ -19,7 +35,8 @@ class Metrics:
                                           ["route", "method", "status"], buckets=LATENCY, registry=r)
         self.queue_wait = Histogram("latentlm_queue_wait_seconds", "time a request waited for its batch",
                                     ["operation"], buckets=LATENCY, registry=r)
-        self.queue_depth = Gauge("latentlm_queue_depth", "requests waiting for the inference thread", registry=r)
+        self.queue_depth = Gauge("latentlm_queue_depth", "requests waiting for the inference thread", registry=r,
+                                 multiprocess_mode="livesum")
         self.batch_requests = Histogram("latentlm_batch_requests", "requests merged into one batch",
                                         ["operation"], buckets=SIZES, registry=r)
         self.batch_sequences = Histogram("latentlm_batch_sequences", "sequences in one batch",
@@ -39,12 +56,15 @@ class Metrics:
                                            "opened", registry=r)
         self.rate_limit_errors = Counter("latentlm_rate_limit_errors", "rate-limit checks skipped because "
                                          "Redis failed (the request was let through)", registry=r)
-        self.models_loaded = Gauge("latentlm_models_loaded", "models currently served", registry=r)
+        self.models_loaded = Gauge("latentlm_models_loaded", "models currently served", registry=r,
+                                   multiprocess_mode="livemax")
         # read when scraped: `middleware.Guard` and `server.Server` point them at their counts (0 until then)
         self.inflight = Gauge("latentlm_inflight_requests", "HTTP requests inside the app now (over "
-                              "LATENTLM_MAX_INFLIGHT, /v1 requests are answered 503 overloaded at once)", registry=r)
+                              "LATENTLM_MAX_INFLIGHT, /v1 requests are answered 503 overloaded at once)", registry=r,
+                              multiprocess_mode="livesum")
         self.connections = Gauge("latentlm_open_connections", "client connections the server holds open now (over "
-                                 "LATENTLM_MAX_CONNECTIONS, requests are answered 503 overloaded at once)", registry=r)
+                                 "LATENTLM_MAX_CONNECTIONS, requests are answered 503 overloaded at once)", registry=r,
+                                 multiprocess_mode="livesum")
         self._durations: dict[tuple[str, str, int], Histogram] = {}
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
@@ -58,5 +78,23 @@ class Metrics:
     def error(self, status: int, kind: str) -> None:
         self.errors.labels(str(status), kind).inc()
 
+    def refresh(self) -> None:
+        """Under several workers: write this worker's current value of every gauge read by a function at scrape
+        time (`Gauge.set_function`: in-flight requests, open connections, queue depth, ...) to its metric file,
+        where the other workers' /metrics read it (they cannot call this process's functions). A no-op otherwise.
+        """
+        if multiprocess_dir() is None:
+            return
+        for collector in list(self.registry._collector_to_names):  # the registry's own list of its metrics
+            if isinstance(collector, Gauge) and not collector._labelnames:
+                for sample in collector._child_samples():  # the function's value for a set_function gauge
+                    collector.set(sample.value)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text: this instance's registry, or under several workers the sum over them."""
+        if multiprocess_dir() is None:
+            return generate_latest(self.registry)
+        self.refresh()
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        return generate_latest(merged)

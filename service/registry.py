@@ -23,6 +23,7 @@ from latentlm.models.store import (
     content_hash,
     file_signature,
     list_models,
+    prune_snapshots,
     read_manifest,
     verify_files,
 )
@@ -40,13 +41,17 @@ class ModelRegistry:
     """name -> LoadedModel; `reload()` loads new/changed artifacts and drops removed ones."""
 
     def __init__(self, store: Path, device: torch.device | str = "cpu", dtype: str = "float32",
-                 backend: str = "torch", storage_dtype: str | None = None, calibrate: bool | None = None):
+                 backend: str = "torch", storage_dtype: str | None = None, calibrate: bool | None = None,
+                 snapshots: Path | None = None):
         """`storage_dtype`: precision of the fused CUDA scoring path of rank_hmm / blocked_hmm ("float32", "tfloat32",
         "bfloat16"; on CPU, bfloat16 holds blocked_hmm's matrix in bfloat16 only, for every operation); None reads
         the setting (LATENTLM_STORAGE_DTYPE, default float32). `calibrate`: time the CPU batch engines and BLAS
         libraries on each chain model's matrix at load and keep the fastest (`models.calibrate`); None reads
-        LATENTLM_CALIBRATE (default on)."""
+        LATENTLM_CALIBRATE (default on). `snapshots` (several API workers on a CPU): every model's weights are
+        mapped from a verified snapshot in that directory (`store.map_weights`), one copy in memory shared by
+        the workers; snapshots of models no longer served are deleted after each reload."""
         self.store, self.device, self.dtype, self.backend = Path(store), device, dtype, backend
+        self.snapshots = snapshots
         self.calibrate = Settings.from_env().calibrate if calibrate is None else calibrate
         self.precision = Settings.from_env().storage_dtype if storage_dtype is None else storage_dtype
         self.allow_tf32 = str(self.precision).lower() == "tfloat32"
@@ -64,7 +69,7 @@ class ModelRegistry:
         precision of `settings`; `device` defaults to the settings' (auto: CUDA when there is one)."""
         return cls(settings.store, device=ops.resolve_device(settings.device) if device is None else device,
                    dtype=settings.dtype, backend=settings.backend, storage_dtype=settings.storage_dtype,
-                   calibrate=settings.calibrate)
+                   calibrate=settings.calibrate, snapshots=settings.snapshot_dir)
 
     def get(self, name: str) -> ops.LoadedModel:
         m = self.models.get(name)
@@ -123,7 +128,8 @@ class ModelRegistry:
                     model = ops.load_model(self.store, name, device=self.device, dtype=self.dtype,
                                            backend=self.backend,
                                            storage_dtype="tfloat32" if self.allow_tf32 else self.storage_dtype,
-                                           calibrate=self.calibrate)  # the fastest engine/BLAS here
+                                           calibrate=self.calibrate,  # the fastest engine/BLAS here
+                                           snapshots=self.snapshots)
                     new[name], verified[name] = model, sig
                     (updated if old is not None else added).append(name)
                 except Exception as e:  # a bad artifact must not keep the others from serving
@@ -139,6 +145,8 @@ class ModelRegistry:
             self._verified = verified
             if removed or updated:
                 _clear_fused_cache()
+                if self.snapshots is not None:
+                    prune_snapshots(self.snapshots, {m.artifact.manifest["files"][WEIGHTS] for m in new.values()})
             self.ready = True
             return {"added": added, "updated": updated, "removed": removed, "failed": failed}
 

@@ -177,8 +177,27 @@ class RefusalLines(logging.Filter):
         return False
 
 
-def run(app, settings: Settings, host: str, port: int, log_level: str, access_log: bool) -> None:
-    """Serve `app` (from `create_app(settings)`) until SIGTERM/SIGINT, with the bounds above."""
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEPORT, as each of several workers binds its own: the kernel
+    spreads new connections over the workers' listening sockets (by a hash of the connection), so no worker
+    accepts what another should take. OSError (naming the address) when the port is taken by another program."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(app, settings: Settings, host: str, port: int, log_level: str, access_log: bool,
+        reuse_port: bool = False) -> None:
+    """Serve `app` (from `create_app(settings)`) until SIGTERM/SIGINT, with the bounds above. `reuse_port`: listen
+    on a socket of its own in the port's SO_REUSEPORT group (one worker of several, `supervisor`)."""
     redact.install(settings.keys)
     metrics = getattr(app.state, "metrics", None)
     # after the drain (settings.shutdown_grace_s, answered 503 beyond it), responses still being sent get 10 s more
@@ -188,4 +207,4 @@ def run(app, settings: Settings, host: str, port: int, log_level: str, access_lo
                             limit_concurrency=settings.connection_limit, backlog=settings.listen_backlog)
     logging.getLogger("uvicorn.error").addFilter(EveryTenSeconds())
     logging.getLogger("uvicorn.access").addFilter(RefusalLines())
-    Server(config, metrics).run()
+    Server(config, metrics).run(sockets=[reuse_port_socket(host, port)] if reuse_port else None)

@@ -98,6 +98,10 @@ class Settings:
                                          # compiled) on each chain model's matrix and keep the fastest
     otel: bool = False                   # FastAPI's native OpenTelemetry (tracing, metrics, logs to the global
                                          # providers / OTLP exporters); Prometheus /metrics is always on
+    workers: int = 0                     # `serve`: API worker processes (one port, connections spread by the
+                                         # kernel, SO_REUSEPORT), each model's weights mapped once and shared; 0 =
+                                         # one per usable core with Redis on a CPU, else 1. More than one needs
+                                         # REDIS_URL (cache, rate limits, jobs and reloads are shared through it)
     gil_switch_interval_ms: float = 0.1  # `serve`: how soon a busy event loop hands the GIL to the inference
                                          # thread (Python's default, 5 ms, stalls each batch several times)
 
@@ -122,6 +126,15 @@ class Settings:
                 setattr(s, k, Path(v) if k in ("store", "state_dir") else v)
         if s.open_docs and s.protect_docs and "protect_docs" in given:
             raise ValueError("LATENTLM_OPEN_DOCS=1 and LATENTLM_PROTECT_DOCS=1 contradict each other: set one")
+        if s.workers < 0:
+            raise ValueError(f"LATENTLM_WORKERS: expected 0 (automatic) or a count of processes, got {s.workers}")
+        if s.workers > 1 and not s.redis_url:
+            raise ValueError(f"LATENTLM_WORKERS={s.workers} needs REDIS_URL: the workers share the response cache, "
+                             "rate limits, batch jobs and model reloads through Redis (without it the service runs "
+                             "one process: LATENTLM_WORKERS=1)")
+        if s.workers > 1 and s.on_cuda:
+            raise ValueError(f"LATENTLM_WORKERS={s.workers} on CUDA would hold every model once per worker on the "
+                             "device: run one worker there (LATENTLM_WORKERS=1)")
         if s.on_cuda:
             for k, v in CUDA_DEFAULTS.items():
                 if k not in given:
@@ -158,6 +171,34 @@ class Settings:
     def listen_backlog(self) -> int:
         """The listening socket's backlog."""
         return self.backlog or min(2048, max(128, 2 * self.inflight_limit))
+
+    @property
+    def worker_count(self) -> int:
+        """API worker processes of `serve`: `workers`, or with 0 one per usable core where Redis is configured
+        and models run on the CPU (one process otherwise)."""
+        if self.workers > 0:
+            return self.workers
+        if not self.redis_url or self.on_cuda:
+            return 1
+        return max(1, len(os.sched_getaffinity(0)))
+
+    @property
+    def snapshot_dir(self) -> Path | None:
+        """Where several workers keep the verified snapshots of model weights they all map
+        (`store.map_weights`): `<state_dir>/weights`; None for one process (weights read into its memory)."""
+        return self.state_dir / "weights" if self.worker_count > 1 else None
+
+    def to_env(self) -> dict[str, str]:
+        """These settings as the environment `from_env` reads back (LATENTLM_<NAME>, REDIS_URL): how `serve`
+        hands them to its worker processes."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "protect_docs" and v:  # the default; set, it would contradict LATENTLM_OPEN_DOCS=1
+                continue
+            out["REDIS_URL" if f.name == "redis_url" else f"LATENTLM_{f.name.upper()}"] = (
+                ("1" if v else "0") if isinstance(v, bool) else str(v))
+        return out
 
     @property
     def keys(self) -> list[str]:

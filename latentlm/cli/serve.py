@@ -53,13 +53,17 @@ def settings_from_env(settings_class, **overrides):
 
 def cmd_serve(args: argparse.Namespace) -> None:
     # the service's modules load with the command that needs them (`latentlm score` starts faster)
-    from latentlm.service import server
-    from latentlm.service.app import create_app
+    from latentlm.service import server, supervisor
     from latentlm.service.settings import Settings
 
     settings = settings_from_env(Settings, store=args.store, device=args.device, backend=args.backend)
     ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
     ensure_default_model(settings.store)
+    workers = supervisor.is_worker()
+    if settings.worker_count > 1 and not workers:  # start the workers, each of which runs the code below
+        sys.exit(supervisor.run(settings, args.host, args.port, args.log_level))
+    from latentlm.service.app import create_app
+
     set_threads(settings.torch_threads)
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
@@ -67,7 +71,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # httptools with each response's head and body in one write (service.transport), every pending connection
     # accepted at once, connections and requests in flight bounded with 503 + Retry-After (service.server); access
     # lines are INFO records (redacted of credentials), so below that level they are not formatted at all
-    server.run(app, settings, args.host, args.port, args.log_level, access_log=args.log_level in ("info", "debug"))
+    server.run(app, settings, args.host, args.port, args.log_level, access_log=args.log_level in ("info", "debug"),
+               reuse_port=workers)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:

@@ -143,12 +143,13 @@ ONNX_CACHE = ".onnx"  # inside the store: exported graphs, named by model and co
 def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
                dtype: str = "float32", backend: str = "torch",
                storage_dtype: str | torch.dtype | None = None,
-               calibrate: bool = False) -> LoadedModel:
+               calibrate: bool = False, snapshots: Path | None = None) -> LoadedModel:
     """Verify and load `<store>/<name>` onto `device`; with `backend="onnx"`, scoring runs through
     onnxruntime (the graph exported to `<store>/.onnx/` on first use). `storage_dtype` (`STORAGE_DTYPES`; None:
     float32): the precision of a chain family's scoring (`ChainFamily.set_storage_dtype`; other families have one
     precision, the model's dtype). `calibrate`: time the CPU engines on the model's matrix and keep the
-    fastest (`calibration_on` says whether a command should)."""
+    fastest (`calibration_on` says whether a command should). `snapshots` (CPU): the weights are pages of a
+    verified snapshot in that directory, shared by every process serving the model (`store.map_weights`)."""
     if backend not in BACKENDS:
         raise InputError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}", param="backend")
     if dtype not in DTYPES:
@@ -158,7 +159,8 @@ def load_model(store: Path | str, name: str, device: str | torch.device = "cpu",
                          param="storage_dtype")
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     # read once, straight onto the device, each tensor in the dtype the family keeps it in
-    art = load_artifact(model_path(store, name), device=dev, dtype=DTYPES[dtype], storage_dtype=storage_dtype)
+    art = load_artifact(model_path(store, name), device=dev, dtype=DTYPES[dtype], storage_dtype=storage_dtype,
+                        snapshots=snapshots)
     fam = get_family(art.family)
     impl = fam.from_tensors(art.tensors, art.config, device=dev, dtype=DTYPES[dtype], storage_dtype=storage_dtype)
     art.tensors.clear()  # the family holds them now (converted, for a dtype other than the file's): one copy

@@ -1,0 +1,140 @@
+"""`latentlm serve` with several API workers (`service.supervisor`): one copy of each model's weights in memory,
+answers from every worker, metrics summed over them, SIGTERM passed on; and refused without Redis."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from latentlm.models.registry import save_artifact
+from latentlm.models.store import WEIGHTS, read_manifest
+
+from .conftest import Server, V, clean_env, metric, vocab
+
+Z_BIG = 11_585  # a 512 MiB transition matrix: far above what a worker holds besides the weights
+
+
+def _big_model(store: Path) -> int:
+    """A dense HMM whose weights are ~512 MiB of float32; returns the weights file's size in bytes."""
+    g = torch.Generator().manual_seed(0)
+
+    def rows(n: int, m: int) -> torch.Tensor:
+        x = torch.rand(n, m, generator=g) + 0.01
+        return x / x.sum(-1, keepdim=True)
+
+    tensors = {"start": rows(1, Z_BIG)[0], "trans": rows(Z_BIG, Z_BIG), "emit": rows(Z_BIG, V)}
+    save_artifact(store, "big", "hmm", tensors, vocab(), config={"num_states": Z_BIG})
+    return (store / "big" / WEIGHTS).stat().st_size
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return sorted(out)
+
+
+def _mapping(pid: int, path: Path) -> dict[str, int]:
+    """Rss, Pss, Private_Clean and Private_Dirty (bytes) of `pid`'s mappings of `path`, from /proc/PID/smaps."""
+    out = {"Rss": 0, "Pss": 0, "Private_Clean": 0, "Private_Dirty": 0}
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and not head[0].endswith(":"):
+            inside = line.rstrip().endswith(str(path))
+        elif inside and head[0].rstrip(":") in out:
+            out[head[0].rstrip(":")] += int(head[1]) * 1024
+    return out
+
+
+def _anonymous(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Anonymous line")
+
+
+@pytest.fixture(scope="module")
+def big_store(tmp_path_factory) -> tuple[Path, int]:
+    store = tmp_path_factory.mktemp("bigstore")
+    return store, _big_model(store)
+
+
+def test_two_workers_hold_one_copy_of_the_weights(big_store, redis_url, tmp_path):
+    store, size = big_store
+    digest = read_manifest(store / "big")["files"][WEIGHTS]
+    server = Server(store, tmp_path, env={"REDIS_URL": redis_url, "LATENTLM_WORKERS": "2",
+                                          "LATENTLM_CALIBRATE": "0"})
+    try:
+        workers = _children(server.p.pid)
+        assert len(workers) == 2, server.output()
+        snap = tmp_path / "state" / "weights" / f"{digest}.safetensors"
+        deadline = time.time() + 180
+        while not all(_mapping(w, snap)["Rss"] >= 0.9 * size for w in workers):  # each has loaded and checked it
+            assert time.time() < deadline, server.output()
+            time.sleep(0.5)
+        maps = {w: _mapping(w, snap) for w in workers}
+        # one copy: the pages are the snapshot's, shared (each worker's proportional share is half of them)
+        assert sum(m["Pss"] for m in maps.values()) <= 1.05 * size, maps
+        for w, m in maps.items():
+            assert m["Private_Clean"] + m["Private_Dirty"] <= 0.02 * size, (w, m)
+            # and no private copy besides: a worker's anonymous memory is below the weights' size
+            assert _anonymous(w) < size, (w, _anonymous(w), size)
+
+        # every worker answers, alike; the metrics of whichever worker answers count both
+        body = {"model": "big", "input": "w1 w2 w3 w4"}
+        answers = set()
+        for _ in range(24):
+            with httpx.Client(base_url=server.url, timeout=60) as c:  # a new connection each: spread by the kernel
+                r = c.post("/v1/score", json=body)
+                assert r.status_code == 200, r.text
+                answers.add(r.json()["data"][0]["logprob"])
+        assert len(answers) == 1
+        deadline = time.time() + 10
+        while True:  # the other worker's counts are written as they happen
+            text = server.client.get("/metrics").text
+            if metric(text, "latentlm_request_duration_seconds_count", route="/v1/score", method="POST",
+                      status="200") == 24:
+                break
+            assert time.time() < deadline, text
+            time.sleep(0.2)
+        assert metric(text, "latentlm_models_loaded") == 1
+    finally:
+        server.stop()
+    assert server.p.returncode == 0, server.output()
+    for w in workers:
+        assert not Path(f"/proc/{w}").exists() or "zombie" in Path(f"/proc/{w}/status").read_text().lower()
+    assert server.output().count("drained after") == 2, server.output()
+
+
+def test_several_workers_need_redis(tmp_path, store):
+    r = subprocess.run([sys.executable, "-m", "latentlm.cli", "serve", "--store", str(store), "--port", "1"],
+                       env=clean_env(LATENTLM_WORKERS="2", LATENTLM_STATE_DIR=str(tmp_path)), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0
+    assert "LATENTLM_WORKERS=2 needs REDIS_URL" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_one_process_without_redis_by_default(store, tmp_path):
+    """The automatic count: one process (no supervisor) without Redis, as before."""
+    server = Server(store, tmp_path)
+    try:
+        assert _children(server.p.pid) == [], "no worker processes without Redis"
+        assert server.client.get("/ready").status_code == 200
+    finally:
+        server.stop()
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None
