@@ -10,9 +10,19 @@
 #                                                   # request the same 50 ids, so a model's parameters for
 #                                                   # them stay in the CPU's caches)
 #
+#   bash bench/service_wrk.sh --workloads --store DIR [--model ptb-hmm] [--workers 1,2] [--duration 15]
+#                                                   # the three workloads (one sentence per request at c=1 and
+#                                                   # c=64, 64 sentences per request at c=4) against the same
+#                                                   # inputs scored in process, per worker count, appended to
+#                                                   # bench/results/service_wrk.md (bench/service_workloads.py)
+#
 # Prints wrk's summary; the README quotes its Requests/sec x 50 as tokens/s. Needs `wrk` (Debian package).
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
+if [ "${1:-}" = "--workloads" ]; then
+  shift
+  exec "$HERE/.venv/bin/python" "$HERE/bench/service_workloads.py" "$@"
+fi
 REPO="${1:-$HERE}"
 PORT="${2:-8765}"
 PY="$HERE/.venv/bin/python"

@@ -1,0 +1,209 @@
+"""The service against the model in process, on the three workloads of one-sentence and many-sentence scoring:
+
+    python bench/service_workloads.py --store STORE [--model ptb-hmm] [--workers 1,2] [--duration 15]
+                                      [--out bench/results/service_wrk.md]
+    (or: bash bench/service_wrk.sh --workloads ...)
+
+For each worker count, a real `latentlm serve` with its default settings (CPU; with more than one worker a
+redis-server this script starts, as the service requires) is driven by `wrk` (an outside C load generator) with
+64 different 50-token inputs (token ids drawn from the model's vocabulary, seed 1):
+- one sentence per request, 1 connection (c=1);
+- one sentence per request, 64 connections (c=64);
+- 64 sentences per request, 4 connections (c=4).
+In the same run, the same inputs scored in process (`ops.run`, the model loaded as the service loads it,
+calibrated, torch's default threads): one sentence per call (B=1) and all 64 in one call (B=64), the fastest of
+`--repeats` passes. The ratio service / in process is the share of the model's speed a user gets over HTTP.
+Appends a section to `--out` with the machine, date, command and every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+SENTENCES, LENGTH = 64, 50
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_name() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def inputs(vocab_size: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(1)
+    return [[rng.randrange(vocab_size) for _ in range(LENGTH)] for _ in range(SENTENCES)]
+
+
+def lua(model: str, seqs: list[list[int]], per_request: int) -> str:
+    """A wrk script cycling through the bodies: one sentence each, or all of them in each."""
+    if per_request == 1:
+        bodies = [json.dumps({"model": model, "input": [s]}) for s in seqs]
+    else:
+        bodies = [json.dumps({"model": model, "input": seqs})]
+    quoted = ",\n".join("[==[" + b + "]==]" for b in bodies)
+    return f"""local bodies = {{{quoted}}}
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = bodies[1]
+local i = 0
+function request()
+  i = i % #bodies + 1
+  return wrk.format(nil, nil, nil, bodies[i])
+end
+function response(status, headers, body)
+  if status ~= 200 then io.stderr:write("status " .. status .. ": " .. body .. "\\n") end
+end
+"""
+
+
+def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
+                         capture_output=True, text=True, check=True)
+    text = out.stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
+    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)", text)
+    p99_ms = float(p99.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[p99.group(2)]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    return {"rps": rps, "p99_ms": p99_ms, "non2xx": int(errors.group(1)) if errors else 0,
+            "stderr_lines": len(out.stderr.splitlines())}
+
+
+def in_process(store: Path, model: str, seqs: list[list[int]], repeats: int) -> dict:
+    from latentlm import ops
+
+    m = ops.load_model(store, model, calibrate=True)
+    ops.run(m, "score", seqs)  # warm-up
+    best1 = best64 = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for s in seqs:
+            ops.run(m, "score", [s])
+        best1 = min(best1, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        ops.run(m, "score", seqs)
+        best64 = min(best64, time.perf_counter() - t0)
+    tokens = SENTENCES * LENGTH
+    return {"B1": tokens / best1, "B64": tokens / best64}
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, workers: int) -> None:
+    """Until `workers` fresh connections in a row find /ready 200 (each worker answers for itself)."""
+    deadline, streak = time.time() + 900, 0
+    while streak < 4 * workers:
+        if proc.poll() is not None:
+            sys.exit(f"serve exited:\n{log.read_text()}")
+        if time.time() > deadline:
+            sys.exit(f"serve not ready:\n{log.read_text()}")
+        try:
+            with httpx.Client(timeout=5) as c:
+                streak = streak + 1 if c.get(f"{url}/ready").status_code == 200 else 0
+        except httpx.TransportError:
+            streak = 0
+        if streak == 0:
+            time.sleep(0.3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--store", type=Path, required=True)
+    ap.add_argument("--model", default="ptb-hmm")
+    ap.add_argument("--workers", default="1", help="comma-separated worker counts, one server each")
+    ap.add_argument("--duration", type=int, default=15, help="seconds of each wrk run (after a 3 s warm-up)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "service_wrk.md")
+    args = ap.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk is not installed (apt-get install -y wrk)")
+    from latentlm.models.store import read_manifest
+
+    vocab_size = read_manifest(args.store / args.model)["vocab_size"]
+    seqs = inputs(vocab_size)
+    work = Path(tempfile.mkdtemp(prefix="latentlm-wrk-"))
+    redis = None
+    rows, started = [], dt.datetime.now(dt.UTC)
+    load = os.getloadavg()[0]
+    try:
+        local = in_process(args.store, args.model, seqs, args.repeats)
+        scripts = {}
+        for name, per in (("one", 1), ("many", SENTENCES)):
+            scripts[name] = work / f"{name}.lua"
+            scripts[name].write_text(lua(args.model, seqs, per))
+        for n in [int(x) for x in args.workers.split(",")]:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("LATENTLM_") and k != "REDIS_URL"}
+            env.update(LATENTLM_STATE_DIR=str(work / f"state{n}"), LATENTLM_WORKERS=str(n))
+            if n > 1:
+                if redis is None:
+                    rport = free_port()
+                    redis = subprocess.Popen(["redis-server", "--port", str(rport), "--save", "", "--appendonly",
+                                              "no", "--dir", str(work)], stdout=subprocess.DEVNULL)
+                    time.sleep(0.5)
+                env["REDIS_URL"] = f"redis://127.0.0.1:{rport}/0"
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = work / f"serve{n}.log"
+            with open(log, "wb") as fh:
+                proc = subprocess.Popen([sys.executable, "-m", "latentlm.cli", "serve", "--store", str(args.store),
+                                         "--port", str(port), "--device", "cpu"], env=env, stdout=fh,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                wait_ready(url, proc, log, n)
+                for label, script, conns, tokens_per in (("one sentence per request, c=1", "one", 1, LENGTH),
+                                                         ("one sentence per request, c=64", "one", 64, LENGTH),
+                                                         ("64 sentences per request, c=4", "many", 4,
+                                                          LENGTH * SENTENCES)):
+                    wrk(f"{url}/v1/score", scripts[script], conns, 3)  # warm-up
+                    r = wrk(f"{url}/v1/score", scripts[script], conns, args.duration)
+                    base = local["B1"] if "c=1" in label else local["B64"]
+                    rows.append((n, label, r, r["rps"] * tokens_per, base))
+                    print(n, label, r, flush=True)
+            finally:
+                os.killpg(proc.pid, 15)
+                proc.wait(60)
+    finally:
+        if redis is not None:
+            redis.terminate()
+        shutil.rmtree(work, ignore_errors=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=HERE).stdout.strip()
+    lines = [f"\n## Three workloads, service against in process ({started:%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
+             f"{len(os.sched_getaffinity(0))} cores)\n",
+             f"Command: `python bench/service_workloads.py --store STORE --model {args.model} --workers "
+             f"{args.workers} --duration {args.duration}` (code {commit}); load average at the start {load:.2f}.",
+             f"In process (`ops.run`, calibrated, same inputs): B=1 {local['B1']:,.0f} tok/s, "
+             f"B=64 {local['B64']:,.0f} tok/s.\n",
+             "| workers | workload | requests/s | tokens/s | p99 ms | non-2xx | in process tok/s "
+             "| service / in process |",
+             "|---|---|---|---|---|---|---|---|"]
+    for n, label, r, tps, base in rows:
+        lines.append(f"| {n} | {label} | {r['rps']:,.0f} | {tps:,.0f} | {r['p99_ms']:.2f} | {r['non2xx']} | "
+                     f"{base:,.0f} (B={'1' if 'c=1' in label else '64'}) | {tps / base:.2f} |")
+    with open(args.out, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
