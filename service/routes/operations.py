@@ -45,6 +45,7 @@ BIG_RESPONSE_TOKENS = 2048  # bigger responses are serialised off the event loop
 TICKET: ContextVar[list[bool] | None] = ContextVar("latentlm_ticket", default=None)  # Batcher.announce()'s
 CANCEL: ContextVar[CancelScope | None] = ContextVar("latentlm_cancel", default=None)  # this request's scope
 NDJSON = "application/x-ndjson"
+WATCH_AFTER_S = 0.005  # a request still running after this starts watching its connection (`Watch`)
 STREAM_PAYLOAD_BYTES = 1 << 20  # a streamed posterior hands the event loop about this much per payload
 
 
@@ -85,6 +86,34 @@ async def watch_disconnect(receive, scope: CancelScope) -> None:
             return
 
 
+class Watch:
+    """A request's disconnect watcher (`watch_disconnect`), started only once the request has taken WATCH_AFTER_S:
+    most small requests are answered sooner, and a watcher costs a task created and then cancelled. A client that
+    goes away is noticed WATCH_AFTER_S later at most."""
+
+    __slots__ = ("receive", "scope", "timer", "task")
+
+    def __init__(self, receive, scope: CancelScope) -> None:
+        self.receive, self.scope = receive, scope
+        self.timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task | None = None
+
+    def arm(self) -> None:
+        self.timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self.timer = None
+        self.task = asyncio.get_running_loop().create_task(watch_disconnect(self.receive, self.scope))
+
+    def stop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+
+
 def wants_ndjson(scope) -> bool:
     return any(k == b"accept" and NDJSON.encode() in v for k, v in scope.get("headers", ()))
 
@@ -118,7 +147,8 @@ class OperationRoute(APIRoute):
             token = TICKET.set(ticket)
             cancel = CancelScope()
             ctoken = CANCEL.set(cancel)
-            watcher = response = None
+            watch = Watch(receive, cancel)
+            response = None
             try:
                 raw = scope.get(BODY)
                 if raw is None:
@@ -126,7 +156,7 @@ class OperationRoute(APIRoute):
                 req = parse_json(model, raw)
                 if ndjson and getattr(req, "stream", None) is False and wants_ndjson(scope):
                     req.stream = True
-                watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, cancel))
+                watch.arm()
                 try:
                     response = await endpoint(req, state)
                 except asyncio.CancelledError:
@@ -139,13 +169,12 @@ class OperationRoute(APIRoute):
                 state.batcher.retract(ticket)
                 TICKET.reset(token)
                 CANCEL.reset(ctoken)
-                if watcher is not None and not isinstance(response, StreamingResponse):
-                    watcher.cancel()  # a stream keeps watching: its work goes on while it is sent
+                if not isinstance(response, StreamingResponse):
+                    watch.stop()  # a stream keeps watching: its work goes on while it is sent
             try:
                 await response(scope, receive, send)
             finally:
-                if watcher is not None:
-                    watcher.cancel()
+                watch.stop()
 
         self.app = app
 
