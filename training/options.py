@@ -83,8 +83,9 @@ class TrainSettings:
     eval_every: int = _option(int, 0, "evaluate on validation every N steps (0 = --evals-per-epoch times per epoch)")
     evals_per_epoch: int = _option(int, 1, "blocked_hmm, rank_hmm: evaluations per epoch when --eval-every is 0")
     time_limit: float = _option(float, 0.0,
-                      "blocked_hmm, rank_hmm: stop after this many minutes of training (wall clock; "
-                      "0 = no limit) and export the best evaluation")
+                      "blocked_hmm, rank_hmm: stop after this many minutes of training (wall clock from the "
+                      "first step, evaluations included, corpus reading and Brown clustering not; 0 = no limit) "
+                      "and export the best evaluation")
     export_only: bool = _option(bool, False,
                       "blocked_hmm, rank_hmm, with --resume: export the checkpoint's best parameters "
                       "again without training (e.g. a checkpoint brought back from a GPU run)")
