@@ -34,10 +34,14 @@ in 170 s gave 169.4, not worth a longer first start and a capped, clock-driven s
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
+from latentlm.models.store import read_manifest
+
 DEFAULT_NAME = "ptb-hmm"
+UNDERTRAINED_PPL = 300.0  # a full default build reaches ~170 (valid); above this it is said loudly
 DEFAULT_SETTINGS: dict[str, Any] = {
     "family": "blocked_hmm", "data": ("ptb",), "states": 4096, "clusters": 128, "hidden": 256,
     "state_embedding": "independent", "state_dropout": 0.5, "bptt": 32, "bptt_rotate": True, "batch": 512,
@@ -65,6 +69,12 @@ def build_default_model(store: Path, name: str = DEFAULT_NAME, progress: bool = 
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(min(threads, 2))
-        return train(ns)
+        path = train(ns)
     finally:
         torch.set_num_threads(threads)
+    ppl = read_manifest(path).get("provenance", {}).get("best_valid_ppl")
+    if not overrides and isinstance(ppl, (int, float)) and ppl > UNDERTRAINED_PPL:
+        print(f"warning: the default model {name} reached validation perplexity {ppl:.1f} only (about 170 on 2 free "
+              f"cores): the machine was busy. Rebuild it when it is not: delete {path} and start `latentlm serve` "
+              "again", file=sys.stderr)
+    return path
