@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from latentlm import ops
 from latentlm.models.errors import LatentLMError
 from latentlm.models.store import list_models
 from latentlm.training.default import build_default_model
+
+GC_GEN0_THRESHOLD = 7000  # `serve`: allocations between young-generation collections (Python's default 700)
 
 
 class ServeError(LatentLMError):
@@ -67,6 +70,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     set_threads(settings.torch_threads)
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
+    # each request allocates a few hundred container objects: with Python's gen0 threshold (700) the cyclic GC ran
+    # every few requests and took 8% of the event loop's CPU at c=64; 7000 cut its CPU per request x0.86
+    # (bench/results/hot_path.md); the models and other long-lived objects are frozen out of it after each load
+    gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
     app = create_app(settings)
     # httptools with each response's head and body in one write (service.transport), every pending connection
     # accepted at once, connections and requests in flight bounded with 503 + Retry-After (service.server); access
