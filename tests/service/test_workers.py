@@ -16,7 +16,7 @@ import torch
 from latentlm.models.registry import save_artifact
 from latentlm.models.store import WEIGHTS, read_manifest
 
-from .conftest import Server, V, clean_env, metric, vocab
+from .conftest import Server, V, add_model, clean_env, metric, vocab
 
 Z_BIG = 11_585  # a 512 MiB transition matrix: far above what a worker holds besides the weights
 
@@ -112,6 +112,18 @@ def test_two_workers_hold_one_copy_of_the_weights(big_store, redis_url, tmp_path
             assert time.time() < deadline, text
             time.sleep(0.2)
         assert metric(text, "latentlm_models_loaded") == 1
+
+        # a reload through one worker reaches the other (through Redis): fresh connections in a row all list it
+        add_model(store, "small")
+        assert server.client.post("/v1/models/reload").status_code == 200
+        deadline, streak = time.time() + 30, 0
+        while streak < 8:
+            with httpx.Client(base_url=server.url, timeout=30) as c:
+                ids = [m["id"] for m in c.get("/v1/models").json()["data"]]
+            streak = streak + 1 if "small" in ids else 0
+            assert time.time() < deadline, ids
+            time.sleep(0.05 if streak else 0.3)
+        assert len(list(snap.parent.glob("*.safetensors"))) == 2  # each served model's weights, once
     finally:
         server.stop()
     assert server.p.returncode == 0, server.output()
