@@ -6,7 +6,9 @@ layer, and the in-process `ops.run` time of the same work. Writes bench/results/
     .venv/bin/python bench/hot_path.py                         # profile this checkout
     .venv/bin/python bench/hot_path.py --before COMMIT         # also A/B: the files of the hot path (HOT_FILES) as
                                                                # at COMMIT vs as now, both servers up at once, wrk
-                                                               # runs alternated (ratios from the same run)
+                                                               # runs alternated (ratios from the same run);
+                                                               # --before is repeatable, --asgi adds the app alone
+                                                               # in process, --variants settings outside HOT_FILES
 
 Needs `wrk` (Debian) and py-spy (`pip install py-spy`, bench/requirements-peers.txt); Linux (/proc). The model:
 --store (default $LATENTLM_STORE) --model (default ptb-hmm). Each code state is served from a copy of the
@@ -206,6 +208,19 @@ def layer_of(frames: list[str]) -> str:
     return "other"
 
 
+def asgi_cpu(site: Path, env: dict, store: Path, model: str, conns: int, seconds: float) -> dict:
+    """bench/hot_path_asgi.py for the packages at `site`: the app's event-loop CPU per request without uvicorn,
+    sockets or the access log (engines not calibrated: the event loop's cost does not depend on them)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "REDIS_URL"}, "LATENTLM_CALIBRATE": "0", **env}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH_FIRST"), str(site)) if p)
+    out = subprocess.run([sys.executable, str(ROOT / "bench/hot_path_asgi.py"), "--store", str(store), "--model",
+                          model, "--conc", str(conns), "--seconds", str(seconds)], env=env, cwd=site,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def in_process(store: Path, model_name: str, seqs: list[list[int]], seconds: float = 3.0) -> dict:
     """`ops.run(model, "score", ...)` on the same inputs, the model loaded (and calibrated) as the service does:
     one sentence per call and 64 per call, µs per sentence and tokens/s."""
@@ -231,12 +246,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--store", type=Path, default=Path(os.environ.get("LATENTLM_STORE", "artifacts")))
     p.add_argument("--model", default="ptb-hmm")
-    p.add_argument("--before", help="commit whose HOT_FILES are the baseline of an A/B run")
+    p.add_argument("--before", action="append", help="commit whose HOT_FILES are a baseline of an A/B run "
+                   "(repeatable: each one is a state)")
     p.add_argument("--rounds", type=int, default=3, help="A/B: alternations of the two states")
     p.add_argument("--seconds", type=float, default=8.0, help="each wrk run")
     p.add_argument("--port", type=int, default=8941)
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/hot_path.md")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--asgi", action="store_true", help="also the app alone in process (bench/hot_path_asgi.py) for "
+                   "each state not told apart by serve flags, alternated the same way")
     p.add_argument("--variants", action="store_true", help="also serve this checkout with the access log off, a "
                    "10x GC threshold and Python's default GIL switch interval (ratios against it)")
     args = p.parse_args()
@@ -250,10 +268,10 @@ def main() -> None:
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     now = snapshot(work / "now", {})
     arms: dict[str, tuple[Path, dict, tuple[str, ...]]] = {"now": (now, {}, ())}  # name -> (site, env, serve args)
-    if args.before:
-        old = at_commit(args.before, HOT_FILES)
-        arms = {f"before ({args.before[:9]})": (snapshot(work / "before", old), {}, ()), **arms}
-        print("baseline differs in:", ", ".join(old) or "nothing", flush=True)
+    for i, commit in enumerate(reversed(args.before or [])):
+        old = at_commit(commit, HOT_FILES)
+        arms = {f"at {commit[:9]}": (snapshot(work / f"before{i}", old), {}, ()), **arms}
+        print(f"{commit} differs in:", ", ".join(old) or "nothing", flush=True)
     if args.variants:  # settings outside the hot-path files, measured against "now" in the same run
         gc_dir = work / "gc"
         gc_dir.mkdir()
@@ -278,6 +296,24 @@ def main() -> None:
                     runs[name, conns].append(m)
                     print(f"round {r} {name} c={conns}: {m['rps']:.0f} req/s, p99 {m['p99']:.2f} ms, event loop "
                           f"{m['loop_ms']:.3f} ms/request, other threads {m['other_ms']:.3f}", flush=True)
+        asgi: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
+        if args.asgi:
+            for s in servers.values():  # the CPUs to the in-process runs
+                s.proc.send_signal(signal.SIGSTOP)
+            try:
+                for r in range(args.rounds):
+                    for conns in (1, 64):
+                        order = list(arms.items()) if r % 2 == 0 else list(reversed(arms.items()))
+                        for name, (site, env, serve_args) in order:
+                            if serve_args:
+                                continue
+                            m = asgi_cpu(site, env, args.store, args.model, conns, args.seconds)
+                            asgi[name, conns].append(m)
+                            print(f"asgi round {r} {name} c={conns}: {m['rps']:.0f} req/s, event loop "
+                                  f"{m['loop_us']:.0f} µs/request", flush=True)
+            finally:
+                for s in servers.values():
+                    s.proc.send_signal(signal.SIGCONT)
         prof = None
         if not args.no_profile:
             now = servers["now"]
@@ -286,7 +322,7 @@ def main() -> None:
         for s in servers.values():
             s.stop()
     inproc = in_process(args.store, args.model, seqs)
-    write_report(args, head.strip(), runs, prof, inproc, list(arms))
+    write_report(args, head.strip(), runs, prof, inproc, list(arms), asgi)
     print(f"wrote {args.out}")
     shutil.rmtree(work, ignore_errors=True)
 
@@ -296,7 +332,8 @@ def median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
-def write_report(args, head: str, runs: dict, prof: dict | None, inproc: dict, names: list[str]) -> None:
+def write_report(args, head: str, runs: dict, prof: dict | None, inproc: dict, names: list[str],
+                 asgi: dict) -> None:
     cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout
     cpu = cpu.split(":", 1)[-1].strip()
     lines = [f"- machine: {cpu}, {os.cpu_count()} cores; date {datetime.date.today()}; HEAD {head}; "
@@ -313,7 +350,7 @@ def write_report(args, head: str, runs: dict, prof: dict | None, inproc: dict, n
             lines.append(f"| {name} | {conns} | {median([m['rps'] for m in ms]):,.0f} | "
                          f"{median([m['p50'] for m in ms]):.2f} | {median([m['p99'] for m in ms]):.2f} | "
                          f"{median([m['loop_ms'] for m in ms]):.3f} | {median([m['other_ms'] for m in ms]):.3f} |")
-    pairs = [(names[0], "now")] if names[0] != "now" else []
+    pairs = [(n, "now") for n in names if n.startswith("at ")]
     pairs += [("now", n) for n in names if n.startswith("now,")]
     if pairs:
         lines += ["", "Ratios (medians over the rounds; each round runs every state back to back, order alternated):",
@@ -328,6 +365,21 @@ def write_report(args, head: str, runs: dict, prof: dict | None, inproc: dict, n
                          f"request x{median([m['loop_ms'] for m in a]) / median([m['loop_ms'] for m in b]):.2f}, "
                          f"all threads x{total_a / total_b:.2f}, "
                          f"p99 x{median([m['p99'] for m in a]) / median([m['p99'] for m in b]):.2f}")
+    if asgi:
+        lines += ["", "The app alone in process (bench/hot_path_asgi.py: no uvicorn, sockets or access log), "
+                  "event-loop CPU per request, medians:", "",
+                  "| state | c | req/s | event loop µs CPU/request | ratio to the first state |",
+                  "|---|---|---|---|---|"]
+        for conns in (1, 64):
+            ref = None
+            for name in names:
+                ms = asgi.get((name, conns))
+                if not ms:
+                    continue
+                us = median([m["loop_us"] for m in ms])
+                ref = ref or us
+                rps = median([m["rps"] for m in ms])
+                lines.append(f"| {name} | {conns} | {rps:,.0f} | {us:.0f} | x{us / ref:.2f} |")
     lines += ["", "In process (`ops.run(model, \"score\", ...)`, the model calibrated as the service loads it):", ""]
     for batch, v in inproc.items():
         lines.append(f"- {batch} sentence(s) per call: {v['us_per_sentence']:.0f} µs per sentence, "
