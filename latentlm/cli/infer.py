@@ -5,6 +5,7 @@ flags derived from the operation's request model; one JSON object per input line
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,50 @@ def request(op: spec.Operation, args: argparse.Namespace, **fields: Any):
         raise CLIError(f"{flag}: {err['msg']}", param=name) from None
 
 
+REMOTE_LINES = 256  # input lines per request in `--server` mode (well inside the service's default body limits)
+
+
+def remote(op: spec.Operation, req, args: argparse.Namespace) -> None:
+    """`--server URL`: the same operation answered by a running service over REST (`latentlm.client`), one request
+    per REMOTE_LINES input lines (texts, or token-id lists with --ids); the same output lines as a local run, their
+    `index` counting input lines. A service error exits non-zero naming its field (a line as `line N`)."""
+    from latentlm.client import APIError, Client
+
+    body = req.model_dump(mode="json", exclude_unset=True)
+    try:
+        with Client(args.server, api_key=args.api_key, timeout=600.0) as client:
+            if not op.takes_input:
+                emit_json(client.operation(op.name, body)["data"])
+                return
+            lines = read_inputs(args.input)
+            if not lines:
+                raise CLIError("no input lines", param="FILE")
+            for lo in range(0, len(lines), REMOTE_LINES):
+                part = lines[lo: lo + REMOTE_LINES]
+                inputs = [_ids(ln, f"line {lo + i + 1}") for i, ln in enumerate(part)] if args.ids else part
+                try:
+                    data = client.operation(op.name, {**body, "input": inputs})["data"]
+                except APIError as e:
+                    raise _remote_error(e, lo) from None
+                emit_json([{**item, "index": item["index"] + lo} for item in data])
+    except APIError as e:
+        raise CLIError(f"{args.server}: {e.message}", param=e.param or "server") from None
+
+
+def _remote_error(e, offset: int) -> CLIError:
+    """A service error about `input[i]` of a request as the CLI names it: line offset + i + 1."""
+    msg, param = e.message, e.param or "server"
+    if msg.startswith("input[") and "]" in msg:
+        i = int(msg[6: msg.index("]")])
+        msg, param = f"line {offset + i + 1}" + msg[msg.index("]") + 1:], "input"
+    return CLIError(msg, param=param)
+
+
 def cmd_operation(args: argparse.Namespace) -> None:
     op = spec.OPERATIONS[args.command]
+    if args.server:
+        remote(op, request(op, args, **({"input": [[0]]} if op.takes_input else {})), args)
+        return
     if op.takes_input:
         req = request(op, args, input=[[0]])  # options checked before the model loads
         model = load(args)
@@ -140,6 +183,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--batch-tokens", type=positive_int, default=16384, help="max padded tokens per batch")
         if op.cli_backend:
             add_backend(p)
+        p.add_argument("--server", metavar="URL", default=None,
+                       help="ask a running `latentlm serve` at URL (e.g. http://127.0.0.1:8000) instead of loading the "
+                            "model here: the same output lines (--store, --device, --dtype, --backend then unused)")
+        p.add_argument("--api-key", default=os.environ.get("LATENTLM_API_KEY") or None,
+                       help="with --server: its bearer key (default $LATENTLM_API_KEY)")
         for f in spec.cli_flags(op):
             p.add_argument(f.flag, **f.kwargs)
         p.set_defaults(func=cmd_operation)
