@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.batcher.start()
-        if settings.cache_redis_url:
+        if settings.cache_redis_url and settings.cache_ttl_s > 0:
             state.cache = ResponseCache(settings.cache_redis_url, settings.cache_ttl_s, metrics, settings)
         if settings.redis_url:
             state.jobs = jobs.RedisJobStore(settings.redis_url)

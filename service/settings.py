@@ -75,7 +75,7 @@ class Settings:
     rate_limit_burst: int = 0            # requests a key may send at once above the rate (0 = max(1, 2 x rate))
     redis_url: str = ""                  # REDIS_URL: cache + batch-job queue
     cache_url: str = ""                  # LATENTLM_CACHE_URL: cache on another Redis (default REDIS_URL)
-    cache_ttl_s: int = 3600
+    cache_ttl_s: int = 3600              # how long a cached response lives; 0 = no response cache
     state_dir: Path = Path(".latentlm")  # local batch-job files when Redis is not configured
     job_chunk_size: int = 32             # batch-job lines committed together (and scored as one merged call)
     job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
