@@ -78,8 +78,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     # httptools with each response's head and body in one write (service.transport), every pending connection
     # accepted at once, connections and requests in flight bounded with 503 + Retry-After (service.server); access
     # lines are INFO records (redacted of credentials), so below that level they are not formatted at all
-    server.run(app, settings, args.host, args.port, args.log_level, access_log=args.log_level in ("info", "debug"),
-               reuse_port=workers)
+    try:
+        server.run(app, settings, args.host, args.port, args.log_level,
+                   access_log=args.log_level in ("info", "debug"), reuse_port=workers)
+    except OSError as e:  # a worker's own socket: the port taken by a program without SO_REUSEPORT
+        if not workers:
+            raise
+        raise ServeError(str(e), param="port") from None
 
 
 def cmd_worker(args: argparse.Namespace) -> None:

@@ -150,3 +150,54 @@ def test_one_process_without_redis_by_default(store, tmp_path):
     finally:
         server.stop()
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None
+
+
+def test_a_dead_worker_is_started_again(store, redis_url, tmp_path):
+    server = Server(store, tmp_path, env={"REDIS_URL": redis_url, "LATENTLM_WORKERS": "2",
+                                          "LATENTLM_CALIBRATE": "0"})
+    try:
+        before = _children(server.p.pid)
+        assert len(before) == 2
+        os.kill(before[0], 9)
+        deadline = time.time() + 120
+        while True:  # a new worker in its place, and both answer
+            now = _children(server.p.pid)
+            if len(now) == 2 and before[0] not in now:
+                streak = 0
+                for _ in range(12):
+                    with httpx.Client(base_url=server.url, timeout=30) as c:
+                        streak += c.get("/ready").status_code == 200
+                if streak == 12:
+                    break
+            assert time.time() < deadline and server.alive(), server.output()
+            time.sleep(0.5)
+        assert "exited with status -9; starting it again" in server.output()
+        r = server.client.post("/v1/score", json={"model": "tiny", "input": "w1 w2"})
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+    assert server.p.returncode == 0
+
+
+def test_workers_that_cannot_listen_stop_the_service(store, redis_url, tmp_path):
+    """A port held by another program (without SO_REUSEPORT): every worker fails to bind it, twice, and the
+    supervisor exits 1 saying so instead of restarting them forever."""
+    import socket
+
+    from .conftest import Proc
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        p = Proc([sys.executable, "-m", "latentlm.cli", "serve", "--store", str(store), "--port", str(port),
+                  "--device", "cpu", "--log-level", "warning"],
+                 clean_env(REDIS_URL=redis_url, LATENTLM_WORKERS="2", LATENTLM_CALIBRATE="0",
+                           LATENTLM_STATE_DIR=str(tmp_path / "state")), tmp_path / "serve.log")
+        try:
+            p.p.wait(240)
+        finally:
+            p.kill()
+    out = p.output()
+    assert p.p.returncode == 1, out
+    assert "twice within 30 s of its start; stopping" in out and f"cannot listen on 127.0.0.1:{port}" in out, out
