@@ -33,6 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from serving import cpu_name, run_wrk, wrk_script  # bench/serving.py
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"latentlm": "latentlm", "models": "latentlm/models", "service": "latentlm/service",
             "training": "latentlm/training"}  # folder on disk -> where it sits in the import tree
@@ -60,24 +62,6 @@ LAYERS = [
                                                                 "service/transport.py")),
     ("event loop (uvloop, C: polling, callbacks)", ("Runner.run",)),
 ]
-
-
-def wrk_script(bodies: list[bytes], path: Path) -> None:
-    """A wrk Lua script sending `bodies` in turn (POST, JSON), counting non-200 answers on stderr."""
-    items = ",\n".join("'" + b.decode() + "'" for b in bodies)
-    path.write_text(f"""local bodies = {{{items}}}
-wrk.method = "POST"
-wrk.body = bodies[1]
-wrk.headers["Content-Type"] = "application/json"
-local n = 0
-function request()
-  n = n % #bodies + 1
-  return wrk.format(nil, nil, nil, bodies[n])
-end
-function response(status, headers, body)
-  if status ~= 200 then io.stderr:write("status " .. status .. ": " .. body .. "\\n") end
-end
-""")
 
 
 def snapshot(dest: Path, overrides: dict[str, bytes]) -> Path:
@@ -149,25 +133,10 @@ class Server:
             self.proc.kill()
 
 
-def run_wrk(port: int, script: Path, conns: int, seconds: float) -> dict:
-    """wrk against /v1/score: requests/s, p50 and p99 (ms), non-200 answers."""
-    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{int(seconds)}s", "--latency", "-s", str(script),
-           f"http://127.0.0.1:{port}/v1/score"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", p.stdout).group(1))
-    n = int(re.search(r"(\d+) requests in", p.stdout).group(1))
-
-    def ms(q: str) -> float:
-        v, unit = re.search(rf"{q}%\s+([\d.]+)(us|ms|s)", p.stdout).groups()
-        return float(v) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
-
-    return {"rps": rps, "requests": n, "p50": ms("50"), "p99": ms("99"), "errors": p.stderr.count("status ")}
-
-
 def measure(server: Server, script: Path, conns: int, seconds: float) -> dict:
     """One wrk run with the server's CPU per request: event loop (main thread) and every other thread."""
     before = server.thread_cpu()
-    out = run_wrk(server.port, script, conns, seconds)
+    out = run_wrk(f"http://127.0.0.1:{server.port}/v1/score", script, conns, seconds)
     after = server.thread_cpu()
     main = server.proc.pid
     loop = after.get(main, 0) - before.get(main, 0)
@@ -286,7 +255,7 @@ def main() -> None:
         for s in servers.values():  # loaded side by side (each calibrates its engines as `serve` does)
             s.wait_ready()
         for s in servers.values():
-            run_wrk(s.port, script, 64, 2)  # warm-up
+            run_wrk(f"http://127.0.0.1:{s.port}/v1/score", script, 64, 2)  # warm-up
         runs: dict[tuple[str, int], list[dict]] = collections.defaultdict(list)
         for r in range(args.rounds if len(servers) > 1 else 1):
             for conns in (1, 64):
@@ -334,8 +303,7 @@ def median(xs: list[float]) -> float:
 
 def write_report(args, head: str, runs: dict, prof: dict | None, inproc: dict, names: list[str],
                  asgi: dict) -> None:
-    cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True, text=True).stdout
-    cpu = cpu.split(":", 1)[-1].strip()
+    cpu = cpu_name()
     lines = [f"- machine: {cpu}, {os.cpu_count()} cores; date {datetime.date.today()}; HEAD {head}; "
              f"model {args.model} (store {args.store})",
              f"- command: `{' '.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])}`",

@@ -24,9 +24,7 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,22 +32,10 @@ import time
 from pathlib import Path
 
 import httpx
+from serving import cpu_name, free_port, run_wrk, start_redis, wrk_script  # bench/serving.py
 
 HERE = Path(__file__).resolve().parent
 SENTENCES, LENGTH = 64, 50
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def cpu_name() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def inputs(vocab_size: int) -> list[list[int]]:
@@ -59,38 +45,11 @@ def inputs(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(vocab_size) for _ in range(LENGTH)] for _ in range(SENTENCES)]
 
 
-def lua(model: str, seqs: list[list[int]], per_request: int) -> str:
-    """A wrk script cycling through the bodies: one sentence each, or all of them in each."""
+def bodies(model: str, seqs: list[list[int]], per_request: int) -> list[str]:
+    """Request bodies for wrk: one sentence each, or all of them in one."""
     if per_request == 1:
-        bodies = [json.dumps({"model": model, "input": [s]}) for s in seqs]
-    else:
-        bodies = [json.dumps({"model": model, "input": seqs})]
-    quoted = ",\n".join("[==[" + b + "]==]" for b in bodies)
-    return f"""local bodies = {{{quoted}}}
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = bodies[1]
-local i = 0
-function request()
-  i = i % #bodies + 1
-  return wrk.format(nil, nil, nil, bodies[i])
-end
-function response(status, headers, body)
-  if status ~= 200 then io.stderr:write("status " .. status .. ": " .. body .. "\\n") end
-end
-"""
-
-
-def wrk(url: str, script: Path, connections: int, seconds: int) -> dict:
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
-                         capture_output=True, text=True, check=True)
-    text = out.stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
-    p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)", text)
-    p99_ms = float(p99.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[p99.group(2)]
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
-    return {"rps": rps, "p99_ms": p99_ms, "non2xx": int(errors.group(1)) if errors else 0,
-            "stderr_lines": len(out.stderr.splitlines())}
+        return [json.dumps({"model": model, "input": [s]}) for s in seqs]
+    return [json.dumps({"model": model, "input": seqs})]
 
 
 def in_process(store: Path, model: str, seqs: list[list[int]], repeats: int) -> dict:
@@ -152,18 +111,15 @@ def main() -> None:
         scripts = {}
         for name, per in (("one", 1), ("many", SENTENCES)):
             scripts[name] = work / f"{name}.lua"
-            scripts[name].write_text(lua(args.model, seqs, per))
+            wrk_script(bodies(args.model, seqs, per), scripts[name])
         for n in [int(x) for x in args.workers.split(",")]:
             env = {k: v for k, v in os.environ.items() if not k.startswith("LATENTLM_") and k != "REDIS_URL"}
             # no response cache: the inputs repeat, and every answer is to be computed
             env.update(LATENTLM_STATE_DIR=str(work / f"state{n}"), LATENTLM_WORKERS=str(n), LATENTLM_CACHE_TTL_S="0")
             if n > 1:
                 if redis is None:
-                    rport = free_port()
-                    redis = subprocess.Popen(["redis-server", "--port", str(rport), "--save", "", "--appendonly",
-                                              "no", "--dir", str(work)], stdout=subprocess.DEVNULL)
-                    time.sleep(0.5)
-                env["REDIS_URL"] = f"redis://127.0.0.1:{rport}/0"
+                    redis, redis_url = start_redis(work)
+                env["REDIS_URL"] = redis_url
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             log = work / f"serve{n}.log"
@@ -177,8 +133,8 @@ def main() -> None:
                                                          ("one sentence per request, c=64", "one", 64, LENGTH),
                                                          ("64 sentences per request, c=4", "many", 4,
                                                           LENGTH * SENTENCES)):
-                    wrk(f"{url}/v1/score", scripts[script], conns, 3)  # warm-up
-                    r = wrk(f"{url}/v1/score", scripts[script], conns, args.duration)
+                    run_wrk(f"{url}/v1/score", scripts[script], conns, 3)  # warm-up
+                    r = run_wrk(f"{url}/v1/score", scripts[script], conns, args.duration)
                     rows.append((n, label, r, r["rps"] * tokens_per))
                     print(n, label, r, flush=True)
             finally:
@@ -203,7 +159,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|"]
     for n, label, r, tps in rows:
         base = local["B1"] if "c=1" in label else local["B64"]
-        lines.append(f"| {n} | {label} | {r['rps']:,.0f} | {tps:,.0f} | {r['p99_ms']:.2f} | {r['non2xx']} | "
+        lines.append(f"| {n} | {label} | {r['rps']:,.0f} | {tps:,.0f} | {r['p99']:.2f} | {r['errors']} | "
                      f"{base:,.0f} (B={'1' if 'c=1' in label else '64'}) | {tps / base:.2f} |")
     with open(args.out, "a") as f:
         f.write("\n".join(lines) + "\n")

@@ -15,7 +15,6 @@ import argparse
 import datetime as dt
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,14 +22,9 @@ import time
 from pathlib import Path
 
 import httpx
+from serving import children, cpu_name, free_port, start_redis  # bench/serving.py
 
 HERE = Path(__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rollup(pid: int) -> dict[str, int]:
@@ -50,18 +44,6 @@ def mapping_pss(pid: int, suffix: str) -> int:
         elif inside and head[0] == "Pss:":
             total += int(head[1]) * 1024
     return total
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except OSError:
-                continue
-    return sorted(out)
 
 
 def main() -> None:
@@ -87,11 +69,8 @@ def main() -> None:
             env.update(LATENTLM_STATE_DIR=str(work / f"state{n}"), LATENTLM_WORKERS=str(n))
             if n > 1:
                 if redis is None:
-                    rport = free_port()
-                    redis = subprocess.Popen(["redis-server", "--port", str(rport), "--save", "", "--dir", str(work)],
-                                             stdout=subprocess.DEVNULL)
-                    time.sleep(0.5)
-                env["REDIS_URL"] = f"redis://127.0.0.1:{rport}/0"
+                    redis, redis_url = start_redis(work)
+                env["REDIS_URL"] = redis_url
             port = free_port()
             log = work / f"serve{n}.log"
             with open(log, "wb") as fh:
@@ -126,8 +105,7 @@ def main() -> None:
         if redis is not None:
             redis.terminate()
         shutil.rmtree(work, ignore_errors=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)
-                .stdout.splitlines() if ln.startswith("Model name")), "unknown CPU")
+    cpu = cpu_name()
     mib = 1 << 20
     lines = [f"\n## API workers on one model ({started:%Y-%m-%d %H:%M} UTC, {cpu}, {len(os.sched_getaffinity(0))} "
              "cores)\n",
@@ -137,9 +115,8 @@ def main() -> None:
              "| workers | RSS MiB | PSS MiB | anonymous MiB | PSS of the weights mapping MiB |",
              "|---|---|---|---|---|"]
     for n, rss, pss, anon, mp in rows:
-        lines.append(f"| {n} | {rss / mib:,.0f} | {pss / mib:,.0f} | {anon / mib:,.0f} | "
-                     f"{mp / mib:,.0f} |" if n > 1 else f"| {n} | {rss / mib:,.0f} | {pss / mib:,.0f} | "
-                     f"{anon / mib:,.0f} | – |")
+        mapped = f"{mp / mib:,.0f}" if n > 1 else "–"
+        lines.append(f"| {n} | {rss / mib:,.0f} | {pss / mib:,.0f} | {anon / mib:,.0f} | {mapped} |")
     with open(args.out, "a") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

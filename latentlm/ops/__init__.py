@@ -14,7 +14,8 @@
 
 from latentlm.models.errors import InputError, LimitExceeded
 from latentlm.models.family import OPERATIONS as OPERATION_NAMES
-from latentlm.ops.batching import (
+from latentlm.ops.batching import run, run_merged
+from latentlm.ops.compute import (
     CPU_BATCH_TOKENS,
     CUDA_BATCH_TOKENS,
     CUDA_SPLIT_ROWS,
@@ -22,8 +23,6 @@ from latentlm.ops.batching import (
     check_supported,
     default_method,
     device_batches,
-    run,
-    run_merged,
 )
 from latentlm.ops.cost import (
     ENTRY_COST,

@@ -8,15 +8,6 @@ from functools import partial
 from typing import Any
 
 from latentlm.ops import compute, format
-from latentlm.ops.compute import (  # noqa: F401  (re-exported: `batching.<name>` as before)
-    CPU_BATCH_TOKENS,
-    CUDA_BATCH_TOKENS,
-    CUDA_SPLIT_ROWS,
-    batch_tokens,
-    check_supported,
-    default_method,
-    device_batches,
-)
 from latentlm.ops.model import LoadedModel
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from latentlm.models.errors import InputError, UnsupportedOperation
-from latentlm.ops import batching, constrain, cost, format, generate, inputs
+from latentlm.ops import batching, compute, constrain, cost, format, generate, inputs
 from latentlm.ops.constrain import Limits
 from latentlm.ops.model import LoadedModel
 from latentlm.ops.requests import (
@@ -241,7 +241,7 @@ def prepare(model: LoadedModel, op: Operation | str, req: BaseModel, limits: Lim
         raise UnsupportedOperation(f"model {model.name!r} (family {model.family}) does not support {op.name!r}",
                                    param="model")
     if op.supports is None:
-        batching.check_supported(model, op.name, opts.get("method"))
+        compute.check_supported(model, op.name, opts.get("method"))
     return op.prepare(model, op, req, opts, limits)
 
 
