@@ -1,11 +1,13 @@
 """The service against the model in process, on the three workloads of one-sentence and many-sentence scoring:
 
-    python bench/service_workloads.py --store STORE [--model ptb-hmm] [--workers 1,2] [--duration 15]
-                                      [--out bench/results/service_wrk.md]
+    python bench/service_workloads.py --store STORE [--model ptb-hmm] [--workers 1,2] [--engine inline,process]
+                                      [--device cpu] [--duration 15] [--out bench/results/service_wrk.md]
     (or: bash bench/service_wrk.sh --workloads ...)
 
-For each worker count, a real `latentlm serve` with its default settings (CPU; with more than one worker a
-redis-server this script starts, as the service requires) is driven by `wrk` (an outside C load generator) with
+For each worker count and engine (`LATENTLM_ENGINE`: inline, each worker runs the models; process, one engine
+process runs them for every worker), a real `latentlm serve` with its default settings otherwise (on `--device`;
+with more than one worker a redis-server this script starts, as the service requires) is driven by `wrk` (an
+outside C load generator) with
 64 different 50-token inputs (token ids drawn from the model's vocabulary, seed 1):
 - one sentence per request, 1 connection (c=1);
 - one sentence per request, 64 connections (c=64);
@@ -52,16 +54,16 @@ def bodies(model: str, seqs: list[list[int]], per_request: int) -> list[str]:
     return [json.dumps({"model": model, "input": seqs})]
 
 
-def in_process(store: Path, model: str, seqs: list[list[int]], repeats: int) -> dict:
+def in_process(store: Path, model: str, seqs: list[list[int]], repeats: int, device: str = "cpu") -> dict:
     from latentlm import ops
 
-    m = ops.load_model(store, model, calibrate=True)
+    m = ops.load_model(store, model, calibrate=True, device=device)
     ops.run(m, "score", seqs)  # warm-up
     best1 = best64 = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for s in seqs:
-            ops.run(m, "score", [s])
+            ops.run(m, "score", [s])  # each answer is Python floats: the device has finished
         best1 = min(best1, time.perf_counter() - t0)
         t0 = time.perf_counter()
         ops.run(m, "score", seqs)
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--store", type=Path, required=True)
     ap.add_argument("--model", default="ptb-hmm")
     ap.add_argument("--workers", default="1", help="comma-separated worker counts, one server each")
+    ap.add_argument("--engine", default="inline", help="comma-separated LATENTLM_ENGINE values (inline, process)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--duration", type=int, default=15, help="seconds of each wrk run (after a 3 s warm-up)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "service_wrk.md")
@@ -107,25 +111,26 @@ def main() -> None:
     rows, started = [], dt.datetime.now(dt.UTC)
     load = os.getloadavg()[0]
     try:
-        local = in_process(args.store, args.model, seqs, args.repeats)
+        local = in_process(args.store, args.model, seqs, args.repeats, args.device)
         scripts = {}
         for name, per in (("one", 1), ("many", SENTENCES)):
             scripts[name] = work / f"{name}.lua"
             wrk_script(bodies(args.model, seqs, per), scripts[name])
-        for n in [int(x) for x in args.workers.split(",")]:
+        for n, engine in [(int(x), e) for x in args.workers.split(",") for e in args.engine.split(",")]:
             env = {k: v for k, v in os.environ.items() if not k.startswith("LATENTLM_") and k != "REDIS_URL"}
             # no response cache: the inputs repeat, and every answer is to be computed
-            env.update(LATENTLM_STATE_DIR=str(work / f"state{n}"), LATENTLM_WORKERS=str(n), LATENTLM_CACHE_TTL_S="0")
+            env.update(LATENTLM_STATE_DIR=str(work / f"state{n}{engine}"), LATENTLM_WORKERS=str(n),
+                       LATENTLM_CACHE_TTL_S="0", LATENTLM_ENGINE=engine)
             if n > 1:
                 if redis is None:
                     redis, redis_url = start_redis(work)
                 env["REDIS_URL"] = redis_url
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            log = work / f"serve{n}.log"
+            log = work / f"serve{n}{engine}.log"
             with open(log, "wb") as fh:
                 proc = subprocess.Popen([sys.executable, "-m", "latentlm.cli", "serve", "--store", str(args.store),
-                                         "--port", str(port), "--device", "cpu"], env=env, stdout=fh,
+                                         "--port", str(port), "--device", args.device], env=env, stdout=fh,
                                         stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 wait_ready(url, proc, log, n)
@@ -135,12 +140,12 @@ def main() -> None:
                                                           LENGTH * SENTENCES)):
                     run_wrk(f"{url}/v1/score", scripts[script], conns, 3)  # warm-up
                     r = run_wrk(f"{url}/v1/score", scripts[script], conns, args.duration)
-                    rows.append((n, label, r, r["rps"] * tokens_per))
-                    print(n, label, r, flush=True)
+                    rows.append((f"{n} ({engine})", label, r, r["rps"] * tokens_per))
+                    print(n, engine, label, r, flush=True)
             finally:
                 os.killpg(proc.pid, 15)
                 proc.wait(60)
-        again = in_process(args.store, args.model, seqs, args.repeats)  # the baseline at its best of both
+        again = in_process(args.store, args.model, seqs, args.repeats, args.device)  # the baseline at its best of both
         local = {k: max(local[k], again[k]) for k in local}
     finally:
         if redis is not None:
@@ -151,10 +156,11 @@ def main() -> None:
     lines = [f"\n## Three workloads, service against in process ({started:%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
              f"{len(os.sched_getaffinity(0))} cores)\n",
              f"Command: `python bench/service_workloads.py --store STORE --model {args.model} --workers "
-             f"{args.workers} --duration {args.duration}` (code {commit}); load average at the start {load:.2f}.",
+             f"{args.workers} --engine {args.engine} --device {args.device} --duration {args.duration}` (code "
+             f"{commit}); load average at the start {load:.2f}.",
              f"In process (`ops.run`, calibrated, same inputs, best before and after): B=1 {local['B1']:,.0f} tok/s, "
              f"B=64 {local['B64']:,.0f} tok/s.\n",
-             "| workers | workload | requests/s | tokens/s | p99 ms | non-2xx | in process tok/s "
+             "| workers (engine) | workload | requests/s | tokens/s | p99 ms | non-2xx | in process tok/s "
              "| service / in process |",
              "|---|---|---|---|---|---|---|---|"]
     for n, label, r, tps in rows:

@@ -21,7 +21,8 @@ from latentlm.ops import spec
 from latentlm.service import errors, jobs
 from latentlm.service.batcher import Batcher
 from latentlm.service.cache import ResponseCache
-from latentlm.service.metrics import LIVE_REFRESH_S, Metrics, multiprocess_dir
+from latentlm.service.engine import EngineClient
+from latentlm.service.metrics import Metrics, multiprocess_dir, publish_live_metrics
 from latentlm.service.middleware import Guard
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.routes import batches, completions, explorer, health, models, operations
@@ -39,9 +40,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     state = ServiceState(
         settings=settings, metrics=metrics,
         registry=ModelRegistry.from_settings(settings),
-        batcher=Batcher(metrics, max_batch_tokens=settings.max_batch_tokens,
-                        max_queue_delay_ms=settings.max_queue_delay_ms, max_queue=settings.max_queue,
-                        max_heavy=settings.max_heavy_requests))
+        batcher=EngineClient(settings.engine_socket, metrics, max_queue=settings.max_queue,
+                             retry_after_s=settings.retry_after_s) if settings.engine_socket else
+        Batcher(metrics, max_batch_tokens=settings.max_batch_tokens, max_queue_delay_ms=settings.max_queue_delay_ms,
+                max_queue=settings.max_queue, max_heavy=settings.max_heavy_requests))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -89,16 +91,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router)
     app.openapi = lambda: openapi_document(app, settings)  # type: ignore[method-assign]
     return app
-
-
-async def publish_live_metrics(metrics: Metrics) -> None:
-    """One of several workers: publish this worker's current counts every LIVE_REFRESH_S (`Metrics.refresh`)."""
-    while True:
-        await asyncio.sleep(LIVE_REFRESH_S)
-        try:
-            metrics.refresh()
-        except Exception as e:  # a metric file that cannot be written must not stop the worker
-            log.warning("cannot publish this worker's metrics: %s", e)
 
 
 def operation_paths() -> set[str]:

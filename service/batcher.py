@@ -38,6 +38,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from latentlm import ops
+from latentlm.ops import format
 from latentlm.ops.batching import slices
 from latentlm.ops.spec import Call, Operation, run_merged
 from latentlm.service.errors import ShuttingDown
@@ -47,6 +48,7 @@ log = logging.getLogger("latentlm.service")
 
 
 LIGHT, HEAVY = "light", "heavy"
+STREAM_PAYLOAD_BYTES = 1 << 20  # a streamed operation hands the event loop about this much per payload
 STREAM_AHEAD = 2  # payloads a stream may have computed and not yet sent before its slices wait
 DEFAULT_SLICE_COST = 1_000_000_000  # heavy-lane slice when the caller names none (~0.05-0.15 s on one CPU core)
 DEFAULT_MAX_HEAVY = 16  # heavy requests queued or running at once before 429 (each waits its turn, round robin)
@@ -113,6 +115,28 @@ class _Queue:
     tokens: int = 0
     lane: str = LIGHT
     operation: Operation | None = None  # what a merged batch runs (`Operation.run` over the merged inputs)
+
+
+def pieces_job(call: Call, slice_cost: int, positions: int) -> Generator[bytes, None, None]:
+    """A streamed operation's work for the heavy lane: `op.pieces` of the call's sequences, slice by slice (slices of
+    at most `slice_cost`), written as NDJSON `<op>.chunk` lines (`format.chunk`) and handed over in payloads of about
+    STREAM_PAYLOAD_BYTES."""
+    model, op, seqs = call.model, call.op, call.seqs
+    assert op.pieces is not None
+    costs = [ops.operation_cost(model, op.name, [q], top_k=call.opts.get("top_k")) for q in seqs]
+    for lo, hi in slices(costs, slice_cost):
+        part = Call(model, op, call.opts, seqs[lo:hi], call.request)
+        lines: list[bytes] = []
+        size = 0
+        for piece in op.pieces(part, positions, offset=lo):
+            line = ops.dumps(format.chunk(call, piece)) + b"\n"
+            lines.append(line)
+            size += len(line)
+            if size >= STREAM_PAYLOAD_BYTES:
+                yield b"".join(lines)
+                lines, size = [], 0
+        if lines:
+            yield b"".join(lines)
 
 
 def sliced_run(call: Call, cap: int, slice_cost: int) -> Generator[None, None, list[dict]]:
@@ -318,6 +342,20 @@ class Batcher:
             self._enqueue(key, lambda: _Queue(model, op, dict(opts), self.cap_for(model), operation=call.op), item)
         return await fut
 
+    async def stream(self, call: Call, *, slice_cost: int, positions: int, scope: CancelScope | None = None
+                     ) -> StreamReader:
+        """A streamed operation (`Operation.pieces`, e.g. a posterior as NDJSON) in the heavy lane: the reader of its
+        payloads (`pieces_job`: lines of at most `positions` tokens, computed in slices of at most `slice_cost`)."""
+        return await self.submit(call, job=lambda: pieces_job(call, slice_cost, positions), scope=scope)
+
+    @property
+    def ready(self) -> bool:
+        """Whether requests can be run (this process runs them itself: always)."""
+        return True
+
+    async def models_changed(self) -> None:
+        """After this process reloaded the store: nothing to tell (its lanes run its own registry's models)."""
+
     def _taken(self, item: _Item) -> None:
         """Event loop: the reader took a payload; a stream waiting on its client may go on."""
         with self._cv:
@@ -342,6 +380,14 @@ class Batcher:
         if ticket and ticket[0]:
             ticket[0] = False
             self.arriving -= 1
+
+    def set_arriving(self, n: int) -> None:
+        """Requests on their way from elsewhere (an engine's API workers report theirs): a batch waiting for company
+        is taken at once when none is coming any more."""
+        with self._cv:
+            self.arriving = n
+            if n == 0:
+                self._cv.notify()
 
     # -- the inference thread ---------------------------------------------------------------------------
     def _next(self) -> tuple[_Queue, list[_Item]] | None:

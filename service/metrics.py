@@ -9,6 +9,8 @@ current counts of the other workers are at most `LIVE_REFRESH_S` old."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,6 +19,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144)
+log = logging.getLogger("latentlm.service")
+
 LIVE_REFRESH_S = 1.0  # how often a worker publishes its current counts (`Metrics.refresh`) under several workers
 
 
@@ -98,3 +102,13 @@ class Metrics:
         merged = CollectorRegistry()
         MultiProcessCollector(merged)
         return generate_latest(merged)
+
+
+async def publish_live_metrics(metrics: Metrics) -> None:
+    """One of several workers: publish this worker's current counts every LIVE_REFRESH_S (`Metrics.refresh`)."""
+    while True:
+        await asyncio.sleep(LIVE_REFRESH_S)
+        try:
+            metrics.refresh()
+        except Exception as e:  # a metric file that cannot be written must not stop the worker
+            log.warning("cannot publish this worker's metrics: %s", e)

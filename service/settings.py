@@ -18,6 +18,8 @@ def _env(name: str, default: str | None = None) -> str | None:
 # batch costs a graph replay whatever its size, so the dynamic batcher and batch jobs hand it large merged batches
 # (a batch job's chunk of 512 lines of 8 x 50 tokens is one 200k-token call; on CPU 32 lines and 16k tokens).
 CUDA_DEFAULTS = {"max_batch_tokens": 1 << 18, "job_chunk_size": 512}
+ENGINES = ("auto", "inline", "process")
+CUDA_MAX_AUTO_WORKERS = 8  # API workers `serve` starts by default on CUDA (with Redis): they only parse and answer
 INFLIGHT_MARGIN = 128  # requests in the app beyond what the batcher holds (parsing, answering, /v1/models, files)
 
 
@@ -100,8 +102,15 @@ class Settings:
                                          # providers / OTLP exporters); Prometheus /metrics is always on
     workers: int = 0                     # `serve`: API worker processes (one port, connections spread by the
                                          # kernel, SO_REUSEPORT), each model's weights mapped once and shared; 0 =
-                                         # one per usable core with Redis on a CPU, else 1. More than one needs
+                                         # one per usable core with Redis (at most 8 on CUDA, with an engine
+                                         # process), else 1. More than one needs
                                          # REDIS_URL (cache, rate limits, jobs and reloads are shared through it)
+    engine: str = "auto"                 # `serve`: where the models and the batcher live. inline: in every API
+                                         # process; process: in one engine process that owns the device, the API
+                                         # workers hand it each request over a Unix socket (service/engine.py), so
+                                         # single-sentence requests from every worker share its batches; auto:
+                                         # process on CUDA with several workers, inline otherwise
+    engine_socket: str = ""              # set by `serve` for its API workers: the engine process's socket
     gil_switch_interval_ms: float = 0.1  # `serve`: how soon a busy event loop hands the GIL to the inference
                                          # thread (Python's default, 5 ms, stalls each batch several times)
 
@@ -132,9 +141,12 @@ class Settings:
             raise ValueError(f"LATENTLM_WORKERS={s.workers} needs REDIS_URL: the workers share the response cache, "
                              "rate limits, batch jobs and model reloads through Redis (without it the service runs "
                              "one process: LATENTLM_WORKERS=1)")
-        if s.workers > 1 and s.on_cuda:
-            raise ValueError(f"LATENTLM_WORKERS={s.workers} on CUDA would hold every model once per worker on the "
-                             "device: run one worker there (LATENTLM_WORKERS=1)")
+        if s.engine not in ENGINES:
+            raise ValueError(f"LATENTLM_ENGINE: expected one of {', '.join(ENGINES)}, got {s.engine!r}")
+        if s.workers > 1 and s.engine == "inline" and s.on_cuda:
+            raise ValueError(f"LATENTLM_WORKERS={s.workers} with LATENTLM_ENGINE=inline on CUDA would hold every "
+                             "model once per worker on the device: let one engine process own it "
+                             "(LATENTLM_ENGINE=process or auto), or run one worker (LATENTLM_WORKERS=1)")
         if s.on_cuda:
             for k, v in CUDA_DEFAULTS.items():
                 if k not in given:
@@ -174,19 +186,30 @@ class Settings:
 
     @property
     def worker_count(self) -> int:
-        """API worker processes of `serve`: `workers`, or with 0 one per usable core where Redis is configured
-        and models run on the CPU (one process otherwise)."""
+        """API worker processes of `serve`: `workers`, or with 0 one per usable core where Redis is configured (on
+        CUDA at most CUDA_MAX_AUTO_WORKERS, beside an engine process; one process otherwise)."""
         if self.workers > 0:
             return self.workers
-        if not self.redis_url or self.on_cuda:
+        if not self.redis_url or (self.on_cuda and self.engine == "inline"):
             return 1
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
+        return max(1, min(cores, CUDA_MAX_AUTO_WORKERS) if self.on_cuda else cores)
+
+    @property
+    def engine_mode(self) -> str:
+        """Where `serve` runs the models and the batcher: "process" (one engine process, the API workers hand it
+        requests) or "inline" (in each API process). `engine`, or with auto: process on CUDA with several
+        workers."""
+        if self.engine != "auto":
+            return self.engine
+        return "process" if self.on_cuda and self.worker_count > 1 else "inline"
 
     @property
     def snapshot_dir(self) -> Path | None:
         """Where several workers keep the verified snapshots of model weights they all map
-        (`store.map_weights`): `<state_dir>/weights`; None for one process (weights read into its memory)."""
-        return self.state_dir / "weights" if self.worker_count > 1 else None
+        (`store.map_weights`): `<state_dir>/weights`, also with an engine process (the API workers map them for
+        their checks, the engine on the CPU too); None for one process (weights read into its memory)."""
+        return self.state_dir / "weights" if self.worker_count > 1 or self.engine_mode == "process" else None
 
     def to_env(self) -> dict[str, str]:
         """These settings as the environment `from_env` reads back (LATENTLM_<NAME>, REDIS_URL): how `serve`

@@ -15,6 +15,7 @@ from fastapi import Request
 
 from latentlm.service.batcher import Batcher, QueueFull
 from latentlm.service.cache import ResponseCache
+from latentlm.service.engine import EngineClient
 from latentlm.service.errors import APIError, shutting_down
 from latentlm.service.metrics import Metrics
 from latentlm.service.registry import ModelRegistry
@@ -28,7 +29,7 @@ class ServiceState:
     settings: Settings
     metrics: Metrics
     registry: ModelRegistry
-    batcher: Batcher
+    batcher: Batcher | EngineClient  # this process's lanes, or the engine process's (`service.engine`)
     loader: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="load"))
     cache: ResponseCache | None = None
     jobs: Any = None  # jobs.LocalJobStore or jobs.RedisJobStore, set at startup
@@ -60,6 +61,9 @@ class ServiceState:
         if not self.registry.ready:
             raise APIError(503, "models are still loading; retry shortly", code="not_ready",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
+        if not self.batcher.ready:
+            raise APIError(503, "the inference engine is not reachable (starting or restarting); retry shortly",
+                           code="engine_unavailable", headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def queue_full(self, e: QueueFull) -> APIError:
         return APIError(429, f"server busy: {e}", code="queue_full",

@@ -1,4 +1,4 @@
-"""`latentlm serve` with several API worker processes (`Settings.worker_count` > 1).
+"""`latentlm serve` with several API worker processes (`Settings.worker_count` > 1), or with an engine process.
 
 The supervisor starts `worker_count` copies of `latentlm serve`, each a whole service (the one FastAPI app, its
 batcher and its inference threads) on a socket of its own in the port's SO_REUSEPORT group, so the kernel spreads
@@ -14,6 +14,12 @@ every worker, which drains as one process does (`app.install_sigterm`: /ready an
 finish within `shutdown_grace_s`); a second one is passed on too (the workers then stop at once). A worker that
 dies is started again (its metric files marked dead); one that dies within `EARLY_EXIT_S` of its start, twice in
 a row, stops the service (exit status 1), e.g. a port taken by another program.
+
+With an engine process (`Settings.engine_mode` "process": CUDA with several workers, or LATENTLM_ENGINE=process), the
+supervisor also starts `latentlm engine` (`service.engine`): it alone loads the models onto the device and runs the
+batcher, on a Unix socket in a directory only this user can enter; the workers run on the CPU with one thread each,
+prepare every request and hand it to the engine. The engine is started again like a worker when it dies; at
+shutdown it gets SIGTERM once every worker has drained and exited.
 """
 
 from __future__ import annotations
@@ -64,32 +70,58 @@ class Supervisor:
         self.env = env
         self.args = [sys.executable, "-m", "latentlm.cli", "serve", "--store", str(settings.store),
                      "--host", host, "--port", str(port), "--log-level", log_level]
-        self.procs: list[subprocess.Popen | None] = [None] * self.n
-        self.started = [0.0] * self.n
-        self.early = [0] * self.n
+        self.engine: int | None = None  # index of the engine process in `procs` (the last), if there is one
+        self.socket_dir: Path | None = None
+        if settings.engine_mode == "process":
+            # the engine owns the device, the models and the batcher; the workers parse, prepare and answer (CPU
+            # only, one thread each, the weights mapped for their checks, no calibration: they run no model)
+            self.socket_dir = Path(tempfile.mkdtemp(prefix="latentlm-engine-"))  # 0700: only this user connects
+            socket = str(self.socket_dir / "engine.sock")
+            self.engine = self.n
+            self.engine_env = {**env, "LATENTLM_ENGINE": "process", "LATENTLM_TORCH_THREADS": str(
+                settings.torch_threads)}
+            self.engine_args = [sys.executable, "-m", "latentlm.cli", "engine", "--store", str(settings.store),
+                                "--socket", socket, "--log-level", log_level]
+            env.update({"LATENTLM_ENGINE": "process", "LATENTLM_ENGINE_SOCKET": socket, "LATENTLM_DEVICE": "cpu",
+                        "LATENTLM_CALIBRATE": "0", "LATENTLM_TORCH_THREADS": "1"})
+        total = self.n + (self.engine is not None)
+        self.procs: list[subprocess.Popen | None] = [None] * total
+        self.started = [0.0] * total
+        self.early = [0] * total
         self.stopping = 0  # signals received
+        self.engine_told = False  # the engine got its SIGTERM
 
     def spawn(self, i: int) -> None:
         # its own process group: a signal to the supervisor's group (a terminal's Ctrl-C, `kill -- -PGID`) reaches
         # the workers once, forwarded, not twice (a second SIGTERM would cut the drain short); and it gets SIGTERM
         # should the supervisor die without passing one on
-        self.procs[i] = subprocess.Popen(self.args, env={**self.env, WORKER_INDEX: str(i + 1)}, process_group=0,
-                                         preexec_fn=_term_with_parent)
+        args, env = (self.engine_args, self.engine_env) if i == self.engine else (
+            self.args, {**self.env, WORKER_INDEX: str(i + 1)})
+        self.procs[i] = subprocess.Popen(args, env=env, process_group=0, preexec_fn=_term_with_parent)
         self.started[i] = time.monotonic()
 
+    def name(self, i: int) -> str:
+        return "the engine" if i == self.engine else f"worker {i + 1}"
+
     def forward(self, sig: int, frame=None) -> None:
+        """SIGTERM to every worker (the first drains, a second stops a worker at once); the engine gets it once the
+        workers have exited (`watch`), since their draining requests still run on it, or at a second signal."""
         self.stopping += 1
-        for p in self.procs:
-            if p is not None and p.poll() is None:
-                p.send_signal(signal.SIGTERM)  # the first drains, a second stops the worker at once
+        for i, p in enumerate(self.procs):
+            if p is not None and p.poll() is None and (i != self.engine or self.stopping > 1):
+                p.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self.forward)
-        log.warning("latentlm serve: %d workers (%d torch threads each), weights shared from %s", self.n,
-                    int(self.env["LATENTLM_TORCH_THREADS"]), self.settings.snapshot_dir)
+        if self.engine is not None:
+            log.warning("latentlm serve: %d API workers and one engine process that runs the models on %s; weights "
+                        "mapped from %s", self.n, self.settings.device, self.settings.snapshot_dir)
+        else:
+            log.warning("latentlm serve: %d workers (%d torch threads each), weights shared from %s", self.n,
+                        int(self.env["LATENTLM_TORCH_THREADS"]), self.settings.snapshot_dir)
         try:
-            for i in range(self.n):
+            for i in range(len(self.procs)):
                 self.spawn(i)
             return self.watch()
         finally:
@@ -98,6 +130,8 @@ class Supervisor:
                     p.kill()
                     p.wait()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            if self.socket_dir is not None:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def watch(self) -> int:
         from prometheus_client import multiprocess
@@ -106,6 +140,12 @@ class Supervisor:
         while True:
             time.sleep(POLL_S)
             alive = 0
+            engine = self.procs[self.engine] if self.engine is not None else None
+            if self.stopping and engine is not None and engine.poll() is None and all(
+                    p is None for i, p in enumerate(self.procs) if i != self.engine):
+                if not self.engine_told:
+                    engine.send_signal(signal.SIGTERM)  # the workers have drained and exited: the engine goes too
+                    self.engine_told = True
             for i, p in enumerate(self.procs):
                 if p is None:
                     continue
@@ -120,12 +160,12 @@ class Supervisor:
                     continue
                 self.early[i] = self.early[i] + 1 if time.monotonic() - self.started[i] < EARLY_EXIT_S else 0
                 if self.early[i] >= 2:
-                    log.error("latentlm serve: worker %d exited with status %s twice within %.0f s of its start; "
-                              "stopping", i + 1, rc, EARLY_EXIT_S)
+                    log.error("latentlm serve: %s exited with status %s twice within %.0f s of its start; "
+                              "stopping", self.name(i), rc, EARLY_EXIT_S)
                     self.forward(signal.SIGTERM)
                     status = 1
                     continue
-                log.error("latentlm serve: worker %d (pid %d) exited with status %s; starting it again", i + 1,
+                log.error("latentlm serve: %s (pid %d) exited with status %s; starting it again", self.name(i),
                           p.pid, rc)
                 self.spawn(i)
                 alive += 1

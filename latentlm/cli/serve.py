@@ -63,7 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     ops.resolve_device(settings.device)  # fail early on --device cuda without a GPU
     ensure_default_model(settings.store)
     workers = supervisor.is_worker()
-    if settings.worker_count > 1 and not workers:  # start the workers, each of which runs the code below
+    if (settings.worker_count > 1 or settings.engine_mode == "process") and not workers:
+        # start the workers (each of which runs the code below) and, where there is one, the engine process
         sys.exit(supervisor.run(settings, args.host, args.port, args.log_level))
     from latentlm.service.app import create_app
 
@@ -85,6 +86,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if not workers:
             raise
         raise ServeError(str(e), param="port") from None
+
+
+def cmd_engine(args: argparse.Namespace) -> None:
+    from latentlm.service import engine, redact
+    from latentlm.service.settings import Settings
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s:     %(message)s")
+    settings = settings_from_env(Settings, store=args.store, device=args.device)
+    ops.resolve_device(settings.device)
+    redact.install(settings.keys)
+    set_threads(settings.torch_threads)
+    gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
+    engine.run(settings, args.socket)
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
@@ -111,6 +125,15 @@ def register(sub) -> None:
                         "/v1/models says which backend runs each operation")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("engine", help="the engine process `serve` starts beside its API workers with "
+                                      "LATENTLM_ENGINE=process: it loads the models onto the device and runs the "
+                                      "batcher; the workers hand it requests over the Unix socket --socket")
+    p.add_argument("--socket", type=Path, required=True, help="the Unix socket to listen on (replaced if present)")
+    p.add_argument("--store", type=Path, default=None, help="model store (default: $LATENTLM_STORE or ./artifacts)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None, help="default auto")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_engine)
 
     p = sub.add_parser("worker", help="run batch jobs from Redis (REDIS_URL)")
     p.add_argument("--store", type=Path, default=None, help="model store (default: $LATENTLM_STORE or ./artifacts)")

@@ -23,7 +23,7 @@ import itertools
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any
 
 import torch
@@ -41,6 +41,7 @@ from latentlm.service import execute
 from latentlm.service.batcher import QueueFull
 from latentlm.service.errors import APIError
 from latentlm.service.routes.operations import CANCEL, JSONBytes, OperationRoute
+from latentlm.service.settings import Settings
 from latentlm.service.state import ServiceState, get_state
 
 MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's completions allow 5)
@@ -171,7 +172,7 @@ def encode_prompts(model: ops.LoadedModel, prompt: Any) -> list[list[int]]:
     return out
 
 
-def prepare(model: ops.LoadedModel, req: CompletionRequest, state: ServiceState) -> Prepared:
+def prepare(model: ops.LoadedModel, req: CompletionRequest, settings: Settings) -> Prepared:
     """Check the family, the fields, the limits and the cost budget before any work; build each prompt's
     `/v1/sample` settings."""
     if not isinstance(model.impl, ChainFamily):
@@ -180,7 +181,7 @@ def prepare(model: ops.LoadedModel, req: CompletionRequest, state: ServiceState)
                        code="unsupported_model")
     ops.check_supported(model, "sample")
     refuse_unsupported(req)
-    s = state.settings
+    s = settings
     try:
         prompts = encode_prompts(model, req.prompt)
     except InputError as e:
@@ -402,11 +403,28 @@ def sample_like_v1(model: ops.LoadedModel, sreq: SampleRequest) -> dict[str, Any
 
 
 # -- the route ---------------------------------------------------------------------------------------------------
+def call_for(model: ops.LoadedModel, req: CompletionRequest, settings: Settings) -> spec.Call:
+    """The completion request checked and prepared (`prepare`) as a call of `OPERATION`. Its `request` has the seed
+    drawn here, so an engine process preparing it again (service/engine.py) draws the same choices."""
+    prep = prepare(model, req, settings)
+    if req.seed is None:
+        req = req.model_copy(update={"seed": prep.seed})
+    return spec.Call(model, OPERATION, {"prepared": prep}, [], req, prep.cost,
+                     input_tokens=sum(len(p) for p in prep.prompts), output_tokens=prep.n * prep.max_tokens)
+
+
+def run_call(call: spec.Call, _cap: int | None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """`run` as plain data (each choice's fields, the usage), as it crosses to an API worker from an engine."""
+    choices, usage = run(call.opts["prepared"])
+    return [asdict(c) for c in choices], usage
+
+
 # How the batcher runs a completion: like /v1/sample (not merged, not cached), on a lane's thread in queue order (the
-# heavy lane above `heavy_request_cost`). A service route only: no CLI subcommand or batch endpoint reads it.
+# heavy lane above `heavy_request_cost`). A service route only: no CLI subcommand or batch endpoint reads it. An
+# engine process prepares it again from its request (`extra["engine_call"]`).
 OPERATION = spec.Operation("completions", "OpenAI completions (the /v1/completions route)", CompletionRequest,
-                           run=lambda call, _cap: run(call.opts["prepared"]), merge=False, cache=False,
-                           generates=True, input_field="prompt")
+                           run=run_call, merge=False, cache=False, generates=True, input_field="prompt",
+                           extra={"engine_call": call_for})
 router = APIRouter(prefix="/v1", tags=["completions"], route_class=OperationRoute)
 
 
@@ -424,14 +442,14 @@ async def completions(req: CompletionRequest, state: ServiceState = Depends(get_
     settings, same tokens), with exact log-probabilities (`logprobs`, `echo`)."""
     state.ensure_ready()
     model = state.registry.get(req.model)
-    prep = prepare(model, req, state)
     s = state.settings
-    call = spec.Call(model, OPERATION, {"prepared": prep}, [], req, prep.cost,
-                     input_tokens=sum(len(p) for p in prep.prompts), output_tokens=prep.n * prep.max_tokens)
+    call = call_for(model, req, s)
+    prep = call.opts["prepared"]
     try:
-        choices, usage = await state.batcher.submit(call, heavy=prep.cost > s.heavy_request_cost, scope=CANCEL.get())
+        drawn, usage = await state.batcher.submit(call, heavy=prep.cost > s.heavy_request_cost, scope=CANCEL.get())
     except QueueFull as e:
         raise state.queue_full(e) from None
+    choices = [Choice(**c) for c in drawn]
     head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": prep.created,
             "model": model.name, "system_fingerprint": "fp_" + model.content_hash[:16]}
     if not req.stream:

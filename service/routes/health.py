@@ -20,15 +20,20 @@ async def health() -> dict:
     return {"status": "ok"}
 
 
-@router.get("/ready", responses={503: {"description": "models still loading, or shutting down (SIGTERM)"}})
+@router.get("/ready", responses={503: {"description": "models still loading, the engine process not reachable, or "
+                                                    "shutting down (SIGTERM)"}})
 async def ready(state: ServiceState = Depends(get_state)) -> Response:
-    """200 once every model in the store has been loaded (or failed to load); 503 before, and from the moment
-    the process receives SIGTERM (`shutting_down`)."""
+    """200 once every model in the store has been loaded (or failed to load) and, with an engine process, the engine
+    is connected; 503 before (`loading`, `engine_unavailable`), and from the moment the process receives SIGTERM
+    (`shutting_down`)."""
     if state.draining:
         return Response(json.dumps({"status": "shutting_down"}), status_code=503, media_type=JSON,
                         headers={"Retry-After": str(state.settings.retry_after_s)})
     if not state.registry.ready:
         return Response(json.dumps({"status": "loading"}), status_code=503, media_type=JSON,
+                        headers={"Retry-After": str(state.settings.retry_after_s)})
+    if not state.batcher.ready:
+        return Response(json.dumps({"status": "engine_unavailable"}), status_code=503, media_type=JSON,
                         headers={"Retry-After": str(state.settings.retry_after_s)})
     return Response(json.dumps({"status": "ready", "models": sorted(state.registry.models),
                                 "failed": state.registry.failed}), media_type=JSON)

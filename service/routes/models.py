@@ -76,6 +76,7 @@ async def reload(state: ServiceState = Depends(get_state)) -> dict:
     Requests in flight finish on the version they started with. With Redis, the other API processes on it reload
     too (within about a second of their next request)."""
     out = await asyncio.get_running_loop().run_in_executor(state.loader, state.reload_models)
+    await state.batcher.models_changed()  # an engine process syncs with the store too
     watcher = getattr(state, "reload_watcher", None)
     if watcher is not None:  # API processes on the same Redis reload too (reload.ReloadWatcher)
         await watcher.bump()

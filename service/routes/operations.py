@@ -33,7 +33,6 @@ from pydantic import BaseModel, ValidationError
 from latentlm import ops
 from latentlm.models.errors import LatentLMError
 from latentlm.ops import format, spec
-from latentlm.ops.batching import slices
 from latentlm.service import errors, execute
 from latentlm.service.batcher import CancelScope, QueueFull
 from latentlm.service.errors import APIError, ShuttingDown
@@ -46,7 +45,6 @@ TICKET: ContextVar[list[bool] | None] = ContextVar("latentlm_ticket", default=No
 CANCEL: ContextVar[CancelScope | None] = ContextVar("latentlm_cancel", default=None)  # this request's scope
 NDJSON = "application/x-ndjson"
 WATCH_AFTER_S = 0.05  # a request still running after this starts watching its connection (`Watch`)
-STREAM_PAYLOAD_BYTES = 1 << 20  # a streamed posterior hands the event loop about this much per payload
 
 
 def parse_json(model: type[BaseModel], raw: bytes) -> BaseModel:
@@ -259,29 +257,10 @@ async def stream_pieces(call: spec.Call, state: ServiceState) -> Response:
     `spans`), then `{"object": "<op>.usage", "model", "usage"}`. Computed in the heavy lane slice by slice; at most
     STREAM_AHEAD payloads of ~1 MB wait for a slow client, so memory stays bounded whatever the response size. An
     error before the first line is answered with its status; a later one as a last line `{"error": ...}`."""
-    s = state.settings
-    model, seqs, op = call.model, call.seqs, call.op
-    positions = max(1, s.posterior_stream_positions)
-    assert op.pieces is not None
-
-    def job():
-        costs = [ops.operation_cost(model, op.name, [q], top_k=call.opts.get("top_k")) for q in seqs]
-        for lo, hi in slices(costs, s.heavy_slice_cost):
-            part = spec.Call(model, op, call.opts, seqs[lo:hi], call.request)
-            lines: list[bytes] = []
-            size = 0
-            for piece in op.pieces(part, positions, offset=lo):
-                line = ops.dumps(format.chunk(call, piece)) + b"\n"
-                lines.append(line)
-                size += len(line)
-                if size >= STREAM_PAYLOAD_BYTES:
-                    yield b"".join(lines)
-                    lines, size = [], 0
-            if lines:
-                yield b"".join(lines)
-
     try:
-        reader = await state.batcher.submit(call, job=job, scope=CANCEL.get())
+        s = state.settings
+        reader = await state.batcher.stream(call, slice_cost=s.heavy_slice_cost,
+                                            positions=max(1, s.posterior_stream_positions), scope=CANCEL.get())
     except QueueFull as e:
         raise state.queue_full(e) from None
     try:
