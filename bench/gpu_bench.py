@@ -11,6 +11,9 @@ this device reaches. Errors of the fast variants are reported against the exact 
     python bench/gpu_bench.py --small     # tiny shapes; on CPU the Triton kernels run in the interpreter
     python bench/gpu_bench.py --mode service [--small]   # `latentlm serve` under load (warm-up pass, measured
         pass with the batcher's figures from /metrics), then a batch job through /v1/files + /v1/batches
+    python bench/gpu_bench.py --mode service --engine process --workers 4 --seqs-per-request 1 --no-job
+        # the same load as one sentence per request from API workers handing them to the engine process (a
+        # redis-server on PATH is started for several workers; without one, one worker)
 
 Prints one JSON line per measurement and writes a markdown table (device name and date in its header).
 """
@@ -348,13 +351,25 @@ def service_load(args, dev: torch.device) -> dict:
         port = so.getsockname()[1]
     device = "cuda" if dev.type == "cuda" else "cpu"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LATENTLM_") and k != "REDIS_URL"}
-    env.update(LATENTLM_STATE_DIR=str(tmp / "state"), PYTHONUNBUFFERED="1")
+    env.update(LATENTLM_STATE_DIR=str(tmp / "state"), PYTHONUNBUFFERED="1", LATENTLM_ENGINE=args.engine)
+    workers, redis = args.workers, None
+    if workers > 1:
+        import shutil
+
+        if shutil.which("redis-server") is None:
+            workers = 1  # several workers need Redis; recorded in the row
+        else:
+            from serving import start_redis  # bench/serving.py
+
+            redis, env["REDIS_URL"] = start_redis(tmp)
+    env["LATENTLM_WORKERS"] = str(workers)
     log = tmp / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "latentlm.cli", "serve", "--store", str(store), "--port", str(port),
                              "--device", device, "--log-level", "warning"], env=env, stdout=open(log, "wb"),
                             stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp)  # cwd: see gpu_check.sh
     url = f"http://127.0.0.1:{port}"
-    row = {"case": "service", "device": device, "model_build_s": build_s,
+    row = {"case": "service", "device": device, "model_build_s": build_s, "engine": args.engine,
+           "workers": workers, "workers_asked": args.workers,
            "model": "blocked_hmm 4 x 16 states" if args.small else "blocked_hmm 16 x 256 states"}
     job: dict = {"case": "service_batch_job", "device": device, "model": row["model"]}
     try:
@@ -373,7 +388,7 @@ def service_load(args, dev: torch.device) -> dict:
             time.sleep(0.25)
         row["ready_s"] = time.time() - t0 - build_s
         rng = random.Random(0)
-        conc, seqs, toks = (8 if args.small else args.concurrency), 8, 50
+        conc, seqs, toks = (8 if args.small else args.concurrency), args.seqs_per_request, 50
         n_req = 32 if args.small else args.requests
         n_warm = 16 if args.small else args.warmup_requests
 
@@ -422,8 +437,11 @@ def service_load(args, dev: torch.device) -> dict:
         warm = load(n_warm)
         row.update(concurrency=conc, seqs_per_request=seqs, tokens_per_seq=toks, **load(n_req),
                    warmup={k: warm[k] for k in ("requests", "tokens_per_s", "p99_ms", "batcher")})
-        job.update(batch_job(url, name, V, 64 if args.small else args.job_lines, seqs, toks, rng,
-                             args.job_timeout))
+        if args.no_job:
+            job = {}
+        else:
+            job.update(batch_job(url, name, V, 64 if args.small else args.job_lines, seqs, toks, rng,
+                                 args.job_timeout))
     except Exception as e:
         row["error"] = repr(e)[:1500]
     finally:
@@ -434,9 +452,11 @@ def service_load(args, dev: torch.device) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+        if redis is not None:
+            redis.terminate()
     if "error" in row or row.get("errors") or job.get("error") or job.get("request_counts", {}).get("failed"):
         row["server_log_tail"] = log.read_text(errors="replace")[-2000:]  # why the server refused them
-    if "error" not in row:
+    if "error" not in row and job:
         emit(job)
         if "error" in job:
             row["error"] = "batch job: " + job["error"]
@@ -607,6 +627,12 @@ def main() -> None:
     ap.add_argument("--job-timeout", type=float, default=30.0, help="service mode: give the batch job this long")
     ap.add_argument("--load-seconds", type=float, default=30.0, help="service mode: stop sending after this")
     ap.add_argument("--ready-timeout", type=float, default=60.0)
+    ap.add_argument("--engine", default="auto", choices=["auto", "inline", "process"],
+                    help="service mode: LATENTLM_ENGINE (process: one engine process runs the models for the workers)")
+    ap.add_argument("--workers", type=int, default=1, help="service mode: LATENTLM_WORKERS (more than one starts a "
+                    "redis-server from PATH; without one, 1)")
+    ap.add_argument("--seqs-per-request", type=int, default=8, help="service mode: 50-token sequences per request")
+    ap.add_argument("--no-job", action="store_true", help="service mode: no batch job after the load")
     ap.add_argument("--deadline-s", type=float, default=math.inf, help="kernels mode: start no variant after this")
     ap.add_argument("--onnx-provider", default="CUDAExecutionProvider", help="onnx mode: the provider to check")
     args = ap.parse_args()

@@ -2,7 +2,8 @@
 # One GPU check in at most ~8 minutes (section limits 100 + 240 + 100 + 30 s by default), writing one markdown results file:
 #   (a) tests/models/test_triton.py (compiled Triton kernels on CUDA, CUDA graphs; interpreter on CPU)
 #   (b) bench/gpu_bench.py: the kernels next to the shared yardstick, same process (+ matmul peak, copy bandwidth)
-#   (c) `latentlm serve --device cuda` under a load generator (needs fastapi/uvicorn: installed from .whl/ if there)
+#   (c) `latentlm serve --device cuda` under a load generator (needs fastapi/uvicorn/msgpack: installed from .whl/ if
+#       there), then one-sentence requests from 4 API workers through the engine process (c-engine; same limit)
 #   (d) onnxruntime CUDAExecutionProvider parity (skipped unless that provider exists)
 #
 #   bash bench/gpu_check.sh [--small] [--yardstick PATH] [--out DIR]
@@ -53,7 +54,7 @@ read -r LIM_A LIM_B LIM_C LIM_D <<< "${GPU_CHECK_LIMITS:-$DEFAULT_LIMITS}"
 . "$ROOT/bench/gpu_env.sh"  # $PYTHON, $WORK, an importable `latentlm` without installing the repository
 
 # the service's packages the GPU machine lacks, from wheels in .whl/, for the service section (c) only
-private_wheels "import fastapi, uvicorn, pydantic, starlette"
+private_wheels "import fastapi, uvicorn, pydantic, starlette, msgpack"
 
 SUFFIX=""; SMALLARG=""
 if [ "$SMALL" = 1 ]; then SUFFIX="_small"; SMALLARG="--small"; fi
@@ -113,6 +114,9 @@ fi
 if PYTHONPATH="$SVC_PATH" "$PYTHON" -c "import fastapi, uvicorn, pydantic, httpx" 2>"$WORK/fastapi.err"; then
   PYTHONPATH="$SVC_PATH" section "c-service" "$LIM_C" "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode service \
     --json "$OUT/gpu_service$SUFFIX.jsonl"
+  # one sentence per request from 4 API workers, batched on the device by the engine process (service/engine.py)
+  PYTHONPATH="$SVC_PATH" section "c-engine" "$LIM_C" "$PYTHON" "$ROOT/bench/gpu_bench.py" $SMALLARG --mode service \
+    --engine process --workers 4 --seqs-per-request 1 --no-job --json "$OUT/gpu_engine$SUFFIX.jsonl"
 else
   printf '\n## c-service: skipped: no fastapi (%s)\n' "$(tail -1 "$WORK/fastapi.err")" >> "$WORK/sections.md"
 fi

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Gauge
 
@@ -155,7 +155,48 @@ def sliced_run(call: Call, cap: int, slice_cost: int) -> Generator[None, None, l
     return results
 
 
-class Batcher:
+class Lanes(Protocol):
+    """Where the routes send prepared calls: this process's `Batcher`, or `engine.EngineClient` (the same calls run
+    by the engine process)."""
+
+    ready: bool
+    arriving: int
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def submit(self, call: Call, ticket: list[bool] | None = None, *, heavy: bool = False,
+                     slice_cost: int | None = None, scope: CancelScope | None = None, job: Any = None) -> Any: ...
+    async def stream(self, call: Call, *, slice_cost: int, positions: int, scope: CancelScope | None = None
+                     ) -> Payloads: ...
+    async def models_changed(self) -> None: ...
+    def announce(self) -> list[bool]: ...
+    def retract(self, ticket: list[bool] | None) -> None: ...
+    def fail_pending(self) -> int: ...
+
+
+class Arrivals:
+    """Requests the HTTP layer has seen and not yet submitted: `announce()` when one arrives, `retract(ticket)` when
+    it is submitted or given up. A batch waits for them (`max_queue_delay`)."""
+
+    arriving = 0
+
+    def announce(self) -> list[bool]:
+        """The HTTP layer saw an operation request; pass the ticket to submit(), retract() it when done."""
+        self.arriving += 1
+        return [True]
+
+    def retract(self, ticket: list[bool] | None) -> None:
+        if ticket and ticket[0]:
+            ticket[0] = False
+            self.arriving -= 1
+            if self.arriving == 0:
+                self._none_arriving()
+
+    def _none_arriving(self) -> None:
+        """The last announced request was submitted or given up."""
+
+
+class Batcher(Arrivals):
     """`await submit(call)` -> the per-input result dicts of that request (index from 0)."""
 
     def __init__(self, metrics: Metrics, *, max_batch_tokens: int | None = None, max_queue_delay_ms: float = 2.0,
@@ -371,16 +412,6 @@ class Batcher:
         on an idle server is dispatched at once (no added latency); under load the delay applies."""
         return self.arriving > 0
 
-    def announce(self) -> list[bool]:
-        """The HTTP layer saw an operation request; pass the ticket to submit(), retract() it when done."""
-        self.arriving += 1
-        return [True]
-
-    def retract(self, ticket: list[bool] | None) -> None:
-        if ticket and ticket[0]:
-            ticket[0] = False
-            self.arriving -= 1
-
     def set_arriving(self, n: int) -> None:
         """Requests on their way from elsewhere (an engine's API workers report theirs): a batch waiting for company
         is taken at once when none is coming any more."""
@@ -585,15 +616,13 @@ def _deliver(items: list[_Item], outcomes: list[tuple[bool, Any]]) -> None:
             it.future.set_exception(value)
 
 
-class StreamReader:
-    """The event-loop side of `Batcher.stream`: `async for payload in reader` (an exception the job raised is
-    raised here; `ShuttingDown` when the service stops). `close()` cancels the job (it stops at its next slice)."""
+class Payloads:
+    """What a stream's reader holds: `async for payload in reader` (an exception put there is raised; END ends it).
+    `put` is called on the event loop; `_took` after each payload taken; `close()` stops the work."""
 
     END = object()
 
-    def __init__(self, batcher: Batcher, future: asyncio.Future) -> None:
-        self.batcher, self.future = batcher, future
-        self.item: _Item | None = None
+    def __init__(self) -> None:
         self._q: asyncio.Queue = asyncio.Queue()
         self.closed = False
 
@@ -601,15 +630,13 @@ class StreamReader:
         if not self.closed:
             self._q.put_nowait(payload)
 
-    def close(self) -> None:
-        """Stop: the job is dropped at its next slice boundary; a pending read ends."""
-        if not self.closed:
-            self.closed = True
-            if not self.future.done():
-                self.future.cancel()
-            self._q.put_nowait(self.END)
+    def _took(self) -> None:
+        """A payload was taken (backpressure: the work may go on)."""
 
-    def __aiter__(self) -> StreamReader:
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __aiter__(self) -> Payloads:
         return self
 
     async def __anext__(self) -> Any:
@@ -620,6 +647,27 @@ class StreamReader:
         if isinstance(payload, BaseException):
             self.closed = True
             raise payload
+        self._took()
+        return payload
+
+
+class StreamReader(Payloads):
+    """The event-loop side of `Batcher.stream`: `async for payload in reader` (an exception the job raised is
+    raised here; `ShuttingDown` when the service stops). `close()` cancels the job (it stops at its next slice)."""
+
+    def __init__(self, batcher: Batcher, future: asyncio.Future) -> None:
+        super().__init__()
+        self.batcher, self.future = batcher, future
+        self.item: _Item | None = None
+
+    def close(self) -> None:
+        """Stop: the job is dropped at its next slice boundary; a pending read ends."""
+        if not self.closed:
+            self.closed = True
+            if not self.future.done():
+                self.future.cancel()
+            self._q.put_nowait(self.END)
+
+    def _took(self) -> None:
         if self.item is not None:
             self.batcher._taken(self.item)
-        return payload

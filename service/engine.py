@@ -50,7 +50,7 @@ from latentlm.models.errors import LatentLMError
 from latentlm.ops import spec
 from latentlm.ops.spec import Call
 from latentlm.service import execute
-from latentlm.service.batcher import STREAM_AHEAD, Batcher, CancelScope, QueueFull
+from latentlm.service.batcher import STREAM_AHEAD, Arrivals, Batcher, CancelScope, Payloads, QueueFull
 from latentlm.service.errors import APIError, ShuttingDown
 from latentlm.service.metrics import Metrics, multiprocess_dir, publish_live_metrics
 from latentlm.service.registry import ModelRegistry
@@ -383,21 +383,14 @@ class _Pending:
     stream: EngineStream | None = None
 
 
-class EngineStream:
+class EngineStream(Payloads):
     """A streamed answer from the engine: `async for payload in stream` (an error is raised there), `close()` stops it
     (the engine drops the work). Each payload taken is acknowledged, so the engine computes at most STREAM_AHEAD
     ahead of the client."""
 
-    END = object()
-
     def __init__(self, client: EngineClient, rid: int) -> None:
+        super().__init__()
         self.client, self.rid = client, rid
-        self._q: asyncio.Queue = asyncio.Queue()
-        self.closed = False
-
-    def put(self, payload: Any) -> None:
-        if not self.closed:
-            self._q.put_nowait(payload)
 
     def close(self) -> None:
         if not self.closed:
@@ -405,22 +398,11 @@ class EngineStream:
             self.client._cancel(self.rid)
             self._q.put_nowait(self.END)
 
-    def __aiter__(self) -> EngineStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        payload = await self._q.get()
-        if payload is self.END:
-            self.closed = True
-            raise StopAsyncIteration
-        if isinstance(payload, BaseException):
-            self.closed = True
-            raise payload
+    def _took(self) -> None:
         self.client._send_now({"t": "ack", "id": self.rid})
-        return payload
 
 
-class EngineClient:
+class EngineClient(Arrivals):
     """An API worker's engine: the batcher's interface (`submit`, `stream`, `announce`/`retract`, `fail_pending`,
     `start`/`stop`), over one Unix connection to the engine process that is kept open (reconnected while the engine
     restarts). Requests in flight when the connection drops are answered 503 `engine_unavailable`."""
@@ -497,7 +479,7 @@ class EngineClient:
             return
         del self.pending[msg["id"]]
         if p.stream is not None:
-            p.stream.put(decode_error(msg["err"]) if "err" in msg else EngineStream.END)
+            p.stream.put(decode_error(msg["err"]) if "err" in msg else Payloads.END)
             return
         if p.future.done():
             return
@@ -579,17 +561,10 @@ class EngineClient:
         p = await self._send({"t": "reload"}, None)
         await p.future
 
-    def announce(self) -> list[bool]:
-        self.arriving += 1
-        return [True]
-
-    def retract(self, ticket: list[bool] | None) -> None:
-        if ticket and ticket[0]:
-            ticket[0] = False
-            self.arriving -= 1
-            if self.arriving == 0 and self.reported:  # the engine may be holding a batch for these: none comes
-                self.reported = 0
-                self._send_now({"t": "arriving", "arriving": 0})
+    def _none_arriving(self) -> None:
+        if self.reported:  # the engine may be holding a batch for the requests it heard of: none comes
+            self.reported = 0
+            self._send_now({"t": "arriving", "arriving": 0})
 
     def fail_pending(self) -> int:
         """Shutting down: every request waiting on the engine is answered 503 and cancelled there; new ones are

@@ -13,9 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
-from latentlm.service.batcher import Batcher, QueueFull
+from latentlm.service.batcher import Lanes, QueueFull
 from latentlm.service.cache import ResponseCache
-from latentlm.service.engine import EngineClient
 from latentlm.service.errors import APIError, shutting_down
 from latentlm.service.metrics import Metrics
 from latentlm.service.registry import ModelRegistry
@@ -29,7 +28,7 @@ class ServiceState:
     settings: Settings
     metrics: Metrics
     registry: ModelRegistry
-    batcher: Batcher | EngineClient  # this process's lanes, or the engine process's (`service.engine`)
+    batcher: Lanes  # a `Batcher` (this process's lanes) or an `engine.EngineClient` (the engine process's)
     loader: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="load"))
     cache: ResponseCache | None = None
     jobs: Any = None  # jobs.LocalJobStore or jobs.RedisJobStore, set at startup

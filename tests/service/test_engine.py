@@ -325,6 +325,17 @@ def test_a_cancelled_request_is_dropped_in_the_engine(store, tmp_path):
 
 
 def test_the_engine_and_a_batcher_share_one_interface():
-    for name in ("submit", "stream", "announce", "retract", "fail_pending", "start", "stop", "models_changed",
-                 "ready"):
-        assert hasattr(Batcher, name) and hasattr(engine.EngineClient, name), name
+    import inspect
+
+    from latentlm.service.batcher import Lanes
+
+    members = [n for n in vars(Lanes) if not n.startswith("_")] + list(Lanes.__annotations__)
+    assert {"submit", "stream", "ready", "fail_pending"} <= set(members)
+    for name in members:
+        for cls in (Batcher, engine.EngineClient):
+            assert hasattr(cls, name), (cls, name)
+            if inspect.isfunction(getattr(Lanes, name, None)):
+                def params(f):
+                    return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+                assert params(getattr(cls, name)) == params(getattr(Lanes, name)), (cls, name)
