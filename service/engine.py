@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import signal
 import time
@@ -61,6 +62,7 @@ log = logging.getLogger("latentlm.engine")
 READ_BYTES = 1 << 16
 MAX_MESSAGE_BYTES = 1 << 30  # one message at most (a posterior answer of max_posterior_entries is ~50 MB)
 RETIRED_S = 30.0  # a version a reload replaced keeps answering requests prepared on it this long
+SYNC_EVERY_S = 1.0  # a request for a version the engine lacks syncs with the store at most this often
 RECONNECT_S = 0.1  # a worker tries its engine again this often while it is down
 
 
@@ -163,6 +165,7 @@ class EngineServer:
         self.connections: set[_Connection] = set()
         self.retired: dict[tuple[str, str], tuple[float, ops.LoadedModel]] = {}  # (name, hash) -> (until, model)
         self._sync: asyncio.Future | None = None
+        self._synced = -math.inf  # when the last sync ended
         self.receiving = 0  # call messages read and not yet queued in the batcher
 
     # -- models
@@ -178,11 +181,16 @@ class EngineServer:
         self.metrics.models_loaded.set(len(self.registry.models))
         return out
 
-    async def sync(self, rehash: bool = False) -> None:
-        """Reload once for every request waiting on it."""
+    async def sync(self, rehash: bool = False, *, at_most_every_s: float = 0.0) -> None:
+        """Reload once for every request waiting on it; none when the last one ended under `at_most_every_s` ago."""
         if self._sync is None or self._sync.done():
+            if time.monotonic() - self._synced < at_most_every_s:
+                return
             self._sync = asyncio.get_running_loop().run_in_executor(self.loader, self.reload, rehash)
-        await asyncio.shield(self._sync)
+        try:
+            await asyncio.shield(self._sync)
+        finally:
+            self._synced = time.monotonic()
 
     def _version(self, name: str, digest: str) -> ops.LoadedModel | None:
         m = self.registry.models.get(name)
@@ -195,9 +203,13 @@ class EngineServer:
         """The version of `name` the worker prepared on: the one loaded, one a reload replaced moments ago, or after
         syncing with the store; else 503 (the worker itself is about to reload)."""
         m = self._version(name, digest)
-        if m is None:
-            await self.sync()
+        if m is None:  # a model that fails to load here is not tried again for every request
+            await self.sync(at_most_every_s=SYNC_EVERY_S)
             m = self._version(name, digest)
+        if m is None and name in self.registry.failed and name not in self.registry.models:
+            raise APIError(503, f"model {name!r} is not loaded by the engine process: {self.registry.failed[name]}",
+                           param="model", code="model_unavailable",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
         if m is None:
             raise APIError(503, f"model {name!r}: this API worker and the engine hold different versions while a "
                                 "reload goes on; retry shortly", param="model", code="model_reloading",

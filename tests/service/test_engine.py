@@ -301,6 +301,25 @@ def test_a_request_runs_on_the_version_it_was_prepared_on(store, tmp_path):
     assert e.status == 503 and e.code == "model_reloading" and e.param == "model"
 
 
+def test_a_model_the_engine_cannot_load_is_a_503_naming_why(store, tmp_path):
+    store2 = tmp_path / "store"
+    shutil.copytree(store, store2)
+    call = prepared(ops.load_model(store2, "tiny"), "score", [[1, 2, 3]])
+    weights = store2 / "tiny" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = b"\xff" * 8  # the file no longer matches its manifest's hash
+    weights.write_bytes(bytes(data))
+
+    async def go(server, a, b):
+        with pytest.raises(APIError) as e:
+            await a.submit(call)
+        return e.value, server.registry.failed
+
+    e, failed = asyncio.run(_with_engine(store2, tmp_path, go))
+    assert "tiny" in failed
+    assert e.status == 503 and e.code == "model_unavailable" and e.param == "model" and "sha-256 mismatch" in e.message.lower()
+
+
 def test_a_cancelled_request_is_dropped_in_the_engine(store, tmp_path):
     model = ops.load_model(store, "tiny")
 

@@ -73,3 +73,34 @@ def test_stop_cancels_a_running_watcher():
         assert task.cancelled() and watch.task is None
 
     run(main())
+
+
+def test_access_lines_are_written_in_blocks_and_none_is_lost():
+    import io
+    import logging
+    import time
+
+    from latentlm.service.server import BlockWriter
+
+    out = io.StringIO()
+    block = BlockWriter(out, logging.Formatter("%(message)s"), max_delay_s=1.0, max_bytes=200)
+    logger = logging.getLogger("test.access.blocks")
+    logger.propagate, logger.level = False, logging.INFO
+    logger.addHandler(block)
+    try:
+        for i in range(5):
+            logger.info("line %d", i)
+        assert out.getvalue() == ""  # waiting: one write for many lines
+        deadline = time.monotonic() + 5
+        while out.getvalue().count("\n") < 5:  # written at most max_delay_s later, without another line
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert out.getvalue() == "".join(f"line {i}\n" for i in range(5))
+        for _ in range(40):  # max_bytes waiting: written at once
+            logger.info("x" * 9)
+        assert out.getvalue().count("x" * 9) >= 19
+        logger.info("last")
+        block.close()  # at exit (or when uvicorn stops): what waits is written
+        assert out.getvalue().endswith("last\n") and out.getvalue().count("x" * 9) == 40
+    finally:
+        logger.removeHandler(block)
