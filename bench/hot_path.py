@@ -1,7 +1,7 @@
 """Where the service's time per small request goes: `latentlm serve` on the default model under wrk (one 50-token
 sentence per POST /v1/score, 64 different inputs, c=1 and c=64), the CPU each request costs the event loop (main
 thread) and the other threads (batcher, engines) read from /proc, a py-spy profile of the event loop grouped by
-layer, and the in-process `ops.run` time of the same work. Writes bench/results/hot_path.md.
+layer, and the in-process `ops.run` time of the same work. Appends a section to bench/results/hot_path.md.
 
     .venv/bin/python bench/hot_path.py                         # profile this checkout
     .venv/bin/python bench/hot_path.py --before COMMIT         # also A/B: the files of the hot path (HOT_FILES) as
@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"latentlm": "latentlm", "models": "latentlm/models", "service": "latentlm/service",
             "training": "latentlm/training"}  # folder on disk -> where it sits in the import tree
 HOT_FILES = ["service/middleware.py", "service/routes/operations.py", "service/batcher.py", "service/errors.py",
-             "service/transport.py", "latentlm/ops/format.py", "latentlm/ops/batching.py", "latentlm/ops/inputs.py",
-             "latentlm/ops/spec.py", "latentlm/ops/requests.py"]
+             "service/transport.py", "service/server.py", "latentlm/ops/format.py", "latentlm/ops/batching.py",
+             "latentlm/ops/inputs.py", "latentlm/ops/spec.py", "latentlm/ops/requests.py"]
 
 # event-loop frames -> layer: for each py-spy stack the innermost frame matching a rule names its layer (a frame's
 # own time goes to the layer of the code it runs in; what it calls into is counted where it lands)
@@ -360,10 +360,10 @@ def write_report(args, head: str, runs: dict, prof: dict | None, inproc: dict, n
             lines += ["", "Top leaf frames:", ""] + [f"- {v:.1%} {k}" for k, v in pr["leaves"]]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    marker = "<!-- measured -->"
-    old = args.out.read_text() if args.out.exists() else ""
-    keep = old.split(marker)[0] if marker in old else "# The service's hot path for small requests\n\n"
-    args.out.write_text(keep + marker + "\n" + text)
+    old = args.out.read_text() if args.out.exists() else "# The service's hot path for small requests\n"
+    # every run is kept: this one is appended under its own heading
+    head = f"\n## Run of {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC\n\n"
+    args.out.write_text(old.rstrip("\n") + "\n" + head + text)
     print(text)
 
 
