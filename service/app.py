@@ -9,6 +9,7 @@ behind the same middleware (`middleware.Guard`: auth, body limit, metrics) and t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import threading
@@ -55,7 +56,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             state.runner = jobs.RQRunner(state.jobs, settings.redis_url)
         else:
             state.jobs = jobs.LocalJobStore(settings.state_dir / "jobs")
-            state.runner = jobs.LocalRunner(state.jobs, state.registry, settings)
+            # with an engine process, batch-job lines run there too (on its device, merged by its batcher)
+            run_calls = functools.partial(state.batcher.run_calls, heavy_cost=settings.heavy_request_cost,
+                                          slice_cost=settings.heavy_slice_cost) \
+                if isinstance(state.batcher, EngineClient) else None
+            state.runner = jobs.LocalRunner(state.jobs, state.registry, settings, run_calls)
         load = asyncio.get_running_loop().run_in_executor(state.loader, state.reload_models)
         load.add_done_callback(lambda f: f.exception() and log.error("model loading failed: %s", f.exception()))
         state.runner.start()

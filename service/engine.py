@@ -64,6 +64,8 @@ MAX_MESSAGE_BYTES = 1 << 30  # one message at most (a posterior answer of max_po
 RETIRED_S = 30.0  # a version a reload replaced keeps answering requests prepared on it this long
 SYNC_EVERY_S = 1.0  # a request for a version the engine lacks syncs with the store at most this often
 RECONNECT_S = 0.1  # a worker tries its engine again this often while it is down
+JOB_ENGINE_WAIT_S = 120.0  # a batch job's line waits this long for an engine that is down, before each of
+JOB_RETRIES = 3  # its tries (then the line's error is 503 engine_unavailable)
 
 
 # -- the wire ----------------------------------------------------------------------------------------------------
@@ -426,6 +428,7 @@ class EngineClient(Arrivals):
         self.arriving = 0  # requests announced (`announce`) and not yet sent
         self.reported = 0  # what the engine last heard of `arriving`
         self.writer: asyncio.StreamWriter | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._refusing = False
         self._stopping = False
@@ -437,6 +440,7 @@ class EngineClient(Arrivals):
 
     async def start(self) -> None:
         self._refusing = self._stopping = False
+        self.loop = asyncio.get_running_loop()
         self._task = asyncio.get_running_loop().create_task(self._keep_connected())
 
     async def stop(self) -> None:
@@ -565,6 +569,63 @@ class EngineClient(Arrivals):
         p = await self._send(msg, scope, stream=True)
         assert p.stream is not None
         return p.stream
+
+    def run_calls(self, calls: list[Call], *, heavy_cost: int, slice_cost: int) -> list[Any]:
+        """Blocking, from a thread other than the event loop's (the local batch-job runner, `jobs.RunCalls`): each
+        call's results, or its exception, computed by the engine. Calls of one model version, operation and options
+        go as one merged call (as `jobs.run_here` merges them), the others one at a time; a merged call that fails
+        is sent again call by call, so each gets its own error. While the engine is down the calls wait for it."""
+        assert self.loop is not None, "start() first"
+        return asyncio.run_coroutine_threadsafe(self._run_calls(calls, heavy_cost, slice_cost), self.loop).result()
+
+    async def _run_calls(self, calls: list[Call], heavy_cost: int, slice_cost: int) -> list[Any]:
+        results: list[Any] = [None] * len(calls)
+        groups: dict[tuple, list[int]] = {}
+        singles: list[int] = []
+        for j, c in enumerate(calls):
+            if c.op.merge and c.op.takes_input:
+                key = (c.model.name, c.model.content_hash, c.op.name, tuple(sorted(c.opts.items())))
+                groups.setdefault(key, []).append(j)
+            else:
+                singles.append(j)
+
+        async def one(c: Call) -> Any:
+            for _ in range(JOB_RETRIES):
+                deadline = time.monotonic() + JOB_ENGINE_WAIT_S
+                while not self.ready and time.monotonic() < deadline and not self._stopping:
+                    await asyncio.sleep(RECONNECT_S)
+                try:
+                    return await self.submit(c, heavy=c.cost > heavy_cost, slice_cost=slice_cost)
+                except APIError as e:
+                    if e.code != "engine_unavailable":
+                        return e
+                    err: Exception = e
+                except Exception as e:
+                    return e
+            return err
+
+        async def group(members: list[int]) -> None:
+            first = calls[members[0]]
+            merged = Call(first.model, first.op, first.opts, [q for j in members for q in calls[j].seqs], None,
+                          sum(calls[j].cost for j in members),
+                          input_tokens=sum(calls[j].input_tokens for j in members))
+            res = await one(merged) if len(members) > 1 else None
+            if res is None or isinstance(res, Exception):
+                for j in members:
+                    results[j] = await one(calls[j])
+                return
+            lo = 0
+            for j in members:
+                part = res[lo:lo + len(calls[j].seqs)]
+                for r in part:
+                    r["index"] -= lo
+                results[j] = part
+                lo += len(calls[j].seqs)
+
+        await asyncio.gather(*(group(m) for m in groups.values()))
+        for j in singles:
+            results[j] = await one(calls[j])
+        return results
 
     async def models_changed(self) -> None:
         """After this worker reloaded the store: the engine syncs too (re-hashing every file) before answering."""

@@ -57,6 +57,15 @@ def worker_threads(settings: Settings) -> int:
     return max(1, len(os.sched_getaffinity(0)) // settings.worker_count)
 
 
+def engine_threads(settings: Settings) -> int:
+    """Intra-op threads of the engine process: `torch_threads`, or with 0 the usable cores the workers leave (each
+    worker's event loop keeps about one core busy under load, and torch threads sharing a busy core stall small
+    products), at least one."""
+    if settings.torch_threads > 0:
+        return settings.torch_threads
+    return max(1, len(os.sched_getaffinity(0)) - settings.worker_count)
+
+
 class Supervisor:
     """Starts, watches and stops the workers: `run()` returns the service's exit status."""
 
@@ -79,7 +88,7 @@ class Supervisor:
             socket = str(self.socket_dir / "engine.sock")
             self.engine = self.n
             self.engine_env = {**env, "LATENTLM_ENGINE": "process", "LATENTLM_TORCH_THREADS": str(
-                settings.torch_threads)}
+                engine_threads(settings))}
             self.engine_args = [sys.executable, "-m", "latentlm.cli", "engine", "--store", str(settings.store),
                                 "--socket", socket, "--log-level", log_level]
             env.update({"LATENTLM_ENGINE": "process", "LATENTLM_ENGINE_SOCKET": socket, "LATENTLM_DEVICE": "cpu",

@@ -4,10 +4,12 @@ the output and error files written and the terminal status set in one conditiona
 waited out and the batch resumes from its committed chunks; any other error fails the batch visibly.
 
 Lines of the same model version and options share one batched run (`execute_lines`, `spec.run_merged`) where
-the operation merges; the others (sampling) run line by line."""
+the operation merges; the others (sampling) run line by line. With an engine process (`service.engine`) the lines
+run there, on its device, merged by its batcher."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import secrets
@@ -21,9 +23,9 @@ import orjson
 
 from latentlm.models.errors import LatentLMError
 from latentlm.ops import dumps
-from latentlm.ops.spec import run_merged
+from latentlm.ops.spec import Call, run_merged
 from latentlm.service.errors import APIError, error_payload, from_model_error
-from latentlm.service.execute import body, limits, parse, prepare, run_direct
+from latentlm.service.execute import body, limits, parse, prepare
 from latentlm.service.jobs.api import ENDPOINTS
 from latentlm.service.jobs.jsonl import max_line_bytes, parse_input_file
 from latentlm.service.jobs.redis_store import REDIS_DOWN, wait_for_redis
@@ -34,31 +36,52 @@ from latentlm.service.settings import Settings
 log = logging.getLogger("latentlm.jobs")
 
 
-def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: Settings
-                  ) -> list[tuple[int, dict]]:
-    """(status, body) per request; requests of the same model version and options share one batched call."""
+RunCalls = Callable[[list[Call]], list[Any]]  # prepared calls -> each one's results (or its exception)
+
+
+def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: Settings,
+                  run_calls: RunCalls | None = None) -> list[tuple[int, dict]]:
+    """(status, body) per request; requests of the same model version and options share one batched call.
+    `run_calls`: where the prepared calls run (an engine process, `engine.EngineClient.run_calls`); default here
+    (`run_here`)."""
     out: list[tuple[int, dict] | None] = [None] * len(bodies)
-    groups: dict[tuple, list[tuple[int, Any]]] = defaultdict(list)
+    calls: list[tuple[int, Call]] = []
     for i, b in enumerate(bodies):
         try:
             req = parse(op, b)
             model = models.get(req.model)
-            call = prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries,
-                           max_cost=settings.max_request_cost, max_sample_tokens=settings.max_sample_tokens,
-                           limits=limits(settings))
-            if not call.op.merge:  # e.g. sampling: each line on its own
-                out[i] = (200, run_direct(call, settings.max_batch_tokens))
-                continue
-            groups[(id(model), op, tuple(sorted(call.opts.items())))].append((i, call))
+            calls.append((i, prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries,
+                                     max_cost=settings.max_request_cost, max_sample_tokens=settings.max_sample_tokens,
+                                     limits=limits(settings))))
         except Exception as e:
             out[i] = line_failure(i, e)
-    for members in groups.values():
-        first = members[0][1]
-        parts = run_merged(first.op, first.model, first.opts, [c.seqs for _, c in members],
-                           settings.max_batch_tokens)
-        for (i, c), res in zip(members, parts, strict=True):
-            out[i] = line_failure(i, res) if isinstance(res, Exception) else (200, body(c, res))
+    results = (run_calls or functools.partial(run_here, settings=settings))([c for _, c in calls])
+    for (i, c), res in zip(calls, results, strict=True):
+        out[i] = line_failure(i, res) if isinstance(res, Exception) else (200, body(c, res))
     return [o for o in out if o is not None]
+
+
+def run_here(calls: list[Call], settings: Settings) -> list[Any]:
+    """Each call's results (or its exception) in this process: calls of one model version, operation and options
+    merged into one batched run (`spec.run_merged`; a line that fails alone gets its own error), the others (e.g.
+    sampling) one by one."""
+    results: list[Any] = [None] * len(calls)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for j, c in enumerate(calls):
+        if c.op.merge:
+            groups[(id(c.model), c.op.name, tuple(sorted(c.opts.items())))].append(j)
+            continue
+        try:
+            results[j] = c.op.run(c, settings.max_batch_tokens)
+        except Exception as e:
+            results[j] = e
+    for members in groups.values():
+        first = calls[members[0]]
+        parts = run_merged(first.op, first.model, first.opts, [calls[j].seqs for j in members],
+                           settings.max_batch_tokens)
+        for j, res in zip(members, parts, strict=True):
+            results[j] = res
+    return results
 
 
 def line_failure(line: int, e: Exception) -> tuple[int, dict]:
@@ -99,14 +122,15 @@ class _Heartbeat:
 
 def process_batch(store: JobStore, models: ModelRegistry, bid: str, settings: Settings,
                   progress: Callable[[int, int], None] | None = None,
-                  stop: threading.Event | None = None) -> str | None:
+                  stop: threading.Event | None = None, run_calls: RunCalls | None = None) -> str | None:
     """Run (or resume) a batch to a terminal status; returns the status, or None if another worker holds it
     (or it is gone). A Redis outage is waited out (reconnecting with backoff up to `redis_retry_max_s`), then the
-    batch resumes from its committed chunks; `stop` set gives up the wait (the reaper re-enqueues the batch)."""
+    batch resumes from its committed chunks; `stop` set gives up the wait (the reaper re-enqueues the batch).
+    `run_calls`: where the lines' calls run (`execute_lines`)."""
     token = secrets.token_hex(8)
     while True:
         try:
-            return _run_leased(store, models, bid, settings, progress, token)
+            return _run_leased(store, models, bid, settings, progress, token, run_calls)
         except REDIS_DOWN as e:
             log.warning("batch %s: Redis unavailable (%s: %s); resuming when it answers", bid, type(e).__name__, e)
             if not wait_for_redis(store.redis, settings.redis_retry_max_s, stop):  # type: ignore[attr-defined]
@@ -114,7 +138,7 @@ def process_batch(store: JobStore, models: ModelRegistry, bid: str, settings: Se
 
 
 def _run_leased(store: JobStore, models: ModelRegistry, bid: str, settings: Settings,
-                progress: Callable[[int, int], None] | None, token: str) -> str | None:
+                progress: Callable[[int, int], None] | None, token: str, run_calls: RunCalls | None) -> str | None:
     b = store.get_batch(bid)
     if b is None or b["status"] in TERMINAL:
         return b["status"] if b else None
@@ -122,7 +146,7 @@ def _run_leased(store: JobStore, models: ModelRegistry, bid: str, settings: Sett
         return None
     beat = _Heartbeat(store, bid, token, settings.job_lease_s)
     try:
-        return _process(store, models, b, settings, progress, token)
+        return _process(store, models, b, settings, progress, token, run_calls)
     except REDIS_DOWN:
         raise
     except Exception as e:  # a bug, a full disk, an unreadable file: the batch fails, the worker lives on
@@ -172,7 +196,7 @@ def _hold(store: JobStore, bid: str, token: str, ttl_s: float) -> bool:
 
 
 def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings,
-             progress: Callable[[int, int], None] | None, token: str) -> str | None:
+             progress: Callable[[int, int], None] | None, token: str, run_calls: RunCalls | None) -> str | None:
     bid = b["id"]
     content = store.iter_file(b["input_file_id"])
     if content is None:
@@ -201,7 +225,7 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
             log.warning("batch %s: another worker holds its lease now; leaving it to that worker", bid)
             return None
         part = reqs[i * size : (i + 1) * size]
-        results = execute_lines(models, op, [r["body"] for r in part], settings)
+        results = execute_lines(models, op, [r["body"] for r in part], settings, run_calls)
         lines = [output_line(bid, r["custom_id"], st, resp) for r, (st, resp) in zip(part, results, strict=True)]
         ok = sum(1 for st, _ in results if st == 200)
         r = store.commit_chunk(bid, i, lines, ok, len(lines) - ok, b.get("expires_at"))

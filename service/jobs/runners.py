@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from latentlm.service.jobs.local_store import LocalJobStore
-from latentlm.service.jobs.processing import process_batch
+from latentlm.service.jobs.processing import RunCalls, process_batch
 from latentlm.service.jobs.redis_store import RedisJobStore
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
@@ -27,8 +27,10 @@ class LocalRunner:
     at startup. The thread survives any error (a full or read-only disk fails the batch, not the thread) and
     deletes expired jobs every `job_sweep_interval_s`."""
 
-    def __init__(self, store: LocalJobStore, models: ModelRegistry, settings: Settings):
-        self.store, self.models, self.settings = store, models, settings
+    def __init__(self, store: LocalJobStore, models: ModelRegistry, settings: Settings,
+                 run_calls: RunCalls | None = None):
+        """`run_calls`: where the lines run (an engine process's `EngineClient.run_calls`; default this process)."""
+        self.store, self.models, self.settings, self.run_calls = store, models, settings, run_calls
         self._q: list[str] = []
         self._cv = threading.Condition()
         self._stop = False
@@ -67,7 +69,7 @@ class LocalRunner:
                 if bid is not None:
                     if not self.models.ready:
                         self.models.reload()
-                    process_batch(self.store, self.models, bid, self.settings)
+                    process_batch(self.store, self.models, bid, self.settings, run_calls=self.run_calls)
             except Exception:  # never let the runner thread die: later batches must still run
                 log.exception("job runner: error (batch %s); going on", bid)
 

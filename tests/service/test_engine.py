@@ -6,6 +6,7 @@ follows reloads; the wire carries every error as the worker's own."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -24,7 +25,7 @@ from latentlm.service.errors import APIError, ShuttingDown
 from latentlm.service.metrics import Metrics
 from latentlm.service.settings import Settings
 
-from .conftest import Server, add_model, metric, prepared
+from .conftest import Server, add_model, close, metric, prepared
 
 ENGINE = {"LATENTLM_ENGINE": "process"}
 
@@ -212,6 +213,51 @@ def test_a_client_that_goes_away_stops_its_stream_in_the_engine(store, tmp_path)
         server.stop()
 
 
+def test_batch_jobs_run_in_the_engine_and_answer_as_one_process(store, tmp_path):
+    """Without Redis, batch jobs run in the API worker's runner thread; with an engine process, their lines are
+    computed there (merged, on its device), with the same output as one process, failing lines included."""
+    from .test_api import upload, wait_batch
+
+    lines = [{"custom_id": f"s{i}", "method": "POST", "url": "/v1/score",
+              "body": {"model": "tiny" if i % 3 else "rank", "input": f"w{i % 30} w{(i * 7) % 30} w3",
+                       "token_logprobs": True}} for i in range(40)]
+    lines[5]["body"]["input"] = ""  # a line that fails alone: its own 422, the others still merged
+    lines[9]["body"]["model"] = "nope"
+    samples = [{"custom_id": f"x{i}", "method": "POST", "url": "/v1/sample",
+                "body": {"model": "tiny", "n": 2, "max_tokens": 5, "seed": i}} for i in range(4)]
+    outs = []
+    for d, env in (("one", {}), ("engine", {**ENGINE, "LATENTLM_WORKERS": "1", "LATENTLM_JOB_CHUNK_SIZE": "16"})):
+        (tmp_path / d).mkdir()
+        server = Server(store, tmp_path / d, env=env)
+        try:
+            got = {}
+            for batch, endpoint in ((lines, "/v1/score"), (samples, "/v1/sample")):
+                fid = upload(server.client, batch)
+                b = server.client.post("/v1/batches", json={"input_file_id": fid, "endpoint": endpoint}).json()
+                b = wait_batch(server.client, b["id"], timeout=120)
+                assert b["status"] == "completed", b
+                for key in ("output_file_id", "error_file_id"):
+                    text = server.client.get(f"/v1/files/{b[key]}/content").text
+                    for ln in text.splitlines():
+                        row = json.loads(ln)
+                        got[row["custom_id"]] = row["response"]
+            if d == "engine":
+                text = server.client.get("/metrics").text
+                assert metric(text, "latentlm_batch_requests_count", operation="score") >= 1  # the engine ran them
+            outs.append(got)
+        finally:
+            server.stop()
+    assert outs[0].keys() == outs[1].keys() and len(outs[0]) == 44
+    for cid, want in outs[0].items():
+        got = outs[1][cid]
+        assert got["status_code"] == want["status_code"], (cid, got, want)
+        if want["status_code"] == 200:
+            close(got["body"], want["body"], path=cid)
+        else:
+            assert got["body"] == want["body"], cid
+    assert outs[1]["s5"]["status_code"] == 422 and outs[1]["s9"]["status_code"] == 404
+
+
 # -- in one process: the wire, the version a request was prepared on, arriving requests --------------------------
 @pytest.mark.parametrize("error", [
     InputError("input[0]: empty", param="input[0]"), LimitExceeded("too long", param="input"),
@@ -317,7 +363,8 @@ def test_a_model_the_engine_cannot_load_is_a_503_naming_why(store, tmp_path):
 
     e, failed = asyncio.run(_with_engine(store2, tmp_path, go))
     assert "tiny" in failed
-    assert e.status == 503 and e.code == "model_unavailable" and e.param == "model" and "sha-256 mismatch" in e.message.lower()
+    assert e.status == 503 and e.code == "model_unavailable" and e.param == "model"
+    assert "sha-256 mismatch" in e.message.lower()
 
 
 def test_a_cancelled_request_is_dropped_in_the_engine(store, tmp_path):
