@@ -164,6 +164,7 @@ class EngineServer:
                                max_queue_delay_ms=settings.max_queue_delay_ms, max_queue=settings.max_queue,
                                max_heavy=settings.max_heavy_requests)
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="engine-load")
+        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="engine-prepare")
         self.connections: set[_Connection] = set()
         self.retired: dict[tuple[str, str], tuple[float, ops.LoadedModel]] = {}  # (name, hash) -> (until, model)
         self._sync: asyncio.Future | None = None
@@ -241,7 +242,11 @@ class EngineServer:
         rid = msg["id"]
         received = True
         try:
-            call = self.rebuild(msg, await self.model(msg["model"], msg["hash"]))
+            model = await self.model(msg["model"], msg["hash"])
+            # inputs already encoded: at once; a request to prepare again (a constraint's automaton compiled, a
+            # completion's samples set up) on the preparing thread, off the event loop that feeds the batcher
+            call = self.rebuild(msg, model) if "seqs" in msg else await asyncio.get_running_loop().run_in_executor(
+                self.preparer, self.rebuild, msg, model)
             self.receiving -= 1
             received = False
             self._company()
@@ -358,6 +363,7 @@ class EngineServer:
             self.batcher.fail_pending()
             await self.batcher.stop()
             self.loader.shutdown(wait=False, cancel_futures=True)
+            self.preparer.shutdown(wait=False, cancel_futures=True)
             self.path.unlink(missing_ok=True)
 
 
