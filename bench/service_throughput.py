@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from latentlm import ops  # noqa: E402
 from latentlm.models.store import list_models  # noqa: E402
+from latentlm.service.settings import Settings  # noqa: E402
 
 CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 
@@ -234,7 +235,7 @@ def main() -> None:
         f"- model: `{model}` ({d['family']}, {d['num_states']} states, V = {V}); {args.tokens}-token requests "
         "(token ids), one sequence per request; server defaults (`latentlm serve`: max_queue_delay 2 ms, waited "
         f"only while other requests are arriving; max_batch_tokens 16384; LATENTLM_TORCH_THREADS={args.threads}; "
-        "GIL switch interval 0.1 ms)",
+        f"GIL switch interval {Settings().gil_switch_interval_ms:g} ms)",
         "- client: wrk-style load generator in the benchmark process (uvloop, one keep-alive HTTP/1.1 connection "
         "per concurrent client, `asyncio.Protocol` callbacks, request bytes encoded before the clock starts, "
         "responses framed by Content-Length, the next request written from the data callback; ~25 us of CPU "

@@ -72,6 +72,20 @@ def in_process(store: Path, model: str, seqs: list[list[int]], repeats: int, dev
     return {"B1": tokens / best1, "B64": tokens / best64}
 
 
+WORKLOADS = (("c1", "one sentence per request, c=1", "one", 1, LENGTH),
+             ("c64", "one sentence per request, c=64", "one", 64, LENGTH),
+             ("many", "64 sentences per request, c=4", "many", 4, LENGTH * SENTENCES))
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """'NAME:KEY=VALUE,KEY=VALUE' -> (NAME, {KEY: VALUE}); only LATENTLM_ settings."""
+    name, sep, pairs = text.partition(":")
+    env = dict(p.split("=", 1) for p in pairs.split(",") if "=" in p)
+    if not sep or not name or not env or any(not k.startswith("LATENTLM_") for k in env):
+        sys.exit(f"--variant {text!r}: expected NAME:LATENTLM_KEY=VALUE[,LATENTLM_KEY=VALUE]")
+    return name, env
+
+
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, workers: int) -> None:
     """Until `workers` fresh connections in a row find /ready 200 (each worker answers for itself)."""
     deadline, streak = time.time() + 900, 0
@@ -98,6 +112,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--duration", type=int, default=15, help="seconds of each wrk run (after a 3 s warm-up)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="a server with these settings beside the defaults (e.g. "
+                         "'gil5:LATENTLM_GIL_SWITCH_INTERVAL_MS=5'); repeatable; every variant runs after the "
+                         "defaults for each worker count and engine")
+    ap.add_argument("--workloads", default="c1,c64,many",
+                    help="comma-separated subset of c1 (one sentence, c=1), c64 (one sentence, c=64), many "
+                         "(64 sentences, c=4)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "service_wrk.md")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
@@ -116,32 +137,34 @@ def main() -> None:
         for name, per in (("one", 1), ("many", SENTENCES)):
             scripts[name] = work / f"{name}.lua"
             wrk_script(bodies(args.model, seqs, per), scripts[name])
-        for n, engine in [(int(x), e) for x in args.workers.split(",") for e in args.engine.split(",")]:
+        variants = [("", {})] + [parse_variant(v) for v in args.variant]
+        for n, engine, (vname, venv) in [(int(x), e, v) for x in args.workers.split(",")
+                                         for e in args.engine.split(",") for v in variants]:
             env = {k: v for k, v in os.environ.items() if not k.startswith("LATENTLM_") and k != "REDIS_URL"}
             # no response cache: the inputs repeat, and every answer is to be computed
             env.update(LATENTLM_STATE_DIR=str(work / f"state{n}{engine}"), LATENTLM_WORKERS=str(n),
-                       LATENTLM_CACHE_TTL_S="0", LATENTLM_ENGINE=engine)
+                       LATENTLM_CACHE_TTL_S="0", LATENTLM_ENGINE=engine, **venv)
             if n > 1:
                 if redis is None:
                     redis, redis_url = start_redis(work)
                 env["REDIS_URL"] = redis_url
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            log = work / f"serve{n}{engine}.log"
+            log = work / f"serve{n}{engine}{vname}.log"
             with open(log, "wb") as fh:
                 proc = subprocess.Popen([sys.executable, "-m", "latentlm.cli", "serve", "--store", str(args.store),
                                          "--port", str(port), "--device", args.device], env=env, stdout=fh,
                                         stderr=subprocess.STDOUT, start_new_session=True)
             try:
                 wait_ready(url, proc, log, n)
-                for label, script, conns, tokens_per in (("one sentence per request, c=1", "one", 1, LENGTH),
-                                                         ("one sentence per request, c=64", "one", 64, LENGTH),
-                                                         ("64 sentences per request, c=4", "many", 4,
-                                                          LENGTH * SENTENCES)):
+                for key, label, script, conns, tokens_per in WORKLOADS:
+                    if key not in args.workloads.split(","):
+                        continue
                     run_wrk(f"{url}/v1/score", scripts[script], conns, 3)  # warm-up
                     r = run_wrk(f"{url}/v1/score", scripts[script], conns, args.duration)
-                    rows.append((f"{n} ({engine})", label, r, r["rps"] * tokens_per))
-                    print(n, engine, label, r, flush=True)
+                    who = f"{n} ({engine}{', ' + vname if vname else ''})"
+                    rows.append((who, label, r, r["rps"] * tokens_per))
+                    print(who, label, r, flush=True)
             finally:
                 os.killpg(proc.pid, 15)
                 proc.wait(60)
@@ -156,7 +179,9 @@ def main() -> None:
     lines = [f"\n## Three workloads, service against in process ({started:%Y-%m-%d %H:%M} UTC, {cpu_name()}, "
              f"{len(os.sched_getaffinity(0))} cores)\n",
              f"Command: `python bench/service_workloads.py --store STORE --model {args.model} --workers "
-             f"{args.workers} --engine {args.engine} --device {args.device} --duration {args.duration}` (code "
+             f"{args.workers} --engine {args.engine} --device {args.device} --duration {args.duration}"
+             + "".join(f" --variant '{v}'" for v in args.variant)
+             + (f" --workloads {args.workloads}" if args.workloads != "c1,c64,many" else "") + "` (code "
              f"{commit}); load average at the start {load:.2f}.",
              f"In process (`ops.run`, calibrated, same inputs, best before and after): B=1 {local['B1']:,.0f} tok/s, "
              f"B=64 {local['B64']:,.0f} tok/s.\n",

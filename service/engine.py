@@ -578,60 +578,33 @@ class EngineClient(Arrivals):
 
     def run_calls(self, calls: list[Call], *, heavy_cost: int, slice_cost: int) -> list[Any]:
         """Blocking, from a thread other than the event loop's (the local batch-job runner, `jobs.RunCalls`): each
-        call's results, or its exception, computed by the engine. Calls of one model version, operation and options
-        go as one merged call (as `jobs.run_here` merges them), the others one at a time; a merged call that fails
-        is sent again call by call, so each gets its own error. While the engine is down the calls wait for it."""
-        assert self.loop is not None, "start() first"
-        return asyncio.run_coroutine_threadsafe(self._run_calls(calls, heavy_cost, slice_cost), self.loop).result()
+        call's results, or its exception, computed by the engine: `spec.run_calls` (calls of one model version,
+        operation and options as one merged call, sent again call by call if it fails, so each gets its own error)
+        with each call sent to the engine. While the engine is down the calls wait for it (`_job_call`)."""
+        loop = self.loop
+        assert loop is not None, "start() first"
 
-    async def _run_calls(self, calls: list[Call], heavy_cost: int, slice_cost: int) -> list[Any]:
-        results: list[Any] = [None] * len(calls)
-        groups: dict[tuple, list[int]] = {}
-        singles: list[int] = []
-        for j, c in enumerate(calls):
-            if c.op.merge and c.op.takes_input:
-                key = (c.model.name, c.model.content_hash, c.op.name, tuple(sorted(c.opts.items())))
-                groups.setdefault(key, []).append(j)
-            else:
-                singles.append(j)
+        def run_call(call: Call, max_batch_tokens: int | None) -> list[dict]:  # the engine's batcher sizes batches
+            return asyncio.run_coroutine_threadsafe(self._job_call(call, heavy_cost, slice_cost), loop).result()
 
-        async def one(c: Call) -> Any:
-            for _ in range(JOB_RETRIES):
-                deadline = time.monotonic() + JOB_ENGINE_WAIT_S
-                while not self.ready and time.monotonic() < deadline and not self._stopping:
-                    await asyncio.sleep(RECONNECT_S)
-                try:
-                    return await self.submit(c, heavy=c.cost > heavy_cost, slice_cost=slice_cost)
-                except APIError as e:
-                    if e.code != "engine_unavailable":
-                        return e
-                    err: Exception = e
-                except Exception as e:
-                    return e
-            return err
+        return spec.run_calls(calls, None, run_call)
 
-        async def group(members: list[int]) -> None:
-            first = calls[members[0]]
-            merged = Call(first.model, first.op, first.opts, [q for j in members for q in calls[j].seqs], None,
-                          sum(calls[j].cost for j in members),
-                          input_tokens=sum(calls[j].input_tokens for j in members))
-            res = await one(merged) if len(members) > 1 else None
-            if res is None or isinstance(res, Exception):
-                for j in members:
-                    results[j] = await one(calls[j])
-                return
-            lo = 0
-            for j in members:
-                part = res[lo:lo + len(calls[j].seqs)]
-                for r in part:
-                    r["index"] -= lo
-                results[j] = part
-                lo += len(calls[j].seqs)
-
-        await asyncio.gather(*(group(m) for m in groups.values()))
-        for j in singles:
-            results[j] = await one(calls[j])
-        return results
+    async def _job_call(self, call: Call, heavy_cost: int, slice_cost: int) -> Any:
+        """One call of a batch job: up to JOB_RETRIES tries while the engine is unavailable, each after waiting up
+        to JOB_ENGINE_WAIT_S for it to be back; raises the call's error (or the last `engine_unavailable`)."""
+        err: APIError | None = None
+        for _ in range(JOB_RETRIES):
+            deadline = time.monotonic() + JOB_ENGINE_WAIT_S
+            while not self.ready and time.monotonic() < deadline and not self._stopping:
+                await asyncio.sleep(RECONNECT_S)
+            try:
+                return await self.submit(call, heavy=call.cost > heavy_cost, slice_cost=slice_cost)
+            except APIError as e:
+                if e.code != "engine_unavailable":
+                    raise
+                err = e
+        assert err is not None
+        raise err
 
     async def models_changed(self) -> None:
         """After this worker reloaded the store: the engine syncs too (re-hashing every file) before answering."""

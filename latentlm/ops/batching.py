@@ -21,22 +21,22 @@ def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens:
 
 
 def run_merged(model: LoadedModel, op: str, groups: Sequence[list[list[int]]], *,
-               max_batch_tokens: int | None = None, run_seqs: Callable[[list[list[int]], int | None], list[dict]]
-               | None = None, **opts: Any) -> list[list[dict] | Exception]:
-    """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run` (or `run_seqs(seqs,
-    max_batch_tokens)`, an operation's own run); each group gets its own results renumbered from 0. When the merged
-    run raises, each group runs alone, so one bad request never fails its neighbours: a group's entry is then its
-    own results or its exception."""
-    seqs = [s for g in groups for s in g]
+               max_batch_tokens: int | None = None,
+               run_groups: Callable[[Sequence[list[list[int]]], int | None], list[dict]] | None = None,
+               **opts: Any) -> list[list[dict] | Exception]:
+    """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run` (or `run_groups(groups,
+    max_batch_tokens)`, an operation's own run of the groups' sequences, in order); each group gets its own results
+    renumbered from 0. When the merged run raises, each group runs alone, so one bad request never fails its
+    neighbours: a group's entry is then its own results or its exception."""
     try:
-        if run_seqs is not None:
-            results = run_seqs(seqs, max_batch_tokens)
+        if run_groups is not None:
+            results = run_groups(groups, max_batch_tokens)
         else:
-            results = run(model, op, seqs, max_batch_tokens=max_batch_tokens, **opts)
+            results = run(model, op, [s for g in groups for s in g], max_batch_tokens=max_batch_tokens, **opts)
     except Exception as e:
         if len(groups) == 1:
             return [e]
-        return [run_merged(model, op, [g], max_batch_tokens=max_batch_tokens, run_seqs=run_seqs, **opts)[0]
+        return [run_merged(model, op, [g], max_batch_tokens=max_batch_tokens, run_groups=run_groups, **opts)[0]
                 for g in groups]
     out: list[list[dict] | Exception] = []
     pos = 0

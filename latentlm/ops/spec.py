@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -245,15 +245,58 @@ def prepare(model: LoadedModel, op: Operation | str, req: BaseModel, limits: Lim
     return op.prepare(model, op, req, opts, limits)
 
 
+RunCall = Callable[[Call, int | None], list[dict]]  # (call, max_batch_tokens) -> its results; raises on failure
+
+
+def run_call_here(call: Call, max_batch_tokens: int | None) -> list[dict]:
+    """`RunCall` in this process: the operation's own run."""
+    return call.op.run(call, max_batch_tokens)
+
+
 def run_merged(op: Operation, model: LoadedModel, opts: dict[str, Any], groups: list[list[list[int]]],
-               max_batch_tokens: int | None) -> list[list[dict] | Exception]:
-    """Several calls of `op` with equal `opts` (their inputs `groups`) in one `op.run`; each group gets its own
-    results (indices from 0), or its own exception when it fails alone (`batching.run_merged`)."""
+               max_batch_tokens: int | None, *, costs: Sequence[int] | None = None,
+               run_call: RunCall = run_call_here) -> list[list[dict] | Exception]:
+    """Several calls of `op` with equal `opts` (their inputs `groups`, their estimated `costs`) in one
+    `run_call`; each group gets its own results (indices from 0), or its own exception when it fails alone
+    (`batching.run_merged`). The merged call's cost is the sum of its groups' (an engine's batcher puts it in the
+    heavy lane by it)."""
+    cost_of = {id(g): c for g, c in zip(groups, costs, strict=True)} if costs is not None else {}
 
-    def run_seqs(seqs: list[list[int]], cap: int | None) -> list[dict]:
-        return op.run(Call(model, op, opts, seqs, None), cap)  # no one request: several merged
+    def run_groups(part: Sequence[list[list[int]]], cap: int | None) -> list[dict]:
+        seqs = [s for g in part for s in g]
+        return run_call(Call(model, op, opts, seqs, None, sum(cost_of.get(id(g), 0) for g in part),
+                             input_tokens=sum(map(len, seqs))), cap)  # no one request: several merged
 
-    return batching.run_merged(model, op.name, groups, max_batch_tokens=max_batch_tokens, run_seqs=run_seqs)
+    return batching.run_merged(model, op.name, groups, max_batch_tokens=max_batch_tokens, run_groups=run_groups)
+
+
+def run_calls(calls: Sequence[Call], max_batch_tokens: int | None, run_call: RunCall = run_call_here) -> list[Any]:
+    """Each call's results, or its exception: calls of one model version, operation and options merged into one
+    `run_call` where the operation merges (`run_merged`: a call that fails alone gets its own error), the others
+    (e.g. sampling) and lone calls run as they are. Batch jobs run their chunks of lines through this, in process
+    or through an engine process (`run_call` sending each call there)."""
+    results: list[Any] = [None] * len(calls)
+    groups: dict[tuple, list[int]] = {}
+    for j, c in enumerate(calls):
+        if c.op.merge and c.op.takes_input:
+            key = (c.model.name, c.model.content_hash, c.op.name, tuple(sorted(c.opts.items())))
+            groups.setdefault(key, []).append(j)
+        else:
+            groups[("call", j)] = [j]
+    for members in groups.values():
+        if len(members) == 1:
+            j = members[0]
+            try:
+                results[j] = run_call(calls[j], max_batch_tokens)
+            except Exception as e:
+                results[j] = e
+            continue
+        first = calls[members[0]]
+        parts = run_merged(first.op, first.model, first.opts, [calls[j].seqs for j in members], max_batch_tokens,
+                           costs=[calls[j].cost for j in members], run_call=run_call)
+        for j, res in zip(members, parts, strict=True):
+            results[j] = res
+    return results
 
 
 def execute(call: Call, max_batch_tokens: int | None = None) -> dict[str, Any]:

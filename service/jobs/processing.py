@@ -3,7 +3,7 @@ committed once (keyed by the chunk index), under a lease on the batch refreshed 
 the output and error files written and the terminal status set in one conditional step. A Redis outage is
 waited out and the batch resumes from its committed chunks; any other error fails the batch visibly.
 
-Lines of the same model version and options share one batched run (`execute_lines`, `spec.run_merged`) where
+Lines of the same model version and options share one batched run (`execute_lines`, `spec.run_calls`) where
 the operation merges; the others (sampling) run line by line. With an engine process (`service.engine`) the lines
 run there, on its device, merged by its batcher."""
 
@@ -15,7 +15,6 @@ import math
 import secrets
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,8 @@ import orjson
 
 from latentlm.models.errors import LatentLMError
 from latentlm.ops import dumps
-from latentlm.ops.spec import Call, run_merged
+from latentlm.ops.spec import Call
+from latentlm.ops.spec import run_calls as run_calls_here
 from latentlm.service.errors import APIError, error_payload, from_model_error
 from latentlm.service.execute import body, limits, parse, prepare
 from latentlm.service.jobs.api import ENDPOINTS
@@ -43,7 +43,7 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
                   run_calls: RunCalls | None = None) -> list[tuple[int, dict]]:
     """(status, body) per request; requests of the same model version and options share one batched call.
     `run_calls`: where the prepared calls run (an engine process, `engine.EngineClient.run_calls`); default here
-    (`run_here`)."""
+    (`spec.run_calls`)."""
     out: list[tuple[int, dict] | None] = [None] * len(bodies)
     calls: list[tuple[int, Call]] = []
     for i, b in enumerate(bodies):
@@ -55,33 +55,11 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
                                      limits=limits(settings))))
         except Exception as e:
             out[i] = line_failure(i, e)
-    results = (run_calls or functools.partial(run_here, settings=settings))([c for _, c in calls])
+    here = functools.partial(run_calls_here, max_batch_tokens=settings.max_batch_tokens)
+    results = (run_calls or here)([c for _, c in calls])
     for (i, c), res in zip(calls, results, strict=True):
         out[i] = line_failure(i, res) if isinstance(res, Exception) else (200, body(c, res))
     return [o for o in out if o is not None]
-
-
-def run_here(calls: list[Call], settings: Settings) -> list[Any]:
-    """Each call's results (or its exception) in this process: calls of one model version, operation and options
-    merged into one batched run (`spec.run_merged`; a line that fails alone gets its own error), the others (e.g.
-    sampling) one by one."""
-    results: list[Any] = [None] * len(calls)
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for j, c in enumerate(calls):
-        if c.op.merge:
-            groups[(id(c.model), c.op.name, tuple(sorted(c.opts.items())))].append(j)
-            continue
-        try:
-            results[j] = c.op.run(c, settings.max_batch_tokens)
-        except Exception as e:
-            results[j] = e
-    for members in groups.values():
-        first = calls[members[0]]
-        parts = run_merged(first.op, first.model, first.opts, [calls[j].seqs for j in members],
-                           settings.max_batch_tokens)
-        for j, res in zip(members, parts, strict=True):
-            results[j] = res
-    return results
 
 
 def line_failure(line: int, e: Exception) -> tuple[int, dict]:

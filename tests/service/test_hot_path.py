@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from latentlm.service.batcher import CancelScope
 from latentlm.service.routes import operations
 from latentlm.service.routes.operations import Watch
@@ -104,3 +106,33 @@ def test_access_lines_are_written_in_blocks_and_none_is_lost():
         assert out.getvalue().endswith("last\n") and out.getvalue().count("x" * 9) == 40
     finally:
         logger.removeHandler(block)
+
+
+def test_the_plain_access_formatter_prints_uvicorns_lines():
+    import logging
+
+    import uvicorn.logging
+
+    from latentlm.service.server import UVICORN_ACCESS_FORMAT, PlainAccessFormatter
+
+    theirs = uvicorn.logging.AccessFormatter(UVICORN_ACCESS_FORMAT, use_colors=False)
+    ours = PlainAccessFormatter()
+    assert PlainAccessFormatter.replaces(theirs)
+    assert not PlainAccessFormatter.replaces(uvicorn.logging.AccessFormatter(UVICORN_ACCESS_FORMAT, use_colors=True))
+    assert not PlainAccessFormatter.replaces(uvicorn.logging.AccessFormatter("%(asctime)s %(message)s",
+                                                                             use_colors=False))
+    cases = [("127.0.0.1:5000", "POST", "/v1/score", "1.1", 200, logging.INFO),
+             ("[::1]:80", "GET", "/v1/models?api_key=***", "1.0", 404, logging.INFO),
+             ("10.0.0.2:1", "POST", "/v1/sample", "1.1", 599, logging.INFO),  # no phrase for 599
+             ("10.0.0.2:1", "GET", "/", "1.1", 503, logging.WARNING),
+             ("10.0.0.2:1", "GET", "/%20x", "2", 200, logging.DEBUG)]
+    for _ in range(2):  # the second time from the phrase cache
+        for client, method, path, version, status, level in cases:
+            record = logging.LogRecord("uvicorn.access", level, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                                       (client, method, path, version, status), None)
+            assert ours.format(record) == theirs.format(record)
+            assert str(status) in ours.format(record) and path in ours.format(record)
+    odd = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, "not an access line", None, None)
+    for formatter in (ours, theirs):  # a record that is not an access line fails alike in both
+        with pytest.raises(TypeError):
+            formatter.format(odd)

@@ -319,3 +319,36 @@ def test_cache_key_holds_the_scoring_precision(tmp_path):
         keys[precision] = execute.cache_key(prepared(m, "score", req.input))
     assert len(set(keys.values())) == 3
     assert {k.replace(f"-{p}:", ":") for p, k in keys.items()} == {keys["float32"].replace("-float32:", ":")}
+
+
+def test_run_calls_merges_what_merges_and_keeps_each_calls_error(base_store):
+    """`spec.run_calls` (batch jobs, here or through an engine process): calls of one model version, operation and
+    options go as one merged call with their summed cost, a lone call goes as itself, and when a merged call fails
+    each call runs alone and only the bad one gets the error."""
+    from latentlm.ops import spec
+
+    m = ops.load_model(base_store, "tiny")
+    calls = [prepared(m, "score", [[1, 2, 3], [4, 5]]), prepared(m, "score", [[6] * 7]),
+             prepared(m, "score", [[7, 8]], token_logprobs=True), prepared(m, "score", [[9], [10, 11, 12]])]
+    sent: list[spec.Call] = []
+
+    def run_call(call, cap):
+        sent.append(call)
+        if any(s == [6] * 7 for s in call.seqs):
+            raise InputError("a poisoned line", param="input")
+        return spec.run_call_here(call, cap)
+
+    out = spec.run_calls(calls, None, run_call)
+    merged = sent[0]
+    assert merged.seqs == [[1, 2, 3], [4, 5], [6] * 7, [9], [10, 11, 12]] and merged.request is None
+    assert merged.cost == calls[0].cost + calls[1].cost + calls[3].cost and merged.input_tokens == 16
+    assert [c.seqs for c in sent[1:4]] == [calls[0].seqs, calls[1].seqs, calls[3].seqs]  # the merged one failed
+    assert [c.cost for c in sent[1:4]] == [calls[0].cost, calls[1].cost, calls[3].cost]
+    assert sent[4] is calls[2] and len(sent) == 5  # alone in its options: sent as prepared
+    assert isinstance(out[1], InputError)
+    for j in (0, 2, 3):
+        close(out[j], ops.run(m, "score", calls[j].seqs, **calls[j].opts))
+    assert spec.run_calls([], None, run_call) == []
+    out = spec.run_calls([calls[0], calls[3]], 64)  # in this process, merged, each renumbered from 0
+    assert [[r["index"] for r in o] for o in out] == [[0, 1], [0, 1]]
+    close(out[1], ops.run(m, "score", calls[3].seqs))
