@@ -111,10 +111,10 @@ class Settings:
                                          # single-sentence requests from every worker share its batches; auto:
                                          # process on CUDA with several workers, inline otherwise
     engine_socket: str = ""              # set by `serve` for its API workers: the engine process's socket
-    gil_switch_interval_ms: float = 5.0  # `serve`: how long a thread holds the GIL while another waits for it
-                                         # (Python's default); 0.1 made the event loop and the inference thread
-                                         # trade it 50x as often: c=64 served x0.7-0.9 the requests, c=1 no
-                                         # faster (bench/results/service_wrk.md, 2026-12-02)
+    gil_switch_interval_ms: float = 0.1  # `serve`: how soon a busy event loop hands the GIL to the inference
+                                         # thread (Python's default, 5 ms, stalls each batch several times); on
+                                         # ptb-hmm 5 ms matches it within the runs' spread (service_wrk.md and
+                                         # hot_path.md, 2026-12-02)
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
