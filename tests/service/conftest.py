@@ -74,24 +74,40 @@ class Proc:
         return self.log.read_text(errors="replace")
 
 
-class Server(Proc):
-    """`latentlm serve` on a free port; `client` is an httpx.Client on it."""
+PORT_TAKEN = ("address already in use", "errno 98")  # what serve logs when its port was taken after free_port()
 
-    def __init__(self, store: Path, tmp: Path, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+
+class Server(Proc):
+    """`latentlm serve` on a free port (another one if that port was taken between `free_port()` and the bind);
+    `client` is an httpx.Client on it. Waits for /ready."""
+
+    def __init__(self, store: Path, tmp: Path, env: dict[str, str] | None = None, *, log_level: str = "warning",
+                 timeout: float = 60):
         e = clean_env(LATENTLM_STATE_DIR=str(tmp / "state"), **(env or {}))
-        args = [sys.executable, "-m", "latentlm.cli", "serve", "--store", str(store), "--port", str(self.port),
-                "--device", "cpu", "--log-level", "warning"]
-        super().__init__(args, e, tmp / f"serve-{self.port}.log")
-        self.client = httpx.Client(base_url=self.url, timeout=60)
+        for attempt in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            args = [sys.executable, "-m", "latentlm.cli", "serve", "--store", str(store), "--port", str(self.port),
+                    "--device", "cpu", "--log-level", log_level]
+            super().__init__(args, e, tmp / f"serve-{self.port}.log")
+            self.client = httpx.Client(base_url=self.url, timeout=timeout)
+            if self._wait_ready() or attempt == 2:
+                return
+            self.client.close()  # the port was taken: try another
+            self.kill()
+
+    def _wait_ready(self) -> bool:
+        """True once /ready is 200; False if serve exited because its port was taken; RuntimeError otherwise."""
         deadline = time.time() + 90
         while True:
             if not self.alive():
-                raise RuntimeError(f"server exited:\n{self.output()}")
+                out = self.output()
+                if any(t in out.lower() for t in PORT_TAKEN):
+                    return False
+                raise RuntimeError(f"server exited:\n{out}")
             try:
                 if self.client.get("/ready").status_code == 200:
-                    break
+                    return True
             except httpx.TransportError:
                 pass
             if time.time() > deadline:

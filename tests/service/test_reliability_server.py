@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from latentlm.models.registry import save_artifact
@@ -30,39 +29,16 @@ from latentlm.service import redact
 from latentlm.service.server import RefusalLines
 from latentlm.service.settings import Settings
 
-from .conftest import WORDS, Proc, add_model, clean_env, err, free_port, metric, vocab
+from .conftest import WORDS, Server, add_model, clean_env, err, free_port, metric, vocab
 
 K1, K2 = "rk1-7d1f0c2b9e", "rk2-a4c8e61d03"
 H1 = {"Authorization": f"Bearer {K1}"}
 FIGURES: list[str] = []
 
 
-class InfoServer(Proc):
-    """`latentlm serve` at log level info (uvicorn's access log on), on a free port; waits for /ready."""
-
-    def __init__(self, store: Path, tmp: Path, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        e = clean_env(LATENTLM_STATE_DIR=str(tmp / "state"), LATENTLM_CALIBRATE="0", **(env or {}))
-        args = [sys.executable, "-m", "latentlm.cli", "serve", "--store", str(store), "--port", str(self.port),
-                "--device", "cpu", "--log-level", "info"]
-        super().__init__(args, e, tmp / f"serve-{self.port}.log")
-        self.client = httpx.Client(base_url=self.url, timeout=30)
-        deadline = time.time() + 90
-        while True:
-            if not self.alive():
-                raise RuntimeError(f"server exited:\n{self.output()}")
-            try:
-                if self.client.get("/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, f"server not ready:\n{self.output()}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.client.close()
-        self.kill()
+def InfoServer(store: Path, tmp: Path, env: dict[str, str] | None = None) -> Server:  # noqa: N802
+    """`latentlm serve` at log level info (uvicorn's access log on), uncalibrated, on a free port; ready."""
+    return Server(store, tmp, {"LATENTLM_CALIBRATE": "0", **(env or {})}, log_level="info", timeout=30)
 
 
 @pytest.fixture(scope="module")
