@@ -366,6 +366,11 @@ class ChainFamily(ChainOps, Family):
     # -- sampling from the next-token distribution (top_k / top_p) --------------------------------------
     predictive_sampling: bool = False  # the family supplies the four hooks below
 
+    def next_token_filter(self) -> NextTokenFilter | None:
+        """Forward filtering over this model's next-token distributions (`NextTokenFilter`), or None where the
+        family has none."""
+        return NextTokenFilter(self) if self.predictive_sampling else None
+
     def _token_probs(self, pi: Tensor) -> Tensor:
         """p(x_t | x_<t) (n, V) from pi (n, Z) = p(z_t | x_<t)."""
         raise NotImplementedError
@@ -418,3 +423,28 @@ class ChainFamily(ChainOps, Family):
             out.states[:, t] = torch.where(t < out.lengths, z, -1)
         return out
 
+
+class NextTokenFilter:
+    """Forward filtering for p(x_t | x_<t), step by step: `start()` pi_1 (1, S), `after(prefix)` pi after a prefix
+    (1, S), `probs(pi)` p(x_t | x_<t) (n, V) from pi (n, S), `step(pi, x)` pi_{t+1} (n, S) given the tokens x (n,).
+    Here S = Z, through the family's sampling hooks: O(K (Z + V)) per row and step (K: the states one token can be
+    emitted by: Z dense, k blocked). A family with another state space (rank_hmm's rank variables) subclasses it."""
+
+    def __init__(self, family: ChainFamily):
+        self.family = family
+
+    def start(self) -> Tensor:
+        return self.family.start_probs()[None].to(self.family.dtype)
+
+    def after(self, prefix: list[int]) -> Tensor:
+        """pi after `prefix` (1, S): the family's predictive distribution (one batched forward pass)."""
+        if not prefix:
+            return self.start()
+        return self.family.predictive(prefix)[None].to(self.family.dtype)
+
+    def probs(self, pi: Tensor) -> Tensor:
+        return self.family._token_probs(pi)
+
+    def step(self, pi: Tensor, x: Tensor) -> Tensor:
+        alpha, ids = self.family._condition(pi, x)
+        return self.family._propagate(alpha / alpha.sum(1, keepdim=True).clamp_min(torch.finfo(pi.dtype).tiny), ids)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from latentlm.models import chain, triton_chain
-from latentlm.models.base import Batch, ChainFamily, check_continuable
+from latentlm.models.base import Batch, ChainFamily, NextTokenFilter, check_continuable
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import CHECK_CHUNK, check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, LimitExceeded
@@ -169,6 +169,9 @@ class RankHMM(ChainFamily):
         return torch.cat(paths), torch.cat(logps)
 
     # -- sampling: q_t -> (x_t ~ W[q_t], z_t ~ V[q_t]) -> q_{t+1} ~ U[:, z_t] ----------------------------
+    def next_token_filter(self) -> RankFilter:
+        return RankFilter(self)
+
     def _tables(self, temperature: float):
         return (CategoricalTable(self.emit.T, temperature), CategoricalTable(self.state_out, temperature),
                 CategoricalTable(self.state_in, temperature))
@@ -209,3 +212,26 @@ def _product64(a: Tensor, b: Tensor) -> Tensor:
     for lo in range(0, b.shape[0], step):
         out += a[:, lo: lo + step].double() @ b[lo: lo + step].double()
     return out
+
+
+class RankFilter(NextTokenFilter):
+    """`NextTokenFilter` over the rank variables q (S = r): p(x | q) = emit[x, q], q_{t+1} ~ rank_trans[q_t];
+    O(r (r + V)) per row and step."""
+
+    family: RankHMM
+
+    def start(self) -> Tensor:
+        return self.family.rank_start[None].to(self.family.dtype)
+
+    def after(self, prefix: list[int]) -> Tensor:
+        pi = self.start()
+        for x in prefix:
+            pi = self.step(pi, torch.tensor([x], device=pi.device))
+        return pi
+
+    def probs(self, pi: Tensor) -> Tensor:
+        return pi @ self.family.emit.T
+
+    def step(self, pi: Tensor, x: Tensor) -> Tensor:
+        alpha = pi * self.family.emit[x]
+        return (alpha / alpha.sum(1, keepdim=True).clamp_min(torch.finfo(pi.dtype).tiny)) @ self.family.rank_trans

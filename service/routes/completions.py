@@ -32,9 +32,8 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from latentlm import ops
-from latentlm.models.base import ChainFamily
+from latentlm.models.base import ChainFamily, NextTokenFilter
 from latentlm.models.errors import InputError, LatentLMError
-from latentlm.models.rank_hmm import RankHMM
 from latentlm.ops import spec
 from latentlm.ops.requests import ConstraintSpec, SampleRequest
 from latentlm.service import execute
@@ -239,48 +238,16 @@ def logprob_cost(model: ops.LoadedModel, prompt_steps: int, n: int, max_tokens: 
 
 
 # -- the next-token distribution p(x_t | x_<t), by forward filtering ------------------------------------------
-class NextTokens:
-    """Forward filtering over a chain family: `start()` pi_1 (1, S), `probs(pi)` p(x_t | x_<t) (B, V) and
-    `step(pi, x)` pi_{t+1} (B, S) given x_t. hmm, tagging_hmm and blocked_hmm through the hooks of their top_k/top_p
-    sampler (S = Z states; O(K (Z + V)) per row and step); rank_hmm over its rank variables q (S = r: p(x | q) =
-    emit[x, q], q_{t+1} ~ rank_trans[q_t]; O(r (r + V)))."""
-
-    def __init__(self, impl: ChainFamily):
-        self.impl = impl
-        self.rank = isinstance(impl, RankHMM)
-        if not self.rank and not getattr(impl, "predictive_sampling", False):
-            raise APIError(400, f"logprobs: family {getattr(impl, 'family', '?')} has no next-token distribution here",
-                           param="logprobs", code="unsupported_parameter")
-
-    def start(self) -> torch.Tensor:
-        impl = self.impl
-        return (impl.rank_start if self.rank else impl.start_probs())[None].to(impl.dtype)
-
-    def probs(self, pi: torch.Tensor) -> torch.Tensor:
-        return pi @ self.impl.emit.T if self.rank else self.impl._token_probs(pi)
-
-    def step(self, pi: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        tiny = torch.finfo(pi.dtype).tiny
-        if self.rank:
-            alpha = pi * self.impl.emit[x]
-            return (alpha / alpha.sum(1, keepdim=True).clamp_min(tiny)) @ self.impl.rank_trans
-        alpha, ids = self.impl._condition(pi, x)
-        return self.impl._propagate(alpha / alpha.sum(1, keepdim=True).clamp_min(tiny), ids)
-
-    def after(self, prefix: list[int]) -> torch.Tensor:
-        """pi after `prefix` (1, S): the model's own predictive distribution where it has one (one batched
-        forward pass), else step by step."""
-        if not prefix:
-            return self.start()
-        if not self.rank:
-            return self.impl.predictive(prefix)[None].to(self.impl.dtype)
-        pi = self.start()
-        for x in prefix:
-            pi = self.step(pi, torch.tensor([x], device=pi.device))
-        return pi
+def next_token_filter(impl: ChainFamily) -> NextTokenFilter:
+    """The family's forward filter over next-token distributions; 400 naming `logprobs` where it has none."""
+    filt = impl.next_token_filter() if isinstance(impl, ChainFamily) else None
+    if filt is None:
+        raise APIError(400, f"logprobs: family {getattr(impl, 'family', '?')} has no next-token distribution here",
+                       param="logprobs", code="unsupported_parameter")
+    return filt
 
 
-def top_alternatives(filt: NextTokens, pi: torch.Tensor, seqs: list[list[int]], k: int) -> list[list[list]]:
+def top_alternatives(filt: NextTokenFilter, pi: torch.Tensor, seqs: list[list[int]], k: int) -> list[list[list]]:
     """For each sequence b (all continuing from pi (1, S)), at each of its positions t, the k most probable tokens
     under p(. | prefix, x_<t) as [(token id, log p)], most probable first (tokens of probability 0 left out).
     O(max len x B K (Z + V)); nothing to compute for k = 0."""
@@ -329,7 +296,7 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
     log-probabilities asked for. Returns the choices (prompt i's j-th at index i n + j) and the usage."""
     model, req = prep.model, prep.req
     vocab, echo, k = model.vocab, bool(req.echo), req.logprobs
-    filt = NextTokens(model.impl) if k is not None else None
+    filt = next_token_filter(model.impl) if k is not None else None
     choices: list[Choice] = []
     completion_tokens = 0
     for p_index, (ids, sreq) in enumerate(zip(prep.prompts, prep.samples, strict=True)):
@@ -360,7 +327,7 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
                      "total_tokens": prompt_tokens + completion_tokens}
 
 
-def token_logprobs(model: ops.LoadedModel, filt: NextTokens, ids: list[int], outs: list[list[int]], k: int,
+def token_logprobs(model: ops.LoadedModel, filt: NextTokenFilter, ids: list[int], outs: list[list[int]], k: int,
                    echo: bool) -> list[tuple[list[float | None], list[list]]]:
     """Per choice: log p(x_t | x_<t) of its tokens (the prompt's too with `echo`), as /v1/score computes them for
     prompt + completion, and the k most probable alternatives at each of those positions (forward filtering)."""
