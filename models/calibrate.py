@@ -6,14 +6,21 @@ on some machines and not on others. `calibrate` times each candidate the process
 kernels on every loaded BLAS, the compiled groups, the plain PyTorch recursion) on a synthetic batch of the
 model's size (a forward for scoring and a posterior), keeps the fastest in `backend.CHOICES` for that
 (K, dtype), and logs the timings. Every candidate computes the same numbers (tested); only speed differs.
-The service calibrates each chain model it loads (`latentlm serve`, LATENTLM_CALIBRATE).
+The service calibrates each chain model it loads (`latentlm serve`, LATENTLM_CALIBRATE). Several processes of one
+service (its API workers) share one measurement through a file (`share_with`): the first to load a matrix size
+times the candidates while the others wait on the file's lock, then read its choice, so N workers starting
+together neither time N times nor disturb each other's timings (and so pick the same engine).
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
+import os
 import timeit
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -63,9 +70,73 @@ def _fastest(fns: dict[str, object], rounds: int) -> dict[str, float]:
 
 
 OPERATIONS = {"score": False, "posterior": True}  # what is timed -> whether its calls keep marginals
+_shared: Path | None = None  # `share_with`
+
+
+def share_with(path: Path | str | None) -> None:
+    """Calibrations of this process are read from and written to the JSON file `path` (None: this process
+    alone), shared by the processes of one service on one machine (`latentlm serve`'s workers). A measurement
+    is keyed by matrix size, dtype and torch's thread count; the file holds choices and timings only."""
+    global _shared
+    _shared = Path(path) if path is not None else None
+
+
+def _shared_key(K: int, dtype: torch.dtype) -> str:
+    return f"{K}/{str(dtype).removeprefix('torch.')}/{torch.get_num_threads()} threads"
+
+
+def _read_shared(path: Path) -> dict:
+    """The file's measurements; {} when it is missing or not what this module writes (measured again)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _choice_from(entry: object) -> Choice | None:
+    try:
+        engine, provider, timings = entry["engine"], entry["provider"], entry["timings_ms"]  # type: ignore[index]
+        choice = Choice(Backend(engine), str(provider), {str(k): float(v) for k, v in dict(timings).items()})
+    except (KeyError, TypeError, ValueError):
+        return None
+    if (choice.provider and choice.provider not in blas.PROVIDERS) or not dispatch.available(choice.engine):
+        return None  # a BLAS or an engine this process cannot run: measured again
+    return choice
 
 
 def calibrate(trans: Tensor, *, rounds: int = 7) -> dict[str, Choice] | None:
+    """`measure`, or, where this process shares its calibrations (`share_with`), the shared file's choice for
+    this matrix size, dtype and thread count: measured by the first process to get there, under the file's lock
+    (the others wait for it), and written for the rest."""
+    if (_shared is None or trans.device.type != "cpu" or trans.dtype not in (torch.float32, torch.float64)
+            or trans.requires_grad):
+        return measure(trans, rounds=rounds)
+    K, dtype, key = trans.shape[-1], trans.dtype, _shared_key(trans.shape[-1], trans.dtype)
+    _shared.parent.mkdir(parents=True, exist_ok=True)
+    with open(_shared.with_name(_shared.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        entry = _read_shared(_shared).get(key)
+        if isinstance(entry, dict):
+            chosen = {op: _choice_from(entry.get(op)) for op in OPERATIONS}
+            if all(c is not None for c in chosen.values()):
+                for op, marginals in OPERATIONS.items():
+                    dispatch.CHOICES[(K, dtype, marginals)] = chosen[op]  # type: ignore[assignment]
+                log.info("calibration for K=%d %s read from %s: %s", K, str(dtype).removeprefix("torch."), _shared,
+                         {op: label(c.engine, c.provider) for op, c in chosen.items() if c is not None})
+                return chosen  # type: ignore[return-value]
+        measured = measure(trans, rounds=rounds)
+        if measured is not None:
+            data = _read_shared(_shared)
+            data[key] = {op: {"engine": c.engine.value, "provider": c.provider, "timings_ms": c.timings_ms}
+                         for op, c in measured.items()}
+            tmp = _shared.with_name(f"{_shared.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            os.replace(tmp, _shared)
+        return measured
+
+
+def measure(trans: Tensor, *, rounds: int = 7) -> dict[str, Choice] | None:
     """Time every candidate on this machine with `trans` (K, K) on CPU, separately for scoring (a forward)
     and for posteriors (forward and backward keeping marginals), in `rounds` interleaved rounds, and record
     the fastest of each in `backend.CHOICES[(K, dtype, marginals)]`: the default (lockstep on the default

@@ -66,9 +66,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if (settings.worker_count > 1 or settings.engine_mode == "process") and not workers:
         # start the workers (each of which runs the code below) and, where there is one, the engine process
         sys.exit(supervisor.run(settings, args.host, args.port, args.log_level))
+    from latentlm.models import calibrate
     from latentlm.service.app import create_app
+    from latentlm.service.metrics import multiprocess_dir
 
     set_threads(settings.torch_threads)
+    shared = multiprocess_dir() if workers else None
+    if shared:  # the workers measure each matrix size once, together (`models.calibrate.share_with`)
+        calibrate.share_with(Path(shared) / "calibration.json")
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1000)
     # each request allocates a few hundred container objects: with Python's gen0 threshold (700) the cyclic GC ran

@@ -95,3 +95,52 @@ def test_one_sequence_with_marginals_is_not_given_the_batch_choice():
     assert dispatch.sum_product("auto", emit, trans, init, rows=1, marginals=True) is Backend.GROUPS
     assert dispatch.sum_product("auto", emit, trans, init, rows=1) is Backend.SINGLE
     assert dispatch.sum_product("auto", emit, trans, init, rows=8, marginals=True) is Backend.LOCKSTEP
+
+
+def _calibrate_shared(path: str, K: int, start: float) -> tuple[dict, bool]:
+    """In a fresh process: share calibrations through `path`, calibrate a K x K matrix; (choices, read?)."""
+    import logging
+    import time
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("latentlm.models.calibrate").addHandler(handler)
+    logging.getLogger("latentlm.models.calibrate").setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    calibrate.share_with(path)
+    time.sleep(max(0.0, start - time.time()))  # both processes start together
+    chosen = calibrate.calibrate(_problem(K, torch.float32)[2], rounds=2)
+    assert chosen is not None
+    return ({op: (c.engine.value, c.provider) for op, c in chosen.items()},
+            any("read from" in m for m in records))
+
+
+def test_processes_that_share_a_file_measure_once_and_agree(tmp_path):
+    """Two workers calibrating the same matrix size together: one measures (the other waits on the file's lock)
+    and both use its choice; a file that is not JSON, or names a BLAS this process lacks, is measured again."""
+    import concurrent.futures
+    import json
+    import multiprocessing
+    import time
+
+    path = tmp_path / "calibration.json"
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=ctx) as pool:
+        start = time.time() + 5
+        a, b = pool.map(_calibrate_shared, [str(path)] * 2, [96, 96], [start, start])
+    assert a[0] == b[0]
+    assert sorted([a[1], b[1]]) == [False, True]  # one measured, one read
+    data = json.loads(path.read_text())
+    assert list(data) == ["96/float32/1 threads"] and set(data["96/float32/1 threads"]) == {"score", "posterior"}
+
+    entry = data["96/float32/1 threads"]
+    entry["score"]["provider"] = "no-such-blas"
+    path.write_text(json.dumps(data))
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        _, read = pool.submit(_calibrate_shared, str(path), 96, 0.0).result()
+    assert not read and json.loads(path.read_text())["96/float32/1 threads"]["score"]["provider"] in blas.PROVIDERS
+    path.write_text("not json")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+        _, read = pool.submit(_calibrate_shared, str(path), 96, 0.0).result()
+    assert not read and "96/float32/1 threads" in json.loads(path.read_text())

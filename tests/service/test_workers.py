@@ -210,3 +210,35 @@ def test_workers_that_cannot_listen_stop_the_service(store, redis_url, tmp_path)
     out = p.output()
     assert p.p.returncode == 1, out
     assert "twice within 30 s of its start; stopping" in out and f"cannot listen on 127.0.0.1:{port}" in out, out
+
+
+def test_workers_calibrate_once_and_use_the_same_engines(store, redis_url, tmp_path):
+    """Two workers loading the same dense HMM: one times the CPU engines, the other reads its choice
+    (`models.calibrate.share_with`), so /v1/models shows the same measured timings whichever worker answers
+    (two separate measurements would differ in their timings)."""
+    from latentlm.models.kernels.jit import HAVE_NUMBA
+
+    if not HAVE_NUMBA:
+        pytest.skip("numba unavailable: nothing compiled to calibrate")
+    server = Server(store, tmp_path, env={"REDIS_URL": redis_url, "LATENTLM_WORKERS": "2"})
+    try:
+        deadline = time.time() + 120
+        while True:  # both workers ready (one may still be waiting for the other's measurement)
+            streak = 0
+            for _ in range(8):
+                with httpx.Client(base_url=server.url, timeout=30) as c:
+                    streak += c.get("/ready").status_code == 200
+            if streak == 8:
+                break
+            assert time.time() < deadline and server.alive(), server.output()
+            time.sleep(0.5)
+        seen = []
+        for _ in range(12):  # fresh connections: spread over both workers by the kernel
+            with httpx.Client(base_url=server.url, timeout=30) as c:
+                models = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            backend = models["tiny"]["backend"]
+            assert backend["calibrated"] is True, backend
+            seen.append(backend["calibration_ms"])
+        assert all(s == seen[0] for s in seen), seen
+    finally:
+        server.stop()
