@@ -67,6 +67,15 @@ def _anonymous(pid: int) -> int:
     raise AssertionError("no Anonymous line")
 
 
+def _fresh_connections_ready(server: Server, n: int) -> bool:
+    """Whether `n` fresh connections in a row (spread over the workers by the kernel) all find /ready 200."""
+    for _ in range(n):
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            if c.get("/ready").status_code != 200:
+                return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def big_store(tmp_path_factory) -> tuple[Path, int]:
     store = tmp_path_factory.mktemp("bigstore")
@@ -171,13 +180,8 @@ def test_a_dead_worker_is_started_again(store, redis_url, tmp_path):
         deadline = time.time() + 120
         while True:  # a new worker in its place, and both answer
             now = _children(server.p.pid)
-            if len(now) == 2 and before[0] not in now:
-                streak = 0
-                for _ in range(12):
-                    with httpx.Client(base_url=server.url, timeout=30) as c:
-                        streak += c.get("/ready").status_code == 200
-                if streak == 12:
-                    break
+            if len(now) == 2 and before[0] not in now and _fresh_connections_ready(server, 12):
+                break
             assert time.time() < deadline and server.alive(), server.output()
             time.sleep(0.5)
         assert "exited with status -9; starting it again" in server.output()
@@ -223,13 +227,7 @@ def test_workers_calibrate_once_and_use_the_same_engines(store, redis_url, tmp_p
     server = Server(store, tmp_path, env={"REDIS_URL": redis_url, "LATENTLM_WORKERS": "2"})
     try:
         deadline = time.time() + 120
-        while True:  # both workers ready (one may still be waiting for the other's measurement)
-            streak = 0
-            for _ in range(8):
-                with httpx.Client(base_url=server.url, timeout=30) as c:
-                    streak += c.get("/ready").status_code == 200
-            if streak == 8:
-                break
+        while not _fresh_connections_ready(server, 8):  # one worker may still wait for the other's measurement
             assert time.time() < deadline and server.alive(), server.output()
             time.sleep(0.5)
         seen = []
