@@ -8,8 +8,17 @@ import math
 import pytest
 import torch
 
+from latentlm.models.tagging_hmm import TaggingHMM
 from tests.models.chain_brute import joint_tables, path_logprobs
 from tests.models.test_hmm_families import FAMILIES, SEQS, V, make
+from tests.models.test_tagging_hmm import tiny_tagger
+
+
+def family_model(family: str, seed: int):
+    """Every chain family with a next-token filter: the three HMM families, and a tagging HMM (words only)."""
+    if family == "tagging_hmm":
+        return TaggingHMM.from_tensors(*tiny_tagger(Z=3, V=V, seed=seed), dtype=torch.float64)
+    return make(family, seed)
 
 
 def brute_logprob(model, x: list[int]) -> float:
@@ -21,10 +30,10 @@ def brute_logprob(model, x: list[int]) -> float:
     return math.log(sum(math.exp(lp) for lp in finite)) if finite else -math.inf
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "tagging_hmm"])
 @pytest.mark.parametrize("seed", [0, 3])
 def test_next_token_probabilities_are_the_brute_force_conditionals(family, seed):
-    model = make(family, seed)
+    model = family_model(family, seed)
     filt = model.next_token_filter()
     assert filt is not None
     for seq in SEQS:
@@ -41,10 +50,10 @@ def test_next_token_probabilities_are_the_brute_force_conditionals(family, seed)
                 pi = filt.step(pi, torch.tensor([x]))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "tagging_hmm"])
 def test_rows_of_a_batch_step_independently(family):
     """Several rows at once (one per continuation) give what each row gives alone."""
-    model = make(family, 1)
+    model = family_model(family, 1)
     filt = model.next_token_filter()
     pi = filt.start().expand(3, -1)
     xs = torch.tensor([[0, 5, 2], [3, 3, 1]])
