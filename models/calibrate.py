@@ -116,7 +116,8 @@ def calibrate(trans: Tensor, *, rounds: int = 7) -> dict[str, Choice] | None:
     _shared.parent.mkdir(parents=True, exist_ok=True)
     with open(_shared.with_name(_shared.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        entry = _read_shared(_shared).get(key)
+        data = _read_shared(_shared)  # nobody writes it while this process holds the lock
+        entry = data.get(key)
         if isinstance(entry, dict):
             chosen = {op: _choice_from(entry.get(op)) for op in OPERATIONS}
             if all(c is not None for c in chosen.values()):
@@ -127,7 +128,6 @@ def calibrate(trans: Tensor, *, rounds: int = 7) -> dict[str, Choice] | None:
                 return chosen  # type: ignore[return-value]
         measured = measure(trans, rounds=rounds)
         if measured is not None:
-            data = _read_shared(_shared)
             data[key] = {op: {"engine": c.engine.value, "provider": c.provider, "timings_ms": c.timings_ms}
                          for op, c in measured.items()}
             tmp = _shared.with_name(f"{_shared.name}.{os.getpid()}.tmp")

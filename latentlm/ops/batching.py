@@ -22,31 +22,41 @@ def run(model: LoadedModel, op: str, seqs: list[list[int]], *, max_batch_tokens:
 
 def run_merged(model: LoadedModel, op: str, groups: Sequence[list[list[int]]], *,
                max_batch_tokens: int | None = None,
-               run_groups: Callable[[Sequence[list[list[int]]], int | None], list[dict]] | None = None,
+               run_groups: Callable[[list[int], int | None], list[dict]] | None = None,
                **opts: Any) -> list[list[dict] | Exception]:
-    """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run` (or `run_groups(groups,
-    max_batch_tokens)`, an operation's own run of the groups' sequences, in order); each group gets its own results
-    renumbered from 0. When the merged run raises, each group runs alone, so one bad request never fails its
-    neighbours: a group's entry is then its own results or its exception."""
+    """Several requests' inputs (`groups`, each a list of token-id sequences) in one `run` (or `run_groups(indices,
+    max_batch_tokens)`, an operation's own run of the sequences of the groups at those indices, in order); each
+    group gets its own results renumbered from 0. When the merged run raises, each group runs alone, so one bad
+    request never fails its neighbours: a group's entry is then its own results or its exception."""
+    def run_here(indices: list[int], cap: int | None) -> list[dict]:
+        return run(model, op, [s for i in indices for s in groups[i]], max_batch_tokens=cap, **opts)
+
+    run_these = run_groups or run_here
+
+    def run_part(indices: list[int]) -> list[list[dict] | Exception]:
+        results = run_these(indices, max_batch_tokens)
+        out: list[list[dict] | Exception] = []
+        pos = 0
+        for i in indices:
+            part = results[pos : pos + len(groups[i])]
+            pos += len(groups[i])
+            for j, r in enumerate(part):  # fresh dicts from run: renumber within the request in place
+                r["index"] = j
+            out.append(part)
+        return out
+
     try:
-        if run_groups is not None:
-            results = run_groups(groups, max_batch_tokens)
-        else:
-            results = run(model, op, [s for g in groups for s in g], max_batch_tokens=max_batch_tokens, **opts)
+        return run_part(list(range(len(groups))))
     except Exception as e:
         if len(groups) == 1:
             return [e]
-        return [run_merged(model, op, [g], max_batch_tokens=max_batch_tokens, run_groups=run_groups, **opts)[0]
-                for g in groups]
-    out: list[list[dict] | Exception] = []
-    pos = 0
-    for g in groups:
-        part = results[pos : pos + len(g)]
-        pos += len(g)
-        for j, r in enumerate(part):  # fresh dicts from run: renumber within the request in place
-            r["index"] = j
-        out.append(part)
-    return out
+    alone: list[list[dict] | Exception] = []
+    for i in range(len(groups)):
+        try:
+            alone.append(run_part([i])[0])
+        except Exception as e:
+            alone.append(e)
+    return alone
 
 
 def slices(costs: Sequence[int], limit: int) -> list[tuple[int, int]]:

@@ -260,12 +260,11 @@ def run_merged(op: Operation, model: LoadedModel, opts: dict[str, Any], groups: 
     `run_call`; each group gets its own results (indices from 0), or its own exception when it fails alone
     (`batching.run_merged`). The merged call's cost is the sum of its groups' (an engine's batcher puts it in the
     heavy lane by it)."""
-    cost_of = {id(g): c for g, c in zip(groups, costs, strict=True)} if costs is not None else {}
-
-    def run_groups(part: Sequence[list[list[int]]], cap: int | None) -> list[dict]:
-        seqs = [s for g in part for s in g]
-        return run_call(Call(model, op, opts, seqs, None, sum(cost_of.get(id(g), 0) for g in part),
-                             input_tokens=sum(map(len, seqs))), cap)  # no one request: several merged
+    def run_groups(indices: list[int], cap: int | None) -> list[dict]:
+        seqs = [s for i in indices for s in groups[i]]
+        cost = sum(costs[i] for i in indices) if costs is not None else 0
+        return run_call(Call(model, op, opts, seqs, None, cost, input_tokens=sum(map(len, seqs))),
+                        cap)  # no one request: several merged
 
     return batching.run_merged(model, op.name, groups, max_batch_tokens=max_batch_tokens, run_groups=run_groups)
 

@@ -139,7 +139,8 @@ def test_processes_that_share_a_file_measure_once_and_agree(tmp_path):
     path.write_text(json.dumps(data))
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         _, read = pool.submit(_calibrate_shared, str(path), 96, 0.0).result()
-    assert not read and json.loads(path.read_text())["96/float32/1 threads"]["score"]["provider"] in blas.PROVIDERS
+    remeasured = json.loads(path.read_text())["96/float32/1 threads"]["score"]["provider"]
+    assert not read and (remeasured == "" or remeasured in blas.PROVIDERS)  # "": an engine that calls no BLAS
     path.write_text("not json")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
         _, read = pool.submit(_calibrate_shared, str(path), 96, 0.0).result()
