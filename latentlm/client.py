@@ -1,7 +1,7 @@
 """A small Python client for a latentlm server: `Client` (sync) and `AsyncClient` (async), over httpx.
 
-Every operation is a typed call: `score`, `posterior`, `decode`, `sample`, `embed`, `completions` (OpenAI shape),
-`models`, and the batch API (`upload_file`, `create_batch`, `get_batch`, `cancel_batch`, `batch_results`, ...);
+Every operation is a typed call: `score`, `posterior`, `decode`, `sample`, `embed`, `constraint`, `completions` (OpenAI
+shape), `models`, and the batch API (`upload_file`, `create_batch`, `get_batch`, `cancel_batch`, `batch_results`, ...);
 `operation(name, body)` posts to any other operation route. Streams are iterators: `posterior_stream` (NDJSON
 lines), `sample_stream` and `completions_stream` (server-sent events up to `data: [DONE]`).
 
@@ -206,6 +206,10 @@ class Calls:
         return Call("POST", "/v1/sample", _body(model, **fields, stream=stream or None))
 
     @staticmethod
+    def constraint(model: str, constraint: dict[str, Any], fields: dict[str, Any]) -> Call:
+        return Call("POST", "/v1/constraint", _body(model, constraint=constraint, **fields))
+
+    @staticmethod
     def completions(model: str, prompt: Any, stream: bool, fields: dict[str, Any]) -> Call:
         return Call("POST", "/v1/completions", _body(model, prompt=prompt, **fields, stream=stream or None))
 
@@ -225,11 +229,10 @@ class Calls:
                                             **({"metadata": metadata} if metadata else {})})
 
 
-def _sample_fields(n: int | None, max_tokens: int | None, seed: int | None, prefix: str | list[int] | None,
-                   temperature: float | None, stop_at_eos: bool | None, top_k: int | None, top_p: float | None,
-                   stop: str | list[str | list[int]] | None) -> dict[str, Any]:
-    return {"n": n, "max_tokens": max_tokens, "seed": seed, "prefix": prefix, "temperature": temperature,
-            "stop_at_eos": stop_at_eos, "top_k": top_k, "top_p": top_p, "stop": stop}
+def _fields(given: dict[str, Any], *skip: str) -> dict[str, Any]:
+    """A typed call's keyword arguments (its `locals()`) as request fields: all but `self` and `skip`; None values
+    are left to the server's default by `_body`."""
+    return {k: v for k, v in given.items() if k != "self" and k not in skip}
 
 
 def batch_lines(requests: list[tuple[str, dict[str, Any]]], url: str) -> str:
@@ -364,21 +367,29 @@ class Client(_Base):
     def embed(self, model: str, input: Input, *, causal: bool = False) -> ListResponse:
         return self._json(Calls.embed(model, input, causal))
 
-    def sample(self, model: str, *, n: int | None = None, max_tokens: int | None = None, seed: int | None = None,
-               prefix: str | list[int] | None = None, temperature: float | None = None,
+    def sample(self, model: str, *, n: int | None = None, max_tokens: int | None = None,
+               seed: int | None = None, prefix: str | list[int] | None = None, temperature: float | None = None,
                stop_at_eos: bool | None = None, top_k: int | None = None, top_p: float | None = None,
-               stop: str | list[str | list[int]] | None = None) -> ListResponse:
-        """n samples (continuations of `prefix`); None leaves a field to the server's default."""
-        fields = _sample_fields(n, max_tokens, seed, prefix, temperature, stop_at_eos, top_k, top_p, stop)
-        return self._json(Calls.sample(model, False, fields))
+               stop: str | list[str | list[int]] | None = None,
+               constraint: dict[str, Any] | None = None) -> ListResponse:
+        """n samples (continuations of `prefix`; with `constraint`, drawn exactly from the model conditioned on it);
+        None leaves a field to the server's default."""
+        return self._json(Calls.sample(model, False, _fields(locals(), "model")))
 
     def sample_stream(self, model: str, *, n: int | None = None, max_tokens: int | None = None,
                       seed: int | None = None, prefix: str | list[int] | None = None, temperature: float | None = None,
                       stop_at_eos: bool | None = None, top_k: int | None = None, top_p: float | None = None,
-                      stop: str | list[str | list[int]] | None = None) -> Iterator[dict[str, Any]]:
+                      stop: str | list[str | list[int]] | None = None,
+                      constraint: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
         """The samples as server-sent events: `sample.chunk` items, then a `sample.usage` item."""
-        fields = _sample_fields(n, max_tokens, seed, prefix, temperature, stop_at_eos, top_k, top_p, stop)
-        return self._events(Calls.sample(model, True, fields))
+        return self._events(Calls.sample(model, True, _fields(locals(), "model")))
+
+    def constraint(self, model: str, constraint: dict[str, Any], *, prefix: str | list[int] | None = None,
+                   temperature: float | None = None, weights: bool | None = None, beam: int | None = None,
+                   n_best: int | None = None, generated: list[int] | None = None) -> dict[str, Any]:
+        """POST /v1/constraint: log P(C | prefix[, generated]) (`log_prob`), the automaton's sizes, and on request the
+        next-token `weights` and the beam's `completions`."""
+        return self._json(Calls.constraint(model, constraint, _fields(locals(), "model", "constraint")))
 
     def completions(self, model: str, prompt: str | list[str] | list[int] | list[list[int]], **fields: Any
                     ) -> Completion:
@@ -549,16 +560,22 @@ class AsyncClient(_Base):
     async def sample(self, model: str, *, n: int | None = None, max_tokens: int | None = None,
                      seed: int | None = None, prefix: str | list[int] | None = None, temperature: float | None = None,
                      stop_at_eos: bool | None = None, top_k: int | None = None, top_p: float | None = None,
-                     stop: str | list[str | list[int]] | None = None) -> ListResponse:
-        fields = _sample_fields(n, max_tokens, seed, prefix, temperature, stop_at_eos, top_k, top_p, stop)
-        return await self._json(Calls.sample(model, False, fields))
+                     stop: str | list[str | list[int]] | None = None,
+                     constraint: dict[str, Any] | None = None) -> ListResponse:
+        return await self._json(Calls.sample(model, False, _fields(locals(), "model")))
 
     def sample_stream(self, model: str, *, n: int | None = None, max_tokens: int | None = None,
                       seed: int | None = None, prefix: str | list[int] | None = None, temperature: float | None = None,
                       stop_at_eos: bool | None = None, top_k: int | None = None, top_p: float | None = None,
-                      stop: str | list[str | list[int]] | None = None) -> AsyncIterator[dict[str, Any]]:
-        fields = _sample_fields(n, max_tokens, seed, prefix, temperature, stop_at_eos, top_k, top_p, stop)
-        return self._events(Calls.sample(model, True, fields))
+                      stop: str | list[str | list[int]] | None = None,
+                      constraint: dict[str, Any] | None = None) -> AsyncIterator[dict[str, Any]]:
+        return self._events(Calls.sample(model, True, _fields(locals(), "model")))
+
+    async def constraint(self, model: str, constraint: dict[str, Any], *, prefix: str | list[int] | None = None,
+                         temperature: float | None = None, weights: bool | None = None, beam: int | None = None,
+                         n_best: int | None = None, generated: list[int] | None = None
+                         ) -> dict[str, Any]:
+        return await self._json(Calls.constraint(model, constraint, _fields(locals(), "model", "constraint")))
 
     async def completions(self, model: str, prompt: str | list[str] | list[int] | list[list[int]],
                           **fields: Any) -> Completion:

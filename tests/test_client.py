@@ -84,6 +84,42 @@ def test_operations(server):
             "/v1/score", json={"model": "tiny", "input": "w1 w2"}).json()
 
 
+def test_constraint_calls(server):
+    """`constraint` and `sample(constraint=...)` send what a hand-written body sends, sync and async."""
+    direct = server.client
+    cons = {"include": [["w1"]], "max_tokens": 6}
+    with Client(server.url) as c:
+        got = c.constraint("tiny", cons, prefix="w2", weights=True)
+        assert got == direct.post("/v1/constraint", json={"model": "tiny", "constraint": cons, "prefix": "w2",
+                                                          "weights": True}).json()
+        samples = c.sample("tiny", n=2, seed=3, constraint=cons)
+        assert samples == direct.post("/v1/sample", json={"model": "tiny", "n": 2, "seed": 3,
+                                                          "constraint": cons}).json()
+        assert all("w1" in d["tokens"] for d in samples["data"])
+
+    async def run() -> tuple[dict, dict]:
+        async with AsyncClient(server.url) as c:
+            return await c.constraint("tiny", cons, prefix="w2", weights=True), await c.sample(
+                "tiny", n=2, seed=3, constraint=cons)
+
+    assert asyncio.run(run()) == (got, samples)
+
+
+@pytest.mark.parametrize("op", ["score", "posterior", "decode", "embed", "sample", "constraint"])
+def test_typed_calls_cover_every_request_field(op):
+    """Every field of an operation's request model is a parameter of both clients' typed call (a field added to a
+    request model and not to the client fails here); `stream` is the `*_stream` call's."""
+    import inspect
+
+    from latentlm.ops import spec
+
+    fields = set(spec.get(op).request.model_fields) - {"model", "stream"}
+    for cls in (Client, AsyncClient):
+        params = set(inspect.signature(getattr(cls, op)).parameters) - {"self", "model"}
+        assert fields <= params, (cls.__name__, op, sorted(fields - params))
+        assert params <= fields, (cls.__name__, op, sorted(params - fields))
+
+
 def test_errors_carry_status_param_code_message(server):
     with Client(server.url, max_retries=0) as c:
         cases = [(lambda: c.score("nosuch", "w1"), 404, "model", "model_not_found"),
