@@ -1,0 +1,271 @@
+"""Distilling HMMs from a language model, end to end on a CPU: train a small GPT-2-style LM with its own BPE
+tokenizer on Penn Treebank text, distil dense HMMs from it with `latentlm distill`, and run a CommonGen-style
+keyword task (LM alone with rejection sampling, LM + the HMM guide, the HMM alone, constrained).
+
+    python bench/distill.py lm|distill|task|report|all [--work DIR] [--tiny] [--out FILE]
+
+Each stage caches its output under --work (default ~/.cache/latentlm/bench-distill/, `--tiny`:
+.../bench-distill-tiny/), so a rerun skips finished stages (`--force STAGE` reruns one). The stages run with one
+torch thread (OMP_NUM_THREADS=1 unless set): the bench shares a 2-core VM. `report` writes the results file
+(default bench/results/distill.md; `--tiny` writes nothing unless --out is given).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import datetime as dt  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+EOS = "<|endoftext|>"
+ROOT = Path(__file__).resolve().parent.parent
+
+# LM settings: (layers, width, heads, context, vocab, batch, minutes, valid tokens evaluated during training)
+LM_FULL = {"layers": 4, "width": 256, "heads": 4, "context": 64, "vocab": 6000, "batch": 32, "minutes": 18.0,
+           "lr": 1e-3, "eval_every_s": 120.0, "eval_tokens": 16384}
+LM_TINY = {"layers": 1, "width": 32, "heads": 2, "context": 32, "vocab": 400, "batch": 8, "minutes": 0.05,
+           "lr": 3e-3, "eval_every_s": 1.0, "eval_tokens": 1024, "train_sentences": 2000}
+
+
+def cpu_name() -> str:
+    """The lscpu model name (the VM's), else platform.processor()."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        for line in out.splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=False))
+    tmp.replace(path)
+
+
+def log(msg: str) -> None:
+    print(f"[{dt.datetime.now():%H:%M:%S}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- text
+_CONTRACTIONS = ("'s", "n't", "'re", "'ll", "'ve", "'d", "'m")
+
+
+def detokenize(words: list[str]) -> str:
+    """PTB (Mikolov) word tokens -> plain text: contractions and possessives re-attached ("do n't" -> "don't",
+    "today 's" -> "today's"), "$ N" -> "$N", "N %" ... PTB has no '%' (it spells "N N"); `<unk>` and `N` are
+    kept as the literal strings "<unk>" and "N" (the tokenizer learns them as ordinary text; the keyword task
+    never picks them). The text is lower-case as PTB is."""
+    out: list[str] = []
+    for w in words:
+        if out and (w in _CONTRACTIONS or w == "'"):
+            out[-1] += w
+        elif out and out[-1] == "$":
+            out[-1] += w
+        else:
+            out.append(w)
+    return " ".join(out)
+
+
+def ptb_texts(split: str) -> list[str]:
+    from latentlm.training.data import ptb_sentences
+
+    return [detokenize(s) for s in ptb_sentences(split)]
+
+
+# ---------------------------------------------------------------- stage 1: the LM
+def train_tokenizer(texts: list[str], vocab: int):
+    """A byte-level BPE (GPT-2's pre-tokeniser and decoder) with `<|endoftext|>` as its only special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS], min_frequency=2,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def encode_stream(tok, texts: list[str]) -> list[int]:
+    """Every sentence followed by the eos id, concatenated (the LM learns to start a sentence after eos)."""
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = [eos]
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return ids
+
+
+def lm_eval(model, stream, context: int, max_tokens: int | None = None, batch: int = 32) -> float:
+    """Mean next-token NLL (nats) over non-overlapping windows of `context` tokens of `stream` (a 1-D tensor)."""
+    import torch
+
+    n = (len(stream) - 1) // context
+    if max_tokens is not None:
+        n = min(n, max(1, max_tokens // context))
+    x = stream[: n * context + 1]
+    inp = x[:-1].view(n, context)
+    tgt = x[1:].view(n, context)
+    model.eval()
+    tot = 0.0
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            logits = model(input_ids=inp[i:i + batch]).logits
+            tot += float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                           tgt[i:i + batch].reshape(-1), reduction="sum"))
+    model.train()
+    return tot / (n * context)
+
+
+def stage_lm(work: Path, tiny: bool, seed: int) -> dict:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    cfg = dict(LM_TINY if tiny else LM_FULL)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    t0 = time.perf_counter()
+    train_txt, valid_txt = ptb_texts("train"), ptb_texts("valid")
+    if tiny:
+        train_txt = train_txt[: cfg["train_sentences"]]
+        valid_txt = valid_txt[:200]
+    tok = train_tokenizer(train_txt, cfg["vocab"])
+    t_tok = time.perf_counter() - t0
+    train = torch.tensor(encode_stream(tok, train_txt), dtype=torch.long)
+    valid = torch.tensor(encode_stream(tok, valid_txt), dtype=torch.long)
+    log(f"tokenizer: {tok.get_vocab_size()} ids, train {len(train)} tokens, valid {len(valid)} tokens "
+        f"({t_tok:.1f}s)")
+    eos = tok.token_to_id(EOS)
+    config = GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=cfg["context"], n_embd=cfg["width"],
+                        n_layer=cfg["layers"], n_head=cfg["heads"], bos_token_id=eos, eos_token_id=eos)
+    model = GPT2LMHeadModel(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    C, B = cfg["context"], cfg["batch"]
+    budget = cfg["minutes"] * 60.0
+    warmup = 50
+    n_windows = (len(train) - 1) // C
+    curve: list[dict] = []
+    step, tokens_seen, epoch = 0, 0, 0
+    order = torch.randperm(n_windows)
+    pos = 0
+    t_start = time.perf_counter()
+    last_eval = t_start
+    run_loss, run_n = 0.0, 0
+    while True:
+        elapsed = time.perf_counter() - t_start
+        if elapsed >= budget:
+            break
+        frac = elapsed / budget
+        lr = cfg["lr"] * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        if pos + B > n_windows:
+            order, pos, epoch = torch.randperm(n_windows), 0, epoch + 1
+        idx = order[pos:pos + B] * C
+        pos += B
+        xb = torch.stack([train[i:i + C + 1] for i in idx.tolist()])
+        logits = model(input_ids=xb[:, :-1]).logits  # the loss over all C next tokens (HF's `labels` drops one)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), xb[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        tokens_seen += B * C
+        run_loss += float(loss.detach())
+        run_n += 1
+        now = time.perf_counter()
+        if now - last_eval >= cfg["eval_every_s"]:
+            v = lm_eval(model, valid, C, cfg["eval_tokens"])
+            curve.append({"step": step, "seconds": round(now - t_start, 1), "tokens": tokens_seen,
+                          "train_loss": run_loss / run_n, "valid_loss_subset": v, "lr": lr})
+            log(f"step {step} {now - t_start:.0f}s train {run_loss / run_n:.3f} valid(sub) {v:.3f} "
+                f"ppl {math.exp(v):.1f}")
+            run_loss, run_n = 0.0, 0
+            last_eval = time.perf_counter()
+    train_seconds = time.perf_counter() - t_start
+    t_ev = time.perf_counter()
+    valid_loss = lm_eval(model, valid, C)
+    eval_seconds = time.perf_counter() - t_ev
+    log(f"done: {step} steps, {train_seconds:.0f}s, valid loss {valid_loss:.4f} ppl {math.exp(valid_loss):.2f}")
+    lm_dir = work / "lm"
+    model.eval()
+    model.save_pretrained(lm_dir)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, unk_token=None,
+                                   pad_token=EOS)
+    fast.save_pretrained(lm_dir)
+    res = {
+        "settings": cfg, "seed": seed, "parameters": n_params,
+        "vocab_size": tok.get_vocab_size(), "eos_id": eos,
+        "train_tokens": len(train), "valid_tokens": len(valid),
+        "train_words": sum(len(t.split()) for t in train_txt), "valid_words": sum(len(t.split()) for t in valid_txt),
+        "steps": step, "tokens_seen": tokens_seen, "epochs": tokens_seen / len(train),
+        "train_seconds": train_seconds, "tokenizer_seconds": t_tok, "eval_seconds": eval_seconds,
+        "valid_loss": valid_loss, "valid_ppl_token": math.exp(valid_loss),
+        "valid_ppl_word": math.exp(valid_loss * len(valid) / (sum(len(t.split()) for t in valid_txt)
+                                                              + len(valid_txt))),
+        "curve": curve, "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+        "date": dt.datetime.now().isoformat(timespec="seconds"), "dir": str(lm_dir),
+    }
+    return res
+
+
+# ---------------------------------------------------------------- driver
+STAGES = ("lm", "distill", "task")
+
+
+def run_stage(name: str, work: Path, args) -> dict:
+    path = work / f"{name}.json"
+    if path.exists() and name not in (args.force or []):
+        log(f"{name}: cached ({path})")
+        return json.loads(path.read_text())
+    log(f"{name}: running")
+    t0 = time.perf_counter()
+    fn = {"lm": stage_lm}[name]
+    res = fn(work, args.tiny, args.seed)
+    res["stage_seconds"] = time.perf_counter() - t0
+    res["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    write_json(path, res)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=[*STAGES, "report", "all"])
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--tiny", action="store_true", help="small settings, seconds per stage (tests)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="append", choices=STAGES, help="rerun this stage even if cached")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    work = args.work or Path.home() / ".cache" / "latentlm" / ("bench-distill-tiny" if args.tiny else "bench-distill")
+    work.mkdir(parents=True, exist_ok=True)
+    stages = STAGES if args.stage == "all" else (() if args.stage == "report" else (args.stage,))
+    for s in stages:
+        run_stage(s, work, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
