@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from latentlm.models.checks import Validator, all_finite, mark_stored_stats, row_stats, unmark_stored_stats
 from latentlm.models.errors import ArtifactError, ModelNotFound
+from latentlm.models.tokenizer import TOKENIZER_FILE, TextTokenizer
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
 FORMAT_VERSION = 1
@@ -564,7 +565,8 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
             )
         if t.is_floating_point() and not all_finite(t):
             raise ArtifactError(f"{path / WEIGHTS}: tensor {k!r} has NaN or infinite entries", param=k)
-    vocab = Vocabulary.read(path / VOCAB, Preprocessing.from_dict(manifest["preprocessing"]))
+    vocab = Vocabulary.read(path / VOCAB, Preprocessing.from_dict(manifest["preprocessing"]),
+                            read_tokenizer(path, manifest))
     if len(vocab) != manifest["vocab_size"]:
         raise ArtifactError(
             f"{path / VOCAB}: {len(vocab)} tokens, manifest says vocab_size {manifest['vocab_size']}",
@@ -574,6 +576,26 @@ def read_artifact(path: Path | str, validate_for: Callable[[str], Validator],
     for t in tensors.values():
         unmark_stored_stats(t)
     return Artifact(path=path, manifest=manifest, vocab=vocab, tensors=tensors)
+
+
+def read_tokenizer(path: Path, manifest: dict[str, Any]) -> TextTokenizer | None:
+    """The model's tokenizer when its preprocessing names "tokenizer.json": the file's bytes read once and checked
+    against the manifest's SHA-256 (the bytes checked are the bytes used). ArtifactError naming `tokenizer.json`
+    when it is not listed, differs or cannot be reproduced exactly (`TextTokenizer`). None for word-level models."""
+    pre = manifest["preprocessing"]
+    if not isinstance(pre, dict) or pre.get("tokenizer") != TOKENIZER_FILE:
+        return None
+    digest = manifest["files"].get(TOKENIZER_FILE)
+    if digest is None:
+        raise ArtifactError(f"{path / MANIFEST}: preprocessing names {TOKENIZER_FILE} but no hash is recorded for "
+                            "it", param=TOKENIZER_FILE)
+    fpath = manifest_files(path, {"files": {TOKENIZER_FILE: digest}})[TOKENIZER_FILE]
+    data = fpath.read_bytes()
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != digest:
+        raise ArtifactError(f"{fpath}: SHA-256 mismatch (manifest {digest[:12]}…, file {actual[:12]}…)",
+                            param=TOKENIZER_FILE)
+    return TextTokenizer.from_bytes(data, source=str(fpath))
 
 
 def list_models(store: Path | str) -> list[str]:
