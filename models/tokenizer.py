@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from latentlm.models.errors import ArtifactError, InputError
+from latentlm.models.vocab import TOKENIZER_JSON, Preprocessing, Vocabulary
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = TOKENIZER_JSON
 PLACEHOLDER = "<|id:{}|>"  # vocab.txt's line for an id the tokenizer does not know (or cannot spell on one line)
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -327,13 +328,11 @@ def tokenizer_files(tok: Any) -> dict[str, bytes]:
     return {TOKENIZER_FILE: as_text_tokenizer(tok).to_json_bytes()}
 
 
-def vocab_for(tok: Any, V: int | None = None, eos: str | int | None = None, *, add_eos: bool = True):
+def vocab_for(tok: Any, V: int | None = None, eos: str | int | None = None, *, add_eos: bool = True) -> Vocabulary:
     """The `Vocabulary` of a model over `tok`'s ids: V entries (default: the tokenizer's vocab_size; more pads with
     placeholders), preprocessing `{"tokenizer": "tokenizer.json", "eos": <eos token string>, "unk": None, "add_eos",
     "lowercase": False}`. `eos`: its token string or id (default: the tokenizer's only special token, if one).
     InputError naming `eos` / `V` when they do not fit."""
-    from latentlm.models.vocab import Preprocessing, Vocabulary
-
     t = as_text_tokenizer(tok)
     V = t.vocab_size if V is None else V
     if V < t.vocab_size:

@@ -5,12 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from latentlm.models.errors import ArtifactError, InputError
-
-if TYPE_CHECKING:
-    from latentlm.models.tokenizer import TextTokenizer
 
 WHITESPACE = "whitespace"
 TOKENIZER_JSON = "tokenizer.json"
@@ -45,7 +42,7 @@ class Vocabulary:
 
     tokens: list[str]
     preprocessing: Preprocessing = field(default_factory=Preprocessing)
-    tokenizer: TextTokenizer | None = None
+    tokenizer: Any = None  # a `latentlm.models.tokenizer.TextTokenizer` (which imports this module), or None
 
     def __post_init__(self) -> None:
         self.index = {tok: i for i, tok in enumerate(self.tokens)}
@@ -66,7 +63,7 @@ class Vocabulary:
         if self.tokenizer is not None:
             self._check_tokenizer(self.tokenizer)
 
-    def _check_tokenizer(self, tok: TextTokenizer) -> None:
+    def _check_tokenizer(self, tok: Any) -> None:
         """The vocabulary is the tokenizer's (line i its token i, padded with placeholders) and holds its eos;
         ArtifactError naming `tokenizer` / `vocab` otherwise. O(V)."""
         V = len(self.tokens)
@@ -183,7 +180,7 @@ class Vocabulary:
         return "".join(t + "\n" for t in self.tokens)
 
     @classmethod
-    def read(cls, path: Path, preprocessing: Preprocessing, tokenizer: TextTokenizer | None = None) -> Vocabulary:
+    def read(cls, path: Path, preprocessing: Preprocessing, tokenizer: Any = None) -> Vocabulary:
         """vocab.txt; `tokenizer` the model's (read and verified by the caller) when preprocessing names
         "tokenizer.json"."""
         text = path.read_text(encoding="utf-8")
