@@ -24,7 +24,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
 import random  # noqa: E402
-import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -228,6 +227,217 @@ def stage_lm(work: Path, tiny: bool, seed: int) -> dict:
     return res
 
 
+# ---------------------------------------------------------------- shared measurements
+def load_lm(lm_dir: Path):
+    """(model, eos id) of a save_pretrained directory, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(lm_dir)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(lm_dir).eos_token_id
+
+
+def lm_sample(model, eos: int, n: int, max_new: int, batch: int, seed: int) -> tuple[list[list[int]], float]:
+    """n samples of up to max_new tokens after `eos` (plain ancestral sampling: no top-k/top-p), each cut after its
+    first eos (kept); and the seconds taken. O(n max_new) LM steps in batches."""
+    import torch
+
+    torch.manual_seed(seed)
+    out: list[list[int]] = []
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, n, batch):
+            b = min(batch, n - i)
+            inp = torch.full((b, 1), eos, dtype=torch.long)
+            gen = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=True, top_k=0, top_p=1.0,
+                                 max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos)
+            for row in gen[:, 1:].tolist():
+                out.append(row[: row.index(eos) + 1] if eos in row else row)
+    return out, time.perf_counter() - t0
+
+
+def lm_logprobs(model, eos: int, seqs: list[list[int]], batch: int = 64) -> list[float]:
+    """log p_LM(seq | eos) per sequence (natural log; the LM's prefix probability when seq does not end in eos)."""
+    import torch
+
+    out: list[float] = []
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch):
+            chunk = seqs[i:i + batch]
+            L = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), L + 1), eos, dtype=torch.long)
+            mask = torch.zeros((len(chunk), L), dtype=torch.bool)
+            for r, s in enumerate(chunk):
+                ids[r, 1:1 + len(s)] = torch.tensor(s, dtype=torch.long)
+                mask[r, :len(s)] = True
+            logp = model(input_ids=ids[:, :-1]).logits.double().log_softmax(-1)
+            tok = logp.gather(2, ids[:, 1:, None])[..., 0]
+            out.extend((tok * mask).sum(1).tolist())
+    return out
+
+
+def hmm_logprobs(start, trans, emit, seqs: list[list[int]], batch: int = 512) -> list[float]:
+    """log p_HMM(seq) per sequence by a scaled forward pass in float64 (prefix probability: no end term, as for the
+    LM; a sequence ending in eos has eos as its last emitted token). start (Z,), trans (Z, Z), emit (Z, V).
+    O(len Z^2) per sequence."""
+    import torch
+
+    start, trans = start.double(), trans.double()
+    emit_t = emit.double().T.contiguous()
+    out: list[float] = []
+    for i in range(0, len(seqs), batch):
+        chunk = seqs[i:i + batch]
+        T = max(len(s) for s in chunk)
+        lens = torch.tensor([len(s) for s in chunk])
+        ids = torch.zeros((len(chunk), T), dtype=torch.long)
+        for r, s in enumerate(chunk):
+            ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+        alpha = start[None, :] * emit_t[ids[:, 0]]
+        c = alpha.sum(1)
+        ll = c.log()
+        alpha = alpha / c[:, None]
+        for t in range(1, T):
+            new = (alpha @ trans) * emit_t[ids[:, t]]
+            c = new.sum(1)
+            live = t < lens
+            ll = torch.where(live, ll + c.clamp_min(1e-300).log(), ll)
+            alpha = torch.where(live[:, None], new / c.clamp_min(1e-300)[:, None], alpha)
+        out.extend(ll.tolist())
+    return out
+
+
+def unigram_logprobs(train: list[list[int]], seqs: list[list[int]], vocab: int, add: float = 0.5) -> list[float]:
+    """log p(seq) under the add-`add` unigram of `train`'s tokens (eos included)."""
+    counts = [add] * vocab
+    for s in train:
+        for t in s:
+            counts[t] += 1
+    total = sum(counts)
+    logp = [math.log(c / total) for c in counts]
+    return [sum(logp[t] for t in s) for s in seqs]
+
+
+def gemm_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
+    """float32 torch.mm (m, k) @ (k, n) rate in this process (best of `repeats`), GFLOP/s."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * m * k * n / best / 1e9
+
+
+# ---------------------------------------------------------------- stage 2: distillation
+# (states, init) per run; the samples are shared (the CLI keys its sample shards by LM, length, seed)
+DISTILL_FULL = {"samples": 50_000, "max_length": 32, "eval": 2_000, "unigram": 20_000,
+                "runs": [(256, "lvd"), (256, "random"), (1024, "lvd"), (1024, "random")], "extra": []}
+DISTILL_TINY = {"samples": 300, "max_length": 12, "eval": 50, "unigram": 200,
+                "runs": [(8, "lvd"), (8, "random")], "extra": []}
+
+
+def latentlm_cmd() -> list[str]:
+    exe = Path(sys.executable).with_name("latentlm")
+    return [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from latentlm.cli import main; "
+                                            "sys.exit(main())"]
+
+
+def run_distill(work: Path, lm_dir: Path, states: int, init: str, cfg: dict, seed: int) -> dict:
+    """One `latentlm distill` subprocess (one thread), cached in distill-<name>.json; its log in <name>.log."""
+    name = f"gpt-{states}-{init}"
+    path = work / f"distill-{name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    cmd = [*latentlm_cmd(), "distill", "--lm", str(lm_dir), "--name", name, "--store", str(work / "store"),
+           "--states", str(states), "--samples", str(cfg["samples"]), "--max-length", str(cfg["max_length"]),
+           "--seed", str(seed), "--init", init, *cfg["extra"]]
+    log(f"distill: {' '.join(cmd)}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    with open(work / f"{name}.log", "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
+    wall = time.perf_counter() - t0
+    tail = (work / f"{name}.log").read_text(errors="replace")[-3000:]
+    res = {"name": name, "states": states, "init": init, "command": " ".join(cmd), "rc": rc, "wall_seconds": wall,
+           "log_tail": tail}
+    manifest = work / "store" / name / "manifest.json"
+    if rc == 0 and manifest.exists():
+        res["manifest"] = json.loads(manifest.read_text())
+    log(f"distill {name}: rc {rc}, {wall:.0f}s")
+    write_json(path, res)
+    return res
+
+
+def read_shards(work: Path, limit: int) -> list[list[int]]:
+    """Up to `limit` distillation training samples from the CLI's shard files (.npy int32 [n, L], -1 padding)."""
+    import numpy as np
+
+    out: list[list[int]] = []
+    for f in sorted((work / "store").rglob("*.npy")):
+        if "train" not in f.name and "train" not in f.parent.name:
+            continue
+        for row in np.load(f, allow_pickle=False):
+            out.append([int(t) for t in row if t >= 0])
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def stage_distill(work: Path, tiny: bool, seed: int) -> dict:
+    import torch
+
+    from latentlm import ops
+
+    cfg = dict(DISTILL_TINY if tiny else DISTILL_FULL)
+    lm_dir = work / "lm"
+    model, eos = load_lm(lm_dir)
+    V = model.config.vocab_size
+    L = cfg["max_length"]
+    # the LM's sampling speed in this process, by batch size (one thread)
+    speed = []
+    for b in ((16, 64) if tiny else (64, 256, 1024)):
+        seqs, sec = lm_sample(model, eos, b, L, b, seed + 7)
+        speed.append({"batch": b, "sequences": len(seqs), "tokens": sum(map(len, seqs)), "seconds": sec,
+                      "tokens_per_s": sum(map(len, seqs)) / sec})
+        log(f"sampling: batch {b}: {speed[-1]['tokens_per_s']:.0f} tokens/s")
+    runs = [run_distill(work, lm_dir, Z, init, cfg, seed) for Z, init in cfg["runs"]]
+    # fresh LM samples (a seed the CLI never uses), scored by the LM, each HMM and a unigram
+    eval_path = work / "eval_samples.json"
+    if eval_path.exists():
+        fresh = json.loads(eval_path.read_text())
+    else:
+        fresh, _ = lm_sample(model, eos, cfg["eval"], L, 256, seed + 1_000_003)
+        write_json(eval_path, fresh)
+    n_tok = sum(map(len, fresh))
+    lm_ll = sum(lm_logprobs(model, eos, fresh))
+    uni_train = read_shards(work, cfg["unigram"])
+    uni_source = "the distillation's own training samples"
+    if len(uni_train) < cfg["unigram"] // 2:
+        uni_train, _ = lm_sample(model, eos, cfg["unigram"], L, 256, seed + 2_000_003)
+        uni_source = "LM samples drawn for it"
+    uni_ll = sum(unigram_logprobs(uni_train, fresh, V))
+    evals = {"sequences": len(fresh), "tokens": n_tok, "lm_ppl": math.exp(-lm_ll / n_tok),
+             "unigram_ppl": math.exp(-uni_ll / n_tok), "unigram_sequences": len(uni_train),
+             "unigram_source": uni_source, "hmm": {}}
+    for r in runs:
+        if r["rc"] != 0:
+            continue
+        hmm = ops.load_model(work / "store", r["name"], dtype="float64")
+        t0 = time.perf_counter()
+        ll = sum(hmm_logprobs(hmm.impl.start, hmm.impl.trans, hmm.impl.emit, fresh))
+        evals["hmm"][r["name"]] = {"ppl": math.exp(-ll / n_tok), "seconds": time.perf_counter() - t0}
+        log(f"eval {r['name']}: ppl {evals['hmm'][r['name']]['ppl']:.2f} (LM {evals['lm_ppl']:.2f}, "
+            f"unigram {evals['unigram_ppl']:.2f})")
+    # the GEMM rate at each size's EM shapes (a batch of rows against the Z x Z transition), this process
+    gemm = {Z: gemm_gflops(1024, Z, Z) for Z in sorted({Z for Z, _ in cfg["runs"]})}
+    return {"settings": cfg, "sampling": speed, "runs": runs, "eval": evals, "gemm_gflops": gemm,
+            "torch_threads": torch.get_num_threads(), "cpu": cpu_name(),
+            "date": dt.datetime.now().isoformat(timespec="seconds")}
+
+
 # ---------------------------------------------------------------- driver
 STAGES = ("lm", "distill", "task")
 
@@ -239,12 +449,30 @@ def run_stage(name: str, work: Path, args) -> dict:
         return json.loads(path.read_text())
     log(f"{name}: running")
     t0 = time.perf_counter()
-    fn = {"lm": stage_lm}[name]
-    res = fn(work, args.tiny, args.seed)
+    if name == "task":
+        from distill_task import stage_task as fn
+    else:
+        fn = {"lm": stage_lm, "distill": stage_distill}[name]
+    command = " ".join(["python", *sys.argv])
+    started = dt.datetime.now().isoformat(timespec="seconds")
+    try:
+        res = fn(work, args.tiny, args.seed)
+    except BaseException as e:
+        record_run(work, {"stage": name, "command": command, "started": started, "ok": False,
+                          "seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"[:500]})
+        raise
     res["stage_seconds"] = time.perf_counter() - t0
-    res["command"] = " ".join([Path(sys.executable).name, *sys.argv])
+    res["command"] = command
     write_json(path, res)
+    record_run(work, {"stage": name, "command": command, "started": started, "ok": True,
+                      "seconds": res["stage_seconds"]})
     return res
+
+
+def record_run(work: Path, entry: dict) -> None:
+    """Every stage run, good or bad, one JSON line in <work>/runs.jsonl (the results file lists them)."""
+    with open(work / "runs.jsonl", "a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,8 +492,19 @@ def main(argv: list[str] | None = None) -> int:
     stages = STAGES if args.stage == "all" else (() if args.stage == "report" else (args.stage,))
     for s in stages:
         run_stage(s, work, args)
+    if args.stage in ("report", "all"):
+        from distill_report import report
+
+        out = args.out or (None if args.tiny else ROOT / "bench" / "results" / "distill.md")
+        text = report(work)
+        if out is None:
+            print(text)
+        else:
+            out.write_text(text)
+            log(f"report: {out}")
     return 0
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("distill", sys.modules["__main__"])  # distill_task / distill_report import it by name
     sys.exit(main())

