@@ -18,33 +18,39 @@ first `<eos>` and its content u = y_1 .. y_{L-1} is what the automaton reads:
 - `suffix`: u ends with this phrase (infilling between a prefix and a suffix); it counts toward the length and
   the other fields see it as part of u.
 Words outside the vocabulary, and `<eos>` anywhere but at the end, raise `InputError` naming the field and the
-word; so does a constraint that no continuation within the window satisfies.
+word; so does a constraint that no continuation within the window satisfies. Only in `exclude` is a phrase with a
+word outside the vocabulary dropped instead (it can never occur), with a warning in `Constraint.warnings`.
 
 Compilation (`compile_constraint`): the K distinct words named anywhere become classes 0..K-1, every other word
 except `<eos>` shares class K (OTHER), `<eos>` is -1 (it is the acceptance test, never a transition). Keyphrases
 (include alternatives, excluded phrases, the suffix) go into one Aho-Corasick automaton over class ids, built
-here (its goto function is needed; pyahocorasick does not expose it); the regex is compiled by `interegular`.
-The product (AC node, progress over the groups: a bitmask, or with `ordered` the count of groups done, regex
-state) is explored breadth-first from the start, states that cannot accept are removed (their edges become
-missing edges: probability exactly 0), and Moore refinement merges equivalent states. The length window is not
-in the automaton: the inference runs over the time index anyway (`models.constrained`).
+here (its goto function is needed; pyahocorasick does not expose it); the regex (parsed by `interegular`) is
+compiled by `models.automata` (a bounded subset construction). The product (AC node, progress over the groups: a
+bitmask, or with `ordered` the count of groups done, regex state) is explored breadth-first from the start (word
+classes both parts treat alike explored once), states that cannot accept are removed (their edges become missing
+edges: probability exactly 0), and Moore refinement merges equivalent states. The length window is not in the
+automaton: the inference runs over the time index anyway (`models.constrained`).
 
 Sizes: the AC has at most (total phrase length + 1) nodes; unordered groups multiply it by up to 2^m, ordered ones
-by m + 1; the regex by its automaton's states. `LimitExceeded` is raised as soon as the product explored exceeds
-`build_limit` states, or the minimised automaton `max_states`, before any inference work.
+by m + 1; the regex by its automaton's states (up to 2^positions: `.* w . {15}` needs 65,536). Every loop of one
+compilation ticks one `automata.Budget`: `LimitExceeded` is raised when the regex has more than
+MAX_REGEX_POSITIONS positions (before any work), as soon as an automaton explored exceeds `build_limit` states,
+the minimised one `max_states`, or the compilation its `seconds` (DEFAULT_COMPILE_SECONDS), before any inference
+work; it names `constraint.regex` when the regex part exceeds it, else `constraint`.
 """
 
 from __future__ import annotations
 
 import re
-from collections import deque
-from collections.abc import Mapping, Sequence
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
+from latentlm.models.automata import Budget, compile_regex, estimate_regex, minimise, trim
 from latentlm.models.errors import InputError, LimitExceeded
 from latentlm.models.vocab import Vocabulary
 
@@ -57,6 +63,8 @@ BUILD_FACTOR = 16  # the product explored before minimisation may hold this many
 MAX_GROUPS = 16  # include groups (unordered groups cost up to 2^m automaton states)
 MAX_REGEX_CHARS = 4096
 MAX_REPEAT = 256  # the largest m, n in a regex's {m,n}
+MAX_REGEX_POSITIONS = 4096  # positions of a regex's automaton once bounded repeats are expanded (`estimate_regex`)
+DEFAULT_COMPILE_SECONDS = 1.0  # wall-clock budget of one compilation (a setting of the service)
 SYM_BASE = 0xF0000  # class c is the character chr(SYM_BASE + c) for the regex library (Private Use Area-A)
 MAX_CLASSES = 0xFFFE  # 65,534 code points from SYM_BASE with no surrogate, newline or metacharacter
 
@@ -67,7 +75,8 @@ class Constraint:
 
     `include`: groups, each a tuple of alternatives, each a tuple of word ids; `exclude`: phrases; `suffix`: a
     phrase (empty: none); `regex`: the pattern over class symbols is built at compile time from `regex_tokens`,
-    the parsed regex (word ids as ints, operators and `.` as strings, classes as ("[", ids) / ("[^", ids))."""
+    the parsed regex (word ids as ints, operators and `.` as strings, classes as ("[", ids) / ("[^", ids));
+    `warnings`: excluded phrases dropped because a word of theirs is outside the vocabulary (they can never occur)."""
 
     include: tuple[tuple[tuple[int, ...], ...], ...] = ()
     ordered: bool = False
@@ -76,6 +85,7 @@ class Constraint:
     max_tokens: int = DEFAULT_MAX_TOKENS
     regex_tokens: tuple[Any, ...] | None = None
     suffix: tuple[int, ...] = ()
+    warnings: tuple[str, ...] = field(default=(), compare=False)  # what parsing dropped (not part of the key)
 
     def words(self) -> list[int]:
         """Every word id named by the constraint, sorted: the special classes 0..K-1 of its automaton."""
@@ -130,7 +140,17 @@ def parse_constraint(spec: Mapping[str, Any], vocab: Vocabulary, *, max_tokens_l
         exclude_spec = [exclude_spec]
     if not isinstance(exclude_spec, list):
         raise InputError(f"{name('exclude')}: expected a list of words or phrases", param=name("exclude"))
-    exclude = tuple(_phrase(p, vocab, f"{name('exclude')}[{i}]", name("exclude")) for i, p in enumerate(exclude_spec))
+    exclude_ids: list[tuple[int, ...]] = []
+    warnings: list[str] = []
+    for i, p in enumerate(exclude_spec):
+        where = f"{name('exclude')}[{i}]"
+        unknown = [w for w in _words(p, where, name("exclude"), vocab) if _lookup(w, vocab) is None]
+        if unknown:  # a phrase with a word the model never emits never occurs: excluding it excludes nothing
+            warnings.append(f"{where}: word {unknown[0]!r} is not in the model's vocabulary, so {p!r} can never "
+                            "occur; dropped")
+            continue
+        exclude_ids.append(_phrase(p, vocab, where, name("exclude")))
+    exclude = tuple(exclude_ids)
     ordered = spec.get("ordered", False)
     if not isinstance(ordered, bool):
         raise InputError(f"{name('ordered')}: expected true or false", param=name("ordered"))
@@ -148,7 +168,7 @@ def parse_constraint(spec: Mapping[str, Any], vocab: Vocabulary, *, max_tokens_l
     suffix = () if suffix_spec in (None, "") else _phrase(suffix_spec, vocab, name("suffix"), name("suffix"))
     regex = spec.get("regex")
     regex_tokens = None if regex in (None, "") else parse_regex(regex, vocab, name("regex"))
-    return Constraint(tuple(include), ordered, exclude, lo, hi, regex_tokens, suffix)
+    return Constraint(tuple(include), ordered, exclude, lo, hi, regex_tokens, suffix, tuple(warnings))
 
 
 def _int(value: Any, where: str) -> int:
@@ -157,10 +177,15 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
-def _word_id(word: str, vocab: Vocabulary, where: str, param: str) -> int:
+def _lookup(word: str, vocab: Vocabulary) -> int | None:
     i = vocab.index.get(word)
     if i is None and vocab.preprocessing.lowercase:
         i = vocab.index.get(word.lower())
+    return i
+
+
+def _word_id(word: str, vocab: Vocabulary, where: str, param: str) -> int:
+    i = _lookup(word, vocab)
     if i is None:
         raise InputError(f"{where}: word {word!r} is not in the model's vocabulary", param=param)
     if i == vocab.eos_id:
@@ -171,12 +196,16 @@ def _word_id(word: str, vocab: Vocabulary, where: str, param: str) -> int:
 
 def _phrase(text: Any, vocab: Vocabulary, where: str, param: str) -> tuple[int, ...]:
     """A word or space-separated phrase -> word ids (the vocabulary's tokenizer, so lowercasing applies)."""
+    return tuple(_word_id(w, vocab, where, param) for w in _words(text, where, param, vocab))
+
+
+def _words(text: Any, where: str, param: str, vocab: Vocabulary) -> list[str]:
     if not isinstance(text, str):
         raise InputError(f"{where}: expected a word or phrase (a string), got {text!r}", param=param)
     words = vocab.tokenize(text)
     if not words:
         raise InputError(f"{where}: empty phrase", param=param)
-    return tuple(_word_id(w, vocab, where, param) for w in words)
+    return words
 
 
 _OPERATORS = ("(", ")", "|", "*", "+", "?")
@@ -337,21 +366,72 @@ class WordDFA:
 
 
 def compile_constraint(constraint: Constraint, vocab: Vocabulary, *, max_states: int = DEFAULT_MAX_STATES,
-                       build_limit: int | None = None) -> WordDFA:
+                       build_limit: int | None = None, seconds: float = DEFAULT_COMPILE_SECONDS,
+                       cancelled: Callable[[], bool] | None = None) -> WordDFA:
     """`constraint` -> its minimal `WordDFA` over `vocab` (cached per constraint, vocabulary size and limits).
-    Raises LimitExceeded (param `constraint`) when the product explored exceeds `build_limit` (default
-    `BUILD_FACTOR` x `max_states`) or the minimised automaton exceeds `max_states`, and InputError (param
-    `constraint`) when no continuation within the length window satisfies it. O(states explored x (K+1))
-    plus the regex library's compilation."""
+    Raises LimitExceeded (param `constraint.regex` for the regex part, else `constraint`) when the regex's position
+    automaton exceeds MAX_REGEX_POSITIONS (before any work), an automaton explored exceeds `build_limit` (default
+    `BUILD_FACTOR` x `max_states`) states, the minimised one `max_states`, a table MAX_CELLS entries, or the whole
+    compilation `seconds` of wall-clock time; CompileCancelled as soon as `cancelled()` says so (it is polled every
+    few thousand steps); InputError (param `constraint`) when no continuation within the length window satisfies
+    it. O(states explored x distinct word behaviours) plus the regex's subset construction (`models.automata`).
+    Failures that depend on the input only are cached too; a deadline or a cancellation is not."""
     if vocab.eos_id is None:
         raise InputError("constraint: this model's vocabulary has no <eos>, so no continuation ever completes",
                          param="constraint")
     limit = BUILD_FACTOR * max_states if build_limit is None else build_limit
-    return _compile(constraint, len(vocab), vocab.eos_id, max_states, limit)
+    key = (constraint, len(vocab), vocab.eos_id, max_states, limit)
+    hit = _CACHE.get(key)
+    if isinstance(hit, WordDFA):
+        return hit
+    if hit is not None:
+        kind, message, param = hit
+        raise kind(message, param=param)
+    budget = Budget(limit, seconds, cancelled, param="constraint")
+    try:
+        dfa = _compile(constraint, len(vocab), vocab.eos_id, max_states, budget)
+    except (InputError, LimitExceeded) as e:
+        if not budget.expired:
+            _CACHE.put(key, (type(e), e.message, e.param))
+        raise
+    _CACHE.put(key, dfa)
+    return dfa
 
 
-@lru_cache(maxsize=64)
-def _compile(c: Constraint, V: int, eos_id: int | None, max_states: int, build_limit: int) -> WordDFA:
+class _Compiled:
+    """The last CACHE_SIZE compilations (automata, or the error an input always gets), least recently used dropped
+    first; thread-safe (the service compiles on several threads)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[tuple, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> Any:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self._entries.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple, value: Any) -> None:
+        with self._lock:
+            self._entries[key] = value
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+CACHE_SIZE = 64
+_CACHE = _Compiled(CACHE_SIZE)
+clear_compiled = _CACHE.clear  # tests: compile again
+
+
+def _compile(c: Constraint, V: int, eos_id: int | None, max_states: int, budget: Budget) -> WordDFA:
     words = c.words()
     K = len(words)
     if K > MAX_CLASSES:
@@ -372,21 +452,38 @@ def _compile(c: Constraint, V: int, eos_id: int | None, max_states: int, build_l
         ac.add(phrase, exclude=True)
     if c.suffix:
         ac.add(tuple(index[w] for w in c.suffix), suffix=True)
+    budget.tick(ac.size)
     goto = ac.build()
-    regex = _Regex(c.regex_tokens, index, K) if c.regex_tokens is not None else None
+    regex = _Regex(c.regex_tokens, index, K, budget) if c.regex_tokens is not None else None
+
+    # word classes that both parts treat alike (in no keyphrase, same regex class: e.g. the words of a large
+    # `[...]`) are explored once: `joint` columns, `rep` a class of each, `joint_of` each class's column
+    keyed = ac.letters()
+    classes = list(range(K + 1)) if has_other else list(range(K))
+    column: dict[tuple[int, int], int] = {}
+    joint_of = np.full(K + 1, -1, dtype=np.int64)
+    rep: list[int] = []
+    for cc in classes:
+        k = (cc if cc in keyed else -1, regex.cls[cc] if regex is not None else 0)
+        if k not in column:
+            column[k] = len(rep)
+            rep.append(cc)
+        joint_of[cc] = column[k]
+    J = len(rep)
 
     m = len(groups)
     full = (1 << m) - 1 if not c.ordered else m
-    classes = list(range(K + 1)) if has_other else list(range(K))
-    start = (0, 0, regex.initial if regex else 0)
+    start = (0, 0, 0)
     ids = {start: 0}
     order = [start]
     edges: list[list[int]] = []
     queue = deque([start])
+    build_limit = budget.max_states
     while queue:
         u, p, s = queue.popleft()
-        row = [-1] * (K + 1)
-        for cc in classes:
+        row = [-1] * J
+        budget.tick(J)
+        for j, cc in enumerate(rep):
             v = int(goto[u, cc])
             if ac.exclude[v]:
                 continue
@@ -404,7 +501,7 @@ def _compile(c: Constraint, V: int, eos_id: int | None, max_states: int, build_l
                 p2 = p | got
             if regex is not None:
                 s2 = regex.step(s, cc)
-                if s2 is None:
+                if s2 < 0:
                     continue
             else:
                 s2 = 0
@@ -413,22 +510,27 @@ def _compile(c: Constraint, V: int, eos_id: int | None, max_states: int, build_l
                 if len(ids) >= build_limit:
                     raise LimitExceeded(f"constraint: its automaton exceeds {build_limit} states while being built "
                                         f"(limit {max_states} after minimisation)", param="constraint")
+                budget.cells(len(ids) + 1, J, "its automaton")
                 ids[nxt] = len(order)
                 order.append(nxt)
                 queue.append(nxt)
-            row[cc] = ids[nxt]
+            row[j] = ids[nxt]
         edges.append(row)
-    delta = np.array(edges, dtype=np.int64).reshape(len(order), K + 1)
+    delta = np.array(edges, dtype=np.int64).reshape(len(order), J)
     accept = np.array([p == full and (not c.suffix or ac.suffix[u]) and (regex is None or regex.final(s))
                        for u, p, s in order], dtype=bool)
     explored = len(order)
-    delta, accept = _minimise(*_trim(delta, accept))
+    delta, accept = minimise(*trim(delta, accept, budget), budget)
     if delta.shape[0] == 0:
         raise InputError("constraint: no continuation satisfies it (its parts contradict each other)",
                          param="constraint")
     if delta.shape[0] > max_states:
         raise LimitExceeded(f"constraint: its automaton has {delta.shape[0]} states, above the limit of "
                             f"{max_states}", param="constraint")
+    budget.cells(delta.shape[0], K + 1, "its automaton")
+    # back to one column per word class (a missing OTHER column stays -1)
+    # (`minimise` numbered the states in BFS order over the joint columns, which is the order over the classes)
+    delta = np.concatenate([delta, np.full((delta.shape[0], 1), -1, dtype=np.int64)], 1)[:, joint_of]
     sizes = {"aho_corasick_nodes": ac.size, "regex_states": regex.size if regex else 0, "product_states": explored,
              "states": int(delta.shape[0]), "classes": K + 1, "edges": int((delta >= 0).sum())}
     dfa = WordDFA(c, cls, np.array(words, dtype=np.int64), delta, accept, eos_id, has_other, sizes)
@@ -484,6 +586,10 @@ class _AhoCorasick:
         self.exclude[u] |= exclude
         self.suffix[u] |= suffix
 
+    def letters(self) -> set[int]:
+        """The classes some pattern holds (every other class leads back to the root from every node)."""
+        return {c for kids in self.children for c in kids}
+
     def build(self) -> np.ndarray:
         """The goto table (nodes, K+1) int64; merges each node's outputs with its fail node's (BFS order)."""
         n, K = len(self.children), self.K
@@ -508,12 +614,10 @@ class _AhoCorasick:
 
 
 class _Regex:
-    """The regex automaton (interegular) read over classes: `step(s, c)` -> state or None (no edge)."""
+    """The regex over class symbols chr(SYM_BASE + c), compiled by `models.automata` within the budget: `cls[c]` the
+    regex's symbol class of word class c (K: OTHER), `step(s, c)` -> state or -1 (no edge), start state 0."""
 
-    def __init__(self, tokens: tuple[Any, ...], index: dict[int, int], K: int):
-        import interegular
-        from interegular.fsm import anything_else
-
+    def __init__(self, tokens: tuple[Any, ...], index: dict[int, int], K: int, budget: Budget):
         def sym(w: int) -> str:
             return chr(SYM_BASE + index[w])
 
@@ -526,72 +630,20 @@ class _Regex:
             else:
                 parts.append(tok)
         pattern = "".join(parts)
-        try:
-            fsm = interegular.parse_pattern(pattern).to_fsm().reduce()
-        except Exception as e:
-            raise InputError(f"constraint.regex: not a valid pattern ({type(e).__name__}: {e})",
-                             param="constraint.regex") from None
-        self.initial = fsm.initial
-        self.finals = fsm.finals
-        self.map = fsm.map
-        self.size = len(fsm.states)
-        self.keys = [fsm.alphabet[chr(SYM_BASE + c)] for c in range(K)] + [fsm.alphabet[anything_else]]
+        where = "constraint.regex"
+        positions = estimate_regex(pattern, where)
+        if positions > MAX_REGEX_POSITIONS:
+            raise LimitExceeded(f"{where}: its automaton would have {positions:,} positions once the bounded "
+                                f"repeats are expanded (repeat bounds times alternatives), above the limit of "
+                                f"{MAX_REGEX_POSITIONS:,}; use smaller repeat bounds or fewer alternatives",
+                                param=where)
+        dfa = compile_regex(pattern, budget, where)
+        self.delta, self.accept = dfa.delta, dfa.accept
+        self.size = dfa.num_states
+        self.cls = [dfa.symbol(chr(SYM_BASE + c)) for c in range(K)] + [dfa.other]
 
-    def step(self, s: Any, c: int) -> Any:
-        return self.map.get(s, {}).get(self.keys[c])
+    def step(self, s: int, c: int) -> int:
+        return int(self.delta[s, self.cls[c]])
 
-    def final(self, s: Any) -> bool:
-        return s in self.finals
-
-
-def _trim(delta: np.ndarray, accept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Keep the states that can reach an accepting state (reverse BFS); edges into the others become -1."""
-    Q = delta.shape[0]
-    good = accept.copy()
-    while True:
-        nxt = np.concatenate([good, [False]])
-        grown = good | nxt[delta].any(1)
-        if (grown == good).all():
-            break
-        good = grown
-    if not good[0]:
-        return np.zeros((0, delta.shape[1]), dtype=np.int64), np.zeros(0, dtype=bool)
-    new_id = np.full(Q + 1, -1, dtype=np.int64)
-    new_id[np.flatnonzero(good)] = np.arange(int(good.sum()))
-    return new_id[delta[good]], accept[good]
-
-
-def _minimise(delta: np.ndarray, accept: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Moore refinement on (accept, block of each successor) until stable, then states renumbered in BFS order
-    from the start (state 0). Missing edges (-1) form their own block. O(rounds x Q (K+1) log Q)."""
-    if delta.shape[0] == 0:
-        return delta, accept
-    block = accept.astype(np.int64)
-    count = len(np.unique(block))
-    while True:
-        succ = np.where(delta >= 0, block[np.maximum(delta, 0)], -1)
-        sig = np.concatenate([block[:, None], succ], 1)
-        _, block = np.unique(sig, axis=0, return_inverse=True)
-        block = block.reshape(-1)
-        new_count = int(block.max()) + 1
-        if new_count == count:
-            break
-        count = new_count
-    # one representative per block; BFS from the start's block gives the new numbering
-    rep = np.zeros(count, dtype=np.int64)
-    rep[block[::-1]] = np.arange(len(block))[::-1]
-    bdelta = np.where(delta[rep] >= 0, block[np.maximum(delta[rep], 0)], -1)
-    order = [int(block[0])]
-    seen = {order[0]: 0}
-    i = 0
-    while i < len(order):
-        for b in bdelta[order[i]]:
-            if b >= 0 and int(b) not in seen:
-                seen[int(b)] = len(order)
-                order.append(int(b))
-        i += 1
-    remap = np.full(count + 1, -1, dtype=np.int64)
-    for b, new in seen.items():
-        remap[b] = new
-    out = remap[bdelta[order]]
-    return out, accept[rep[order]]
+    def final(self, s: int) -> bool:
+        return bool(self.accept[s])

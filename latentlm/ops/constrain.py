@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,11 +27,14 @@ from latentlm.ops.model import LoadedModel
 @dataclass(frozen=True)
 class Limits:
     """The sizes a constrained request may reach before it is refused 413, before any work: states of its
-    minimised automaton, bytes of its backward messages. The service sets them (LATENTLM_MAX_CONSTRAINT_STATES,
-    LATENTLM_MAX_CONSTRAINT_BYTES)."""
+    minimised automaton, bytes of its backward messages, seconds its compilation may take. The service sets them
+    (LATENTLM_MAX_CONSTRAINT_STATES, LATENTLM_MAX_CONSTRAINT_BYTES, LATENTLM_CONSTRAINT_COMPILE_SECONDS).
+    `cancelled`: polled while compiling (the request's client went away, the service stops); not part of equality."""
 
     max_states: int = automata.DEFAULT_MAX_STATES
     max_bytes: int = constrained.DEFAULT_MAX_TABLE_BYTES
+    compile_seconds: float = automata.DEFAULT_COMPILE_SECONDS
+    cancelled: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
 
 class MessageCache:
@@ -81,15 +85,27 @@ def check_family(model: LoadedModel, param: str = "constraint") -> None:
 
 def compile_for(model: LoadedModel, spec: Any, limits: Limits, *, default_max_tokens: int | None = None
                 ) -> automata.WordDFA:
-    """The request's `constraint` (a `ConstraintSpec` or a dict) -> its minimal automaton over the model's vocabulary.
-    422 naming the field and the word for words outside the vocabulary or an empty language; 413 above
-    `limits.max_states`. `default_max_tokens`: the window's end when the constraint names none."""
+    """`compile_request`'s automaton (its warnings left out)."""
+    return compile_request(model, spec, limits, default_max_tokens=default_max_tokens)[0]
+
+
+def compile_request(model: LoadedModel, spec: Any, limits: Limits, *, default_max_tokens: int | None = None
+                    ) -> tuple[automata.WordDFA, list[str]]:
+    """The request's `constraint` (a `ConstraintSpec` or a dict) -> its minimal automaton over the model's vocabulary,
+    and the warnings of what was dropped (an excluded phrase with a word outside the vocabulary). 422 naming the
+    field and the word for words outside the vocabulary elsewhere or an empty language; 413 above
+    `limits.max_states` or past `limits.compile_seconds` of compilation (`constraint.regex` when the regex is what
+    is too large); `automata.CompileCancelled` when `limits.cancelled()` turns true meanwhile. CPU-bound for up to
+    `limits.compile_seconds`: a server runs it off its event loop. `default_max_tokens`: the window's end when the
+    constraint names none."""
     check_family(model)
     raw = spec.model_dump(exclude_none=True) if hasattr(spec, "model_dump") else dict(spec)
     if default_max_tokens is not None:
         raw.setdefault("max_tokens", default_max_tokens)
     parsed = automata.parse_constraint(raw, model.vocab)
-    return automata.compile_constraint(parsed, model.vocab, max_states=limits.max_states)
+    dfa = automata.compile_constraint(parsed, model.vocab, max_states=limits.max_states,
+                                      seconds=limits.compile_seconds, cancelled=limits.cancelled)
+    return dfa, list(parsed.warnings)
 
 
 def prefix_ids(model: LoadedModel, prefix: str | list[int] | None) -> list[int] | None:

@@ -270,10 +270,17 @@ def test_input_errors_name_the_field_and_the_word():
     with pytest.raises(InputError) as e:
         parse_constraint({"include": [["a", "stock"]]}, VOCAB)
     assert e.value.param == "constraint.include" and "'stock'" in e.value.message
-    for key in ("exclude", "suffix", "regex"):
+    for key in ("suffix", "regex"):
         with pytest.raises(InputError) as e:
-            parse_constraint({key: "a zebra" if key != "exclude" else ["zebra"]}, VOCAB)
+            parse_constraint({key: "a zebra"}, VOCAB)
         assert e.value.param == f"constraint.{key}" and "'zebra'" in e.value.message
+    # an excluded phrase with a word outside the vocabulary can never occur: dropped, with a warning
+    kept = parse_constraint({"exclude": ["zebra", "a", "b zebra"]}, VOCAB)
+    assert kept.exclude == ((VOCAB.index["a"],),) and kept == parse_constraint({"exclude": ["a"]}, VOCAB)
+    assert len(kept.warnings) == 2 and "constraint.exclude[0]" in kept.warnings[0] and "'zebra'" in kept.warnings[0]
+    with pytest.raises(InputError) as e:
+        parse_constraint({"exclude": ["zebra <eos>", "<eos>"]}, VOCAB)
+    assert e.value.param == "constraint.exclude"
     with pytest.raises(InputError) as e:
         parse_constraint({"include": [["<eos>"]]}, VOCAB)
     assert e.value.param == "constraint.include"
@@ -530,9 +537,9 @@ def test_control_pruning_redundant_alternatives_changes_nothing(monkeypatch):
     spec = {"include": [["a", "b a", "a c"], ["c"]], "exclude": ["d", "d d"], "max_tokens": 5}
     with_pruning = compiled(spec)
     monkeypatch.setattr(cons, "_prune", lambda phrases: sorted(set(phrases)))
-    cons._compile.cache_clear()
+    cons.clear_compiled()
     without = compiled(spec)
-    cons._compile.cache_clear()
+    cons.clear_compiled()
     assert with_pruning.sizes["aho_corasick_nodes"] < without.sizes["aho_corasick_nodes"]
     for y in continuations("hmm", ()):
         assert with_pruning.satisfied(list(y)) == without.satisfied(list(y))
