@@ -143,8 +143,18 @@ def usage(call: Call, results: list[dict]) -> dict[str, int]:
 
 
 def body(call: Call, results: list[dict]) -> dict[str, Any]:
-    """The whole response of a call: `{"object": "list", "model", "data", "usage"}`."""
-    return {"object": "list", "model": call.model.name, "data": results, "usage": usage(call, results)}
+    """The whole response of a call: `{"object": "list", "model", "data", "usage"[, "warnings"]}`."""
+    return with_warnings(call, {"object": "list", "model": call.model.name, "data": results,
+                                "usage": usage(call, results)})
+
+
+def with_warnings(call: Call, out: dict[str, Any]) -> dict[str, Any]:
+    """`out` with `"warnings": [...]` last when preparing the call dropped something (an excluded phrase outside the
+    vocabulary); unchanged otherwise."""
+    warnings = call.prepared.get("warnings")
+    if warnings:
+        out["warnings"] = list(warnings)
+    return out
 
 
 def chunk(call: Call, piece: dict) -> dict[str, Any]:
@@ -153,8 +163,9 @@ def chunk(call: Call, piece: dict) -> dict[str, Any]:
 
 
 def usage_line(call: Call, results: list[dict]) -> dict[str, Any]:
-    """The last line of a stream: `{"object": "<op>.usage", "model", "usage"}`."""
-    return {"object": f"{call.op.name}.usage", "model": call.model.name, "usage": usage(call, results)}
+    """The last line of a stream: `{"object": "<op>.usage", "model", "usage"[, "warnings"]}`."""
+    return with_warnings(call, {"object": f"{call.op.name}.usage", "model": call.model.name,
+                                "usage": usage(call, results)})
 
 
 def posterior_chunks(model: LoadedModel, seqs: list[list[int]], top_k: int | None, positions: int = 1024,

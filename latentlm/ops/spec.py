@@ -90,13 +90,13 @@ def _prepare_sample(model: LoadedModel, op: Operation, req: BaseModel, opts: dic
         if not opts.get("stop_at_eos", True):
             raise InputError("stop_at_eos: a constrained sample is complete when it emits <eos>; it cannot be "
                              "false with `constraint`", param="stop_at_eos")
-        dfa = constrain.compile_for(model, spec, limits, default_max_tokens=opts["max_tokens"])
+        dfa, warnings = constrain.compile_request(model, spec, limits, default_max_tokens=opts["max_tokens"])
         if dfa.max_tokens > opts["max_tokens"]:
             raise InputError(f"constraint.max_tokens: {dfa.max_tokens} is above the request's max_tokens "
                              f"{opts['max_tokens']}", param="constraint.max_tokens")
         c = constrain.cost(model, dfa, n_samples=opts["n"], prefix_tokens=n_prefix)
         return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=out_tokens,
-                    prepared={"dfa": dfa}, limits=limits)
+                    prepared={"dfa": dfa, "warnings": warnings}, limits=limits)
     predictive = opts.get("top_k") is not None or opts.get("top_p") is not None
     c = cost.operation_cost(model, "sample", n=opts["n"], max_tokens=opts["max_tokens"], prefix_tokens=n_prefix,
                             predictive=predictive)
@@ -116,12 +116,12 @@ def _prepare_constraint(model: LoadedModel, op: Operation, req: BaseModel, opts:
                         ) -> Call:
     prefix = constrain.prefix_ids(model, opts["prefix"])
     generated = constrain.generated_ids(model, opts.get("generated"))
-    dfa = constrain.compile_for(model, opts["constraint"], limits)
+    dfa, warnings = constrain.compile_request(model, opts["constraint"], limits)
     read = len(prefix or ()) + len(generated)
     c = constrain.cost(model, dfa, guide_rows=1 if opts["weights"] else 0, beam=opts.get("beam") or 0,
                        prefix_tokens=read)
     return Call(model, op, opts, [], req, c, input_tokens=read,
-                prepared={"dfa": dfa, "prefix": prefix, "generated": generated}, limits=limits)
+                prepared={"dfa": dfa, "prefix": prefix, "generated": generated, "warnings": warnings}, limits=limits)
 
 
 def _run_constraint(call: Call, max_batch_tokens: int | None) -> list[dict]:
@@ -142,9 +142,9 @@ def _run_constraint(call: Call, max_batch_tokens: int | None) -> list[dict]:
 
 def _constraint_body(call: Call, results: list[dict]) -> dict[str, Any]:
     """`{"object": "constraint", "model", "log_prob", "automaton"[, "weights"][, "completions", "certified", "gap"],
-    "usage"}`."""
-    return {"object": "constraint", "model": call.model.name, **results[0],
-            "usage": format.usage(call, results)}
+    "usage"[, "warnings"]}`."""
+    return format.with_warnings(call, {"object": "constraint", "model": call.model.name, **results[0],
+                                       "usage": format.usage(call, results)})
 
 
 def _posterior_pieces(call: Call, positions: int, offset: int = 0) -> Iterator[dict]:
