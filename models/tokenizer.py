@@ -177,6 +177,12 @@ class TextTokenizer:
         steps = self.decoding.steps
         self.token_bytes: list[bytes] = [
             b"" if (s is None or i in specials) else _token_bytes(s, steps) for i, s in enumerate(self.token_strings)]
+        seen: set[str] = set()
+        self._display: list[str] = []
+        for i, s in enumerate(self.token_strings):
+            d = PLACEHOLDER.format(i) if not s or "\n" in s or "\r" in s or s in seen else s
+            seen.add(d)
+            self._display.append(d)
         self._check(error, source)
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -277,10 +283,9 @@ class TextTokenizer:
         return out
 
     def display(self, i: int) -> str:
-        """vocab.txt's line for id i: the token string, or `<|id:i|>` for an unknown id or one that is empty or
-        holds a line break."""
-        s = self.token_strings[i] if 0 <= i < self.vocab_size else None
-        return PLACEHOLDER.format(i) if not s or "\n" in s or "\r" in s else s
+        """vocab.txt's line for id i: the token string, or `<|id:i|>` for an id the tokenizer does not name (or
+        names with an empty or multi-line string, or a string an earlier id has)."""
+        return self._display[i] if 0 <= i < self.vocab_size else PLACEHOLDER.format(i)
 
     def describe(self) -> dict[str, Any]:
         """`{"type": "tokenizer.json", "sha256", "vocab_size", "decoder"}` (GET /v1/models)."""

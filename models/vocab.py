@@ -53,10 +53,9 @@ class Vocabulary:
         p = self.preprocessing
         self.unk_id = self.index.get(p.unk) if p.unk else None
         self.eos_id = self.index.get(p.eos) if p.eos else None
-        if (p.tokenizer == TOKENIZER_JSON) != (self.tokenizer is not None):
-            raise ArtifactError(f"preprocessing: tokenizer {p.tokenizer!r} "
-                                + ("needs the tokenizer itself" if self.tokenizer is None else
-                                   "does not take a tokenizer file (\"tokenizer.json\" does)"), param="tokenizer")
+        if self.tokenizer is not None and p.tokenizer != TOKENIZER_JSON:
+            raise ArtifactError(f"preprocessing: tokenizer {p.tokenizer!r} does not take a tokenizer file "
+                                f"({TOKENIZER_JSON!r} does)", param="tokenizer")
         if p.tokenizer not in (WHITESPACE, TOKENIZER_JSON):
             raise ArtifactError(f"preprocessing: tokenizer {p.tokenizer!r} is not one of {WHITESPACE!r}, "
                                 f"{TOKENIZER_JSON!r}", param="tokenizer")
@@ -97,7 +96,10 @@ class Vocabulary:
     def encode(self, text: str, *, add_eos: bool | None = None, where: str = "input") -> list[int]:
         """Text -> ids: unknown words map to `<unk>` (error if the model has none); appends `<eos>`
         when the model was trained with it. Raises InputError on an empty result. With a tokenizer: its ids."""
-        if self.tokenizer is not None:
+        if self.preprocessing.tokenizer == TOKENIZER_JSON:
+            if self.tokenizer is None:  # a vocabulary being written, not one read from a store
+                raise ArtifactError("tokenizer: this vocabulary names tokenizer.json but does not hold it",
+                                    param="tokenizer")
             ids = self.tokenizer.encode(text.lower() if self.preprocessing.lowercase else text)
             if not ids:
                 raise InputError(f"{where}: empty sequence (no tokens after tokenisation)", param=where)
