@@ -32,23 +32,27 @@ DECODE_METHODS: tuple[str, ...] = ("viterbi", "mbr")
 
 @dataclass(frozen=True)
 class Option:
-    """A command-line option of an importer: `--flag` (dest `name`) with a default and help text."""
+    """A command-line option of an importer: `--flag` (dest `name`) with a default and help text; `required`:
+    the command refuses to run without it."""
 
     name: str
     default: Any
     help: str
+    required: bool = False
 
 
 @dataclass(frozen=True)
 class Importer:
     """`latentlm <command> FILE --name NAME`: read a file in another tool's format into this family's
-    (tensors, vocabulary, config); the CLI checks and stores it. `read(path, **options)` raises
-    `LatentLMError` naming the problem and writes nothing."""
+    (tensors, vocabulary, config), or (tensors, vocabulary, config, extra files by name, e.g. `tokenizer.json`);
+    the CLI checks and stores it. `read(path, **options)` raises `LatentLMError` naming the problem and writes
+    nothing."""
 
     command: str
     help: str
     metavar: str
-    read: Callable[..., tuple[dict[str, Tensor], Vocabulary, dict[str, Any]]]
+    read: Callable[..., tuple[dict[str, Tensor], Vocabulary, dict[str, Any]]
+                   | tuple[dict[str, Tensor], Vocabulary, dict[str, Any], dict[str, bytes]]]
     options: tuple[Option, ...] = ()
 
 

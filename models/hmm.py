@@ -18,8 +18,9 @@ from torch import Tensor
 from latentlm.models.base import Batch, ChainFamily
 from latentlm.models.chain import Emit, RowLookup, Trans
 from latentlm.models.checks import check_config, check_distribution, check_shape
+from latentlm.models.ctrlg import read_ctrlg
 from latentlm.models.errors import InputError
-from latentlm.models.family import Importer, Recipe
+from latentlm.models.family import Importer, Option, Recipe, path_read
 from latentlm.models.sampling import CategoricalTable, tables_at
 from latentlm.models.vocab import Preprocessing, Vocabulary
 
@@ -34,7 +35,12 @@ class DenseHMM(ChainFamily):
                shape=("states", "hidden"), trainer="latentlm.training.densehmm"),
     )
     importers = (Importer("import-hmm", "import an hmmlearn-style .npz (startprob, transmat, emissionprob)",
-                          "FILE.npz", lambda path: read_hmmlearn_npz(path)),)
+                          "FILE.npz", lambda path: read_hmmlearn_npz(path)),
+                 Importer("import-ctrlg", "import a Ctrl-G HMM checkpoint (config.json + model.safetensors: alpha_exp, "
+                          "beta, gamma) over an LM's tokens", "DIR",
+                          path_read(read_ctrlg),
+                          (Option("tokenizer", None, "the LM's save_pretrained directory (or its tokenizer.json): the "
+                                                     "model carries it and reads text with it", required=True),)))
 
     def __init__(self, start: Tensor, trans: Tensor, emit: Tensor, extras: dict[str, Tensor] | None = None):
         self.start, self.trans, self.emit = start, trans, emit
@@ -103,7 +109,7 @@ class DenseHMM(ChainFamily):
         return CategoricalTable(self.trans, temperature), CategoricalTable(self.emit, temperature), None
 
 
-# -- importer ---------------------------------------------------------------------------------------
+# -- importers --------------------------------------------------------------------------------------
 def read_hmmlearn_npz(path: Path) -> tuple[dict[str, Tensor], Vocabulary, dict[str, Any]]:
     """The `import-hmm` importer: hmmlearn's `CategoricalHMM` attributes in an npz (startprob [Z], transmat
     [Z, Z], emissionprob [Z, V], optional vocab [V]) -> `hmm` tensors (float64), vocabulary, config. Raises

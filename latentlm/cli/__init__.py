@@ -1,8 +1,9 @@
 """The `latentlm` command line: thin wrappers over `latentlm.ops`, `latentlm.service` and `latentlm.training`.
 
 Subcommands, each module imported explicitly: `infer` (score, decode, posterior, embed, sample, list),
-`imports` (one per importer a family declares: import-hmm, import-arpa, import-pcfg), `train` (train, eval,
-train-tagger), `serve` (serve, worker). Errors print one line naming the field and exit with status 2.
+`imports` (one per importer a family declares: import-hmm, import-ctrlg, import-arpa, import-pcfg), `train` (train,
+eval, train-tagger), `distill`, `serve` (serve, worker). Errors print one line naming the field and exit with
+status 2.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import latentlm
 
-TRAINING_COMMANDS = ("train", "train-tagger")
+TRAINING_COMMANDS = ("train", "train-tagger", "distill")
 # the commands that load no model (they list the store or import files); every other command, the operations
 # included (`latentlm.ops.spec`, not imported here: it loads torch), loads one to answer requests
 STORE_COMMANDS = ("list",)  # and every importer, `import-*`
@@ -33,14 +34,14 @@ if _command in TRAINING_COMMANDS:
     latentlm.tune_openmp_for_training()
     latentlm.flush_denormals_for_training()  # before torch's threads exist: they inherit it
 
-from latentlm.cli import imports, infer, serve, train  # noqa: E402
+from latentlm.cli import distill, imports, infer, serve, train  # noqa: E402
 from latentlm.models.errors import LatentLMError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="latentlm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (imports, infer, train, serve):
+    for module in (imports, infer, train, distill, serve):
         module.register(sub)
     return parser
 

@@ -20,9 +20,10 @@ def import_file(family: type[Family], importer: Importer, path: Path, name: str,
     check_name(name)
     if (Path(store) / name).exists() and not force:
         raise CLIError(f"model {name!r} already exists in {store} (use --force to replace it)", param="name")
-    tensors, vocab, config = importer.read(Path(path), **options)
+    tensors, vocab, config, *extra = importer.read(Path(path), **options)
     return save_artifact(store, name, family.family, tensors, vocab, config=config,
-                         provenance={"source": importer.command, "file": Path(path).name})
+                         provenance={"source": importer.command, "file": Path(path).name},
+                         extra_files=extra[0] if extra else None)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--force", action="store_true", help="replace an existing model of that name")
             add_store(p)
             for opt in importer.options:
-                p.add_argument("--" + opt.name.replace("_", "-"), dest=opt.name, default=opt.default, help=opt.help)
+                p.add_argument("--" + opt.name.replace("_", "-"), dest=opt.name, default=opt.default, help=opt.help,
+                               required=opt.required)
             p.set_defaults(func=_runner(family, importer))
 
 
