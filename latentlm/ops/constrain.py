@@ -20,6 +20,7 @@ import torch
 from latentlm.models import constrained
 from latentlm.models import constraint as automata
 from latentlm.models.errors import InputError, UnsupportedOperation
+from latentlm.ops import format
 from latentlm.ops.inputs import check_seed
 from latentlm.ops.model import LoadedModel
 
@@ -168,7 +169,7 @@ def beam(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | None, *,
     with torch.no_grad():
         msgs = MESSAGES.get(model, dfa, temperature, limits)
         found = constrained.beam_search(msgs, prefix=prefix, beam=width, n_best=n_best)
-    return {"completions": [{"tokens": model.vocab.decode(r["ids"]), **r} for r in found.results],
+    return {"completions": [{**spelled(model, r["ids"], prefix), **r} for r in found.results],
             "certified": found.certified, "gap": found.gap}
 
 
@@ -183,7 +184,7 @@ def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, pref
     with torch.no_grad():
         msgs = MESSAGES.get(model, dfa, temperature, limits)
         draws = constrained.sample(msgs, n, gen, prefix=prefix)
-    return [{"index": i, "tokens": model.vocab.decode(ids), "ids": ids, "finish_reason": "eos"}
+    return [{"index": i, **spelled(model, ids, prefix), "ids": ids, "finish_reason": "eos"}
             for i, ids in enumerate(draws)]
 
 
@@ -192,3 +193,10 @@ def cost(model: LoadedModel, dfa: automata.WordDFA, *, n_samples: int = 0, guide
     """The request's work in the cost model's units, known once the automaton is compiled."""
     return constrained.estimate_cost(model.impl, dfa, n_samples=n_samples, guide_rows=guide_rows, beam=beam,
                                      prefix_tokens=prefix_tokens)
+def spelled(model: LoadedModel, ids: list[int], prefix: list[int] | None) -> dict[str, Any]:
+    """`{"tokens"}` of a continuation, and its `text` after the prefix for a model over an LM's tokenizer
+    (`format.text_of`)."""
+    text = format.text_of(model.vocab, ids, prefix)
+    return {"tokens": model.vocab.decode(ids), **({} if text is None else {"text": text()})}
+
+

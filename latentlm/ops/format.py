@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import orjson
@@ -23,11 +24,13 @@ from latentlm.models.results import (
     Score,
     SpanMarginals,
 )
+from latentlm.models.vocab import Vocabulary
 from latentlm.ops import compute
 from latentlm.ops.model import LoadedModel
 
 Call = Any  # an `ops.spec.Call` (not imported: the specification imports this module)
 Tokens = Callable[[], list[str]] | None  # an answer's token strings, decoded only where an answer shows them
+Text = Callable[[], str] | None  # a sample's text, for a model over an LM's tokenizer (`text_of`)
 
 
 # -- one result -> its public fields (each result type's JSON, written here only) ---------------------------------
@@ -113,20 +116,35 @@ FIELDS: dict[type, Callable[[Any, Tokens], dict[str, Any]]] = {
 """Result type -> the function writing its public fields (in the order clients see them)."""
 
 
-def fields(result: Result, tokens: Tokens = None) -> dict[str, Any]:
+def fields(result: Result, tokens: Tokens = None, text: Text = None) -> dict[str, Any]:
     """The public JSON fields of one typed result (`FIELDS`); `tokens()` gives the token strings an answer shows
-    (a sample's, or a scored input's next to its `token_logprobs`), None to leave them out."""
+    (a sample's, or a scored input's next to its `token_logprobs`), None to leave them out; `text()` a sample's
+    decoded text (`text_of`: models over an LM's tokenizer), written after its `tokens`."""
     try:
         write = FIELDS[type(result)]
     except KeyError:
         raise TypeError(f"no public fields for a {type(result).__name__}; results: "
                         f"{', '.join(t.__name__ for t in FIELDS)}") from None
-    return write(result, tokens)
+    out = write(result, tokens)
+    if text is not None:
+        out = {**({"tokens": out.pop("tokens")} if "tokens" in out else {}), "text": text(), **out}
+    return out
 
 
-def answer(result: Result, index: int, tokens: Tokens = None) -> dict[str, Any]:
-    """One input's (or sample's) answer: `{"index", ...fields(result, tokens)}`."""
-    return {"index": index, **fields(result, tokens)}
+def answer(result: Result, index: int, tokens: Tokens = None, text: Text = None) -> dict[str, Any]:
+    """One input's (or sample's) answer: `{"index", ...fields(result, tokens, text)}`."""
+    return {"index": index, **fields(result, tokens, text)}
+
+
+def text_of(vocab: Vocabulary, ids: Sequence[int], prefix: Sequence[int] | None = None) -> Text:
+    """The `text` of a generated sequence for a model over an LM's tokenizer: a callable giving the text `ids` add
+    after `prefix` (a final `<eos>` left out), decoded by the tokenizer (exact bytes: leading spaces, a character
+    split across tokens, as the LM's tokenizer writes the whole text); None for a word-level model, whose answers
+    show only `tokens`. O(len(prefix) + len(ids)) when called."""
+    if vocab.tokenizer is None:
+        return None
+    body = list(ids[:-1]) if ids and ids[-1] == vocab.eos_id else list(ids)
+    return partial(vocab.text, body, list(prefix or ()))
 
 
 # -- responses ----------------------------------------------------------------------------------------------------

@@ -55,7 +55,8 @@ def sample(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 
                                stop_id=stop_id, **({"stop_seqs": stops} if stops else {}), **shaping)
     if not trees:
         res = [cut_at_stop(r, stops, stop_id, max_tokens) for r in res]
-    return [format.answer(r, i, tokens=partial(model.vocab.decode, r.ids)) for i, r in enumerate(res)]
+    return [format.answer(r, i, tokens=partial(model.vocab.decode, r.ids),
+                          text=format.text_of(model.vocab, r.ids, prefix_ids)) for i, r in enumerate(res)]
 
 
 
@@ -81,4 +82,6 @@ def prefix_tokens(model: LoadedModel | None, prefix: str | list[int] | None) -> 
         return 0
     if isinstance(prefix, list):
         return len(prefix)
+    if model is not None and model.vocab.tokenizer is not None:
+        return len(model.vocab.tokenizer.encode(prefix))
     return len(model.vocab.tokenize(prefix) if model is not None else prefix.split())

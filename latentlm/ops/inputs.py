@@ -57,7 +57,8 @@ def check_shaping(model: LoadedModel, top_k: Any, top_p: Any) -> dict[str, Any]:
 def encode_stops(vocab: Vocabulary, stop: Any) -> list[list[int]]:
     """Token-id lists of `sample`'s stop sequences; InputError naming `stop` (or `stop[i]`) for anything but a
     string, or a list of up to `MAX_STOP_SEQUENCES` non-empty strings or token-id lists of at most
-    `MAX_STOP_TOKENS` tokens."""
+    `MAX_STOP_TOKENS` tokens. Text of a model over an LM's tokenizer is that tokenizer's ids of it (a sample stops
+    where it draws those ids)."""
     if stop is None:
         return []
     items = [stop] if isinstance(stop, str) else stop
@@ -67,7 +68,9 @@ def encode_stops(vocab: Vocabulary, stop: Any) -> list[list[int]]:
     out = []
     for i, item in enumerate(items):
         where = f"stop[{i}]" if not isinstance(stop, str) else "stop"
-        if isinstance(item, str):
+        if isinstance(item, str) and vocab.tokenizer is not None:  # the LM tokenizer's ids of the text
+            ids = vocab.tokenizer.encode(item)
+        elif isinstance(item, str):
             words = vocab.tokenize(item)
             unknown = next((w for w in words if w not in vocab.index), None)
             if unknown is not None:  # it would match <unk>: a sample never spells the word itself

@@ -79,6 +79,10 @@ class LoadedModel:
         backend = {**family.pop("backend", {}), **{op: "onnx" for op in self.runners}}
         return {
             "id": self.name, "object": "model", "family": self.family, "vocab_size": len(self.vocab),
+            # text in and out: "whitespace" (words) or the LM's tokenizer.json ({"type", "sha256", "vocab_size",
+            # "decoder"})
+            "tokenizer": self.vocab.tokenizer.describe() if self.vocab.tokenizer is not None else
+            self.vocab.preprocessing.tokenizer,
             **family,
             "operations": sorted(self.impl.operations),
             "decode_methods": sorted(self.impl.decode_methods),

@@ -164,8 +164,9 @@ def encode_prompts(model: ops.LoadedModel, prompt: Any) -> list[list[int]]:
     out = []
     for i, p in enumerate(prompt):
         where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
-        if isinstance(p, str):
-            out.append(model.vocab.encode(p, add_eos=False, where=where) if p.split() else [])
+        if isinstance(p, str):  # a word-level model reads no words in white space; an LM's tokenizer does
+            text = p if model.vocab.tokenizer is not None else p.split()
+            out.append(model.vocab.encode(p, add_eos=False, where=where) if text else [])
         else:
             out.append(model.vocab.check_ids(list(p), where=where))
     return out
@@ -316,6 +317,9 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
                        "length" if d.get("finish_reason") == "length" else "stop")
             if logprobs is not None:
                 lps, tops = logprobs[j]
+        if vocab.tokenizer is not None:
+            choices += tokenizer_choices(vocab, p_index * prep.n, ids, drawn, outs, logprobs, echo)
+            continue
                 base = 0 if echo else len(" ".join(prompt_words))
                 offsets = list(itertools.accumulate((len(t) for t in toks[:-1]), initial=base)) if toks else []
                 c.logprobs = {"tokens": toks, "token_logprobs": lps, "top_logprobs": [
@@ -334,6 +338,52 @@ def token_logprobs(model: ops.LoadedModel, filt: NextTokenFilter, ids: list[int]
     full = [ids + o for o in outs]
     scored: list[list[float]] = [[] for _ in full]
     nonempty = [i for i, f in enumerate(full) if f]
+def tokenizer_choices(vocab, first: int, ids: list[int], drawn: list[dict], outs: list[list[int]],
+                      logprobs: list | None, echo: bool) -> list[Choice]:
+    """The choices of one prompt for a model over an LM's tokenizer: each token's text is its piece of the text
+    the tokenizer decodes from the prompt's start (`Vocabulary.pieces`: a character split across tokens comes with
+    the token that completes it), so `logprobs.tokens` join to exactly `text` (the prompt's too with `echo`);
+    `logprobs.bytes` gives each token's exact UTF-8 bytes, the top alternatives are keyed by their text
+    (`bytes:\\xNN...` for one that is not whole characters, as OpenAI's). O(len(prompt) + len(choice)) each."""
+    out = []
+    for j, (d, o) in enumerate(zip(drawn, outs, strict=True)):
+        pieces = vocab.pieces(ids + o)
+        toks = pieces if echo else pieces[len(ids):]
+        c = Choice(first + j, toks, len(ids) if echo else 0, "length" if d.get("finish_reason") == "length" else "stop")
+        if logprobs is not None:
+            lps, tops = logprobs[j]
+            seq = ids + o if echo else o
+            at = 0 if echo else len(ids)  # the position in prompt + completion of the choice's first token
+            base = 0 if echo else len("".join(pieces[:len(ids)]))
+            raw = text_bytes(vocab, ids + o)[at:]
+            c.logprobs = {"tokens": toks, "token_logprobs": lps, "top_logprobs": [
+                {**{token_key(vocab, i, at + t == 0): v for i, v in tops[t]}, token_key(vocab, x, at + t == 0): lps[t]}
+                for t, x in enumerate(seq)],
+                "text_offset": list(itertools.accumulate((len(t) for t in toks[:-1]), initial=base)) if toks else [],
+                "bytes": [list(b) for b in raw]}
+        out.append(c)
+    return out
+
+
+def text_bytes(vocab, ids: list[int]) -> list[bytes]:
+    """Each id's exact bytes in the text decoded from the start of `ids` (padding ids beyond the tokenizer: b"")."""
+    tok = vocab.tokenizer
+    keep = [i for i in ids if i < tok.vocab_size]
+    spelled = iter(tok.text_bytes(keep))
+    return [next(spelled) if i < tok.vocab_size else b"" for i in ids]
+
+
+def token_key(vocab, i: int, first: bool) -> str:
+    """How token i is named among a position's top alternatives: its text (as the first token of a text when
+    `first`), or `bytes:` and its bytes escaped when they are not whole UTF-8 characters."""
+    tok = vocab.tokenizer
+    b = b"" if i >= tok.vocab_size else tok.text_bytes([i])[0] if first else tok.token_bytes[i]
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+
     if nonempty:
         for i, r in zip(nonempty, ops.run(model, "score", [full[i] for i in nonempty], token_logprobs=True),
                         strict=True):
