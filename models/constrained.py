@@ -115,8 +115,17 @@ class ChainView:
         """sum of B(., v) over the words v with mask[v] (V,) bool, by a masked row sum (S,)."""
         raise NotImplementedError
 
+    def class_mass(self, cls: Tensor, C: int) -> Tensor:
+        """(S, C): column c = sum of B(., v) over the words v of class c (cls (V,), -1 = in no class), accumulated
+        in float64 in one pass over B (a scatter-add of its columns by class, never 1 - a sum)."""
+        raise NotImplementedError
+
     def token_probs(self, a: Tensor) -> Tensor:
         """(n, S) -> (n, V): sum_z a(z) B(z, v)."""
+        raise NotImplementedError
+
+    def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
+        """(W,): sum_z u(z) B(z, words[w]) for one row u (S,): the token product restricted to some words."""
         raise NotImplementedError
 
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
@@ -175,8 +184,26 @@ class DenseView(ChainView):
             out[lo: lo + step] = self.emit[lo: lo + step].double() @ m
         return out.to(self.dtype)
 
+    def class_mass(self, cls: Tensor, C: int) -> Tensor:
+        keep = (cls >= 0).nonzero().squeeze(1)
+        idx = cls[keep]
+        out = torch.empty(self.S, C, dtype=torch.float64, device=self.device)
+        step = max(1, SLAB_ENTRIES // self.emit.shape[1])
+        for lo in range(0, self.S, step):
+            rows = self.emit[lo: lo + step][:, keep].double()
+            out[lo: lo + step] = torch.zeros(len(rows), C, dtype=torch.float64, device=self.device).index_add_(
+                1, idx, rows)
+        return out.to(self.dtype)
+
     def token_probs(self, a: Tensor) -> Tensor:
         return a @ self.emit
+
+    def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
+        out = torch.empty(len(words), dtype=self.dtype, device=self.device)
+        step = max(1, SLAB_ENTRIES // self.S)
+        for lo in range(0, len(words), step):
+            out[lo: lo + step] = self.emit_by_word[words[lo: lo + step]] @ u
+        return out
 
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
         out = torch.empty(len(a), dtype=self.dtype, device=self.device)
@@ -241,8 +268,20 @@ class BlockedView(ChainView):
         mass.index_add_(0, m.word_cluster[mask], m.emit[mask].double())
         return mass.view(-1).to(self.dtype)
 
+    def class_mass(self, cls: Tensor, C: int) -> Tensor:
+        m = self.model
+        keep = (cls >= 0).nonzero().squeeze(1)
+        states = self._states(keep)  # (n, k): B(z, v) != 0 only on v's cluster
+        flat = (states * C + cls[keep][:, None]).reshape(-1)
+        mass = torch.zeros(self.S * C, dtype=torch.float64, device=self.device)
+        mass.index_add_(0, flat, m.emit[keep].double().reshape(-1))
+        return mass.view(self.S, C).to(self.dtype)
+
     def token_probs(self, a: Tensor) -> Tensor:
         return self.model._token_probs(a)
+
+    def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
+        return (u[self._states(words)] * self.model.emit[words].to(self.dtype)).sum(-1)
 
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
         idx = self._states(words)
@@ -311,6 +350,17 @@ def tempered(model: ChainFamily, temperature: float) -> ChainFamily:
     return model
 
 
+def class_layout(dfa: WordDFA) -> tuple[np.ndarray, np.ndarray | None]:
+    """(words (C,): the word of each one-word class, -1 for a class of several words; default (Q,): per state, the
+    class whose successor a next-token step computes for every word at once (the others' words are fixed after), or
+    None for a word-level automaton, whose default is always its OTHER class K). A `models.text_constraint.TextDFA`
+    says both (its classes are any sets of token ids); a `WordDFA` has K one-word classes and OTHER."""
+    words = getattr(dfa, "class_words", None)
+    if words is None:
+        return np.concatenate([dfa.special, [-1]]).astype(np.int64), None
+    return words, dfa.default_class  # type: ignore[attr-defined]
+
+
 def eos_allowed(j: int, lo: int, hi: int) -> bool:
     """Whether `<eos>` may be token j+1: the continuation's length j+1 (counting it) lies in [lo, hi]."""
     return lo <= j + 1 <= hi
@@ -348,9 +398,14 @@ class Messages:
     col_t: list[Tensor] = field(init=False)
     sigma_t: list[Tensor] = field(init=False)
     pair_dst_t: Tensor = field(init=False)
+    class_words: Tensor = field(init=False)
+    default_class: Tensor | None = field(init=False)
 
     def __post_init__(self) -> None:
         dev = self.view.device
+        words, default = class_layout(self.dfa)
+        self.class_words = torch.as_tensor(words, device=dev)
+        self.default_class = None if default is None else torch.as_tensor(default, device=dev)
         self.delta = torch.as_tensor(self.dfa.delta, device=dev)
         self.accept = torch.as_tensor(self.dfa.accept, device=dev)
         self.cls = torch.as_tensor(self.dfa.cls, device=dev)
@@ -424,10 +479,13 @@ def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0,
     live = dfa.live()
     # emission columns per class: the named words, then OTHER (every other word but <eos>, one masked row sum)
     cls = torch.as_tensor(dfa.cls, device=dev)
-    Bc = torch.empty(S, K + 1, dtype=dtype, device=dev)
-    for c, w in enumerate(dfa.special.tolist()):
-        Bc[:, c] = view.emission(w)
-    Bc[:, K] = view.masked_mass(cls == K) if dfa.has_other else 0
+    if class_layout(dfa)[1] is not None:  # classes of any token ids: one scatter-add pass over B
+        Bc = view.class_mass(cls, K + 1)
+    else:
+        Bc = torch.empty(S, K + 1, dtype=dtype, device=dev)
+        for c, w in enumerate(dfa.special.tolist()):
+            Bc[:, c] = view.emission(w)
+        Bc[:, K] = view.masked_mass(cls == K) if dfa.has_other else 0
     eos = view.emission(dfa.eos_id) if dfa.eos_id is not None else torch.zeros(S, dtype=dtype, device=dev)
     # edges (q, q') with e_{q,q'} = sum of the classes' columns taking q to q' (0/1 indicator: no cancellation)
     classes = K + 1 if dfa.has_other else K
@@ -512,7 +570,8 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
         succ = torch.where(alive_rows[:, None], msgs.delta[qs], -1)  # (n, K+1)
         ok = (succ >= 0) & (col[succ.clamp_min(0)] >= 0)
         succ = torch.where(ok, succ, -1)
-        d = succ[:, K]
+        general = msgs.default_class is not None
+        d = succ.gather(1, msgs.default_class[qs][:, None]).squeeze(1) if general else succ[:, K]  # type: ignore
         rows = (d >= 0).nonzero().squeeze(1)
         if len(rows):  # every word through the OTHER column, then the named words that go elsewhere are fixed
             u = a[rows] * Mj[:, col[d[rows]]].T
@@ -523,7 +582,11 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
             else:
                 probs = view.token_probs(u)
             out[rows] = _log(probs) + sig[d[rows]].unsqueeze(1)
-        r, c = (succ[:, :K] != d[:, None]).nonzero(as_tuple=True)
+        if general:
+            _fix_classes(msgs, out, a, succ, d, Mj, col, sig)
+            r = c = succ[:0, 0]
+        else:
+            r, c = (succ[:, :K] != d[:, None]).nonzero(as_tuple=True)
         if len(r):
             s = succ[r, c]
             words = msgs.special[c]
@@ -544,6 +607,23 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
     if model_probs is None:
         model_probs = view.token_probs(a)
     return out, _log(model_probs)
+
+
+def _fix_classes(msgs: Messages, out: Tensor, a: Tensor, succ: Tensor, d: Tensor, Mj: Tensor, col: Tensor,
+                 sig: Tensor) -> None:
+    """The words whose class leads elsewhere than their row's default successor d (classes of any token ids):
+    -inf where that is no live state, else one product per (row, successor) over its words (`probs_at`).
+    O(n (V D + S x the words outside the default)), D = distinct successors of the row's state."""
+    cls = msgs.cls.clamp_min(0)  # <eos> (-1) is set by the caller afterwards
+    for i in range(len(a)):
+        tok_succ = succ[i][cls]  # (V,)
+        differs = tok_succ != d[i]
+        out[i, differs & (tok_succ < 0)] = -math.inf
+        others = succ[i][(succ[i] != d[i]) & (succ[i] >= 0)].unique().tolist()
+        for s in others:
+            words = (tok_succ == s).nonzero().squeeze(1)
+            u = a[i] * Mj[:, col[s]]
+            out[i, words] = _log(msgs.view.probs_at(u, words)) + sig[s]
 
 
 def _log(x: Tensor) -> Tensor:
@@ -661,7 +741,6 @@ def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: S
                    ) -> list[list[int]]:
     view, dfa = msgs.view, msgs.dfa
     dev = view.device
-    K = dfa.num_classes - 1
     lo, hi = dfa.min_tokens, dfa.max_tokens
     eos = dfa.eos_id
     pair_dst = msgs.pair_dst_t
@@ -698,11 +777,14 @@ def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: S
             allowed = msgs.delta[q[go]] == q_next[:, None]  # (g, K+1)
             cw = torch.where(allowed, msgs.Bc[z[go]], 0).double()
             c = draw_rows(cw, generator)
-            special = c < K
-            words[go[special]] = msgs.special[c[special]]
+            special = msgs.class_words[c] >= 0  # one-word classes (word-level: c < K)
+            words[go[special]] = msgs.class_words[c[special]]
             other = go[~special]
             if len(other):
-                words[other] = _draw_other(msgs, z[other], generator)
+                if msgs.default_class is None:  # word-level: every such class is OTHER
+                    words[other] = _draw_other(msgs, z[other], generator)
+                else:
+                    words[other] = _draw_other(msgs, z[other], generator, c[~special])
             z_next = draw_rows((view.trans_rows(z[go]) * msgs.W[j + 1][:, msgs.col_t[j + 1][q_next]].T).double(),
                                generator)
         for i, tok in zip(rows.tolist(), words.tolist(), strict=True):
@@ -714,24 +796,26 @@ def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: S
     return out
 
 
-def _draw_other(msgs: Messages, z: Tensor, generator: torch.Generator) -> Tensor:
-    """One word of class OTHER per state z (n,), from B(z, .) restricted to that class: draws from the state's
-    emission table until one is (its acceptance is the state's OTHER mass), then a masked row for the rest."""
-    K = msgs.dfa.num_classes - 1
+def _draw_other(msgs: Messages, z: Tensor, generator: torch.Generator, classes: Tensor | None = None) -> Tensor:
+    """One word per state z (n,) of its class (n,) (a class of several words; None: OTHER, K, for every row), from
+    B(z, .) restricted to that class: draws from the state's emission table until one is (its acceptance is the
+    class's mass in the state), then a masked row for the rest."""
+    if classes is None:
+        classes = torch.full_like(z, msgs.dfa.num_classes - 1)
     words = torch.full_like(z, -1)
     todo = torch.arange(len(z), device=z.device)
     for _ in range(REJECTION_ROUNDS):
         if not len(todo):
             return words
         v = msgs.view.draw_words(z[todo], generator)
-        hit = msgs.cls[v] == K
+        hit = msgs.cls[v] == classes[todo]
         words[todo[hit]] = v[hit]
         todo = todo[~hit]
     if len(todo):
         onehot = torch.zeros(len(todo), msgs.view.S, dtype=msgs.view.dtype, device=z.device)
         onehot[torch.arange(len(todo), device=z.device), z[todo]] = 1
         probs = msgs.view.token_probs(onehot)  # (t, V): B(z, .)
-        words[todo] = draw_rows(torch.where(msgs.cls[None] == K, probs, 0).double(), generator)
+        words[todo] = draw_rows(torch.where(msgs.cls[None] == classes[todo, None], probs, 0).double(), generator)
     return words
 
 
@@ -838,6 +922,8 @@ def estimate_cost(model: ChainFamily, dfa: WordDFA, *, n_samples: int = 0, metho
     filt = width * S  # the filter after a word: (a * B(., w)) A over the states that can emit it
     scores = 2 * emit_width * V + filt + dfa.num_classes * emit_width  # guide / token-marginal step (two rows)
     draw = S + dfa.num_classes + 64  # state-then-token step: a row of A, the successors, the word
+    if class_layout(dfa)[1] is not None:  # classes of any token ids: the words outside each row's default too
+        scores += emit_width * V + 4 * V
     per_sample = draw if method == "states" else scores
     steps = dfa.max_tokens
     total = backward + STEP_OVERHEAD * steps + prefix_tokens * (width * width + 5_000)
