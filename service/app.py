@@ -25,6 +25,7 @@ from latentlm.service.cache import ResponseCache
 from latentlm.service.engine import EngineClient
 from latentlm.service.metrics import Metrics, multiprocess_dir, publish_live_metrics
 from latentlm.service.middleware import Guard
+from latentlm.service.preparing import Preparer
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.routes import batches, completions, explorer, health, models, operations
 from latentlm.service.schemas import ERROR_SCHEMA
@@ -44,7 +45,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         batcher=EngineClient(settings.engine_socket, metrics, max_queue=settings.max_queue,
                              retry_after_s=settings.retry_after_s) if settings.engine_socket else
         Batcher(metrics, max_batch_tokens=settings.max_batch_tokens, max_queue_delay_ms=settings.max_queue_delay_ms,
-                max_queue=settings.max_queue, max_heavy=settings.max_heavy_requests))
+                max_queue=settings.max_queue, max_heavy=settings.max_heavy_requests),
+        preparer=Preparer(settings.constraint_compile_workers, settings.max_heavy_requests))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,6 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 refresher.cancel()
             restore()
             state.runner.stop()
+            state.preparer.stop()
             await state.batcher.stop()
             if state.cache is not None:
                 await state.cache.close()

@@ -31,6 +31,7 @@ A worker whose engine connection is down answers 503 `engine_unavailable` and re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -47,6 +48,7 @@ import msgpack
 
 from latentlm import ops
 from latentlm.models import errors as model_errors
+from latentlm.models.automata import CompileCancelled
 from latentlm.models.errors import LatentLMError
 from latentlm.ops import spec
 from latentlm.ops.spec import Call
@@ -165,6 +167,7 @@ class EngineServer:
                                max_heavy=settings.max_heavy_requests)
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="engine-load")
         self.preparer = ThreadPoolExecutor(1, thread_name_prefix="engine-prepare")
+        self.stopping = False  # set when the engine stops: compilations on `preparer` stop at their next check
         self.connections: set[_Connection] = set()
         self.retired: dict[tuple[str, str], tuple[float, ops.LoadedModel]] = {}  # (name, hash) -> (until, model)
         self._sync: asyncio.Future | None = None
@@ -219,18 +222,21 @@ class EngineServer:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         return m
 
-    def rebuild(self, msg: dict[str, Any], model: ops.LoadedModel) -> Call:
-        """The worker's prepared call, here: from its encoded inputs, or prepared again from its request."""
+    def rebuild(self, msg: dict[str, Any], model: ops.LoadedModel, scope: CancelScope | None = None) -> Call:
+        """The worker's prepared call, here: from its encoded inputs, or prepared again from its request (a
+        constraint compiled within the settings' limits, stopped when `scope` is cancelled or the engine stops)."""
         name = msg["op"]
         op = spec.OPERATIONS.get(name) or route_operation(name)
         if "seqs" in msg:
             return Call(model, op, msg["opts"], msg["seqs"], None, msg.get("cost", 0),
                         input_tokens=msg.get("tokens", 0))
         req = op.request.model_validate_json(msg["request"])
+        limits = dataclasses.replace(execute.limits(self.settings), cancelled=lambda: self.stopping or bool(
+            scope is not None and scope.cancelled))
         build = op.extra.get("engine_call")
         if build is not None:
-            return build(model, req, self.settings)
-        return spec.prepare(model, op, req, execute.limits(self.settings))
+            return build(model, req, self.settings, limits)
+        return spec.prepare(model, op, req, limits)
 
     # -- requests
     def _company(self) -> None:
@@ -246,7 +252,7 @@ class EngineServer:
             # inputs already encoded: at once; a request to prepare again (a constraint's automaton compiled, a
             # completion's samples set up) on the preparing thread, off the event loop that feeds the batcher
             call = self.rebuild(msg, model) if "seqs" in msg else await asyncio.get_running_loop().run_in_executor(
-                self.preparer, self.rebuild, msg, model)
+                self.preparer, self.rebuild, msg, model, scope)
             self.receiving -= 1
             received = False
             self._company()
@@ -264,6 +270,8 @@ class EngineServer:
             if task is not None and task.cancelling():
                 raise  # the engine stops
         except BaseException as e:  # every error goes back to the worker, which answers it as its own
+            if isinstance(e, CompileCancelled):
+                e = ShuttingDown()  # the engine stops (a cancelled client's answer goes nowhere)
             if not isinstance(e, LatentLMError | APIError | QueueFull | ShuttingDown):
                 log.exception("engine: %s request failed", msg.get("op"))
             conn.send({"id": rid, "err": encode_error(e)})
@@ -360,6 +368,7 @@ class EngineServer:
             if refresher is not None:
                 refresher.cancel()
             server.close()
+            self.stopping = True
             self.batcher.fail_pending()
             await self.batcher.stop()
             self.loader.shutdown(wait=False, cancel_futures=True)

@@ -101,8 +101,10 @@ def body(call: Call, results: list[dict]) -> dict[str, Any]:
 
 
 def limits(settings: Any) -> Limits:
-    """The sizes a constrained request may reach (LATENTLM_MAX_CONSTRAINT_STATES, LATENTLM_MAX_CONSTRAINT_BYTES)."""
-    return Limits(max_states=settings.max_constraint_states, max_bytes=settings.max_constraint_bytes)
+    """The sizes a constrained request may reach (LATENTLM_MAX_CONSTRAINT_STATES, LATENTLM_MAX_CONSTRAINT_BYTES,
+    LATENTLM_CONSTRAINT_COMPILE_SECONDS)."""
+    return Limits(max_states=settings.max_constraint_states, max_bytes=settings.max_constraint_bytes,
+                  compile_seconds=settings.constraint_compile_seconds)
 
 
 def run_direct(call: Call, max_batch_tokens: int | None) -> dict[str, Any]:
@@ -111,17 +113,18 @@ def run_direct(call: Call, max_batch_tokens: int | None) -> dict[str, Any]:
 
 
 def check_sample(req: SampleRequest, max_sample_tokens: int, *, model: ops.LoadedModel | None = None,
-                 max_request_tokens: int | None = None, max_cost: int | None = None) -> int:
+                 max_request_tokens: int | None = None, max_cost: int | None = None, limits: Limits | None = None
+                 ) -> int:
     """A sample request's limits (`prepare`'s, for callers that build `SampleRequest`s themselves): 413 when
     n * max_tokens exceeds `max_sample_tokens`, the prefix's tokens `max_request_tokens` or the estimated cost
-    `max_cost`. Returns the cost estimate (0 without `model`)."""
+    `max_cost`; a constraint is compiled within `limits`. Returns the cost estimate (0 without `model`)."""
     if req.n * req.max_tokens > max_sample_tokens:
         raise LimitExceeded(f"n * max_tokens = {req.n * req.max_tokens} exceeds the limit of {max_sample_tokens}",
                             param="max_tokens")
     if model is None:
         return 0
     limit = max_request_tokens if max_request_tokens is not None else 1 << 62
-    return prepare(model, "sample", req, limit, max_cost=max_cost).cost
+    return prepare(model, "sample", req, limit, max_cost=max_cost, limits=limits).cost
 
 
 def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:

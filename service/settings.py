@@ -56,6 +56,12 @@ class Settings:
     max_constraint_states: int = 2048    # states of a constraint's minimised automaton before 413 (/v1/constraint,
                                          # /v1/sample with `constraint`)
     max_constraint_bytes: int = 4 << 30  # memory of a constrained request's backward messages before 413
+    constraint_compile_seconds: float = 1.0  # wall-clock time one constraint's automaton may take to compile before
+                                         # 413 (its regex `constraint.regex`, else `constraint`); it compiles on
+                                         # a preparation thread, never on the event loop
+    constraint_compile_workers: int = 1  # preparation threads compiling constraints at once (each holds the GIL
+                                         # in turns with the event loop); more requests wait, up to
+                                         # max_heavy_requests waiting before 429
     max_request_cost: int = 2_000_000_000_000  # estimated work of one request (`ops.operation_cost` units, ~0.05-
                                          # 0.15 ns each on one CPU core: ~2-5 min) before 413 `budget_exceeded`;
                                          # 0 = no budget. The largest request of every operation the other limits
@@ -145,6 +151,9 @@ class Settings:
                              "one process: LATENTLM_WORKERS=1)")
         if s.engine not in ENGINES:
             raise ValueError(f"LATENTLM_ENGINE: expected one of {', '.join(ENGINES)}, got {s.engine!r}")
+        if not s.constraint_compile_seconds > 0 or s.constraint_compile_workers < 1:
+            raise ValueError("LATENTLM_CONSTRAINT_COMPILE_SECONDS must be positive and "
+                             "LATENTLM_CONSTRAINT_COMPILE_WORKERS at least 1")
         if s.workers > 1 and s.engine == "inline" and s.on_cuda:
             raise ValueError(f"LATENTLM_WORKERS={s.workers} with LATENTLM_ENGINE=inline on CUDA would hold every "
                              "model once per worker on the device: let one engine process own it "

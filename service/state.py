@@ -17,6 +17,7 @@ from latentlm.service.batcher import Lanes, QueueFull
 from latentlm.service.cache import ResponseCache
 from latentlm.service.errors import APIError, shutting_down
 from latentlm.service.metrics import Metrics
+from latentlm.service.preparing import Preparer
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
 
@@ -30,6 +31,7 @@ class ServiceState:
     registry: ModelRegistry
     batcher: Lanes  # a `Batcher` (this process's lanes) or an `engine.EngineClient` (the engine process's)
     loader: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="load"))
+    preparer: Preparer = field(default_factory=Preparer)  # constraint compilation, off the event loop
     cache: ResponseCache | None = None
     jobs: Any = None  # jobs.LocalJobStore or jobs.RedisJobStore, set at startup
     runner: Any = None  # jobs.LocalRunner or jobs.RQRunner
@@ -41,7 +43,8 @@ class ServiceState:
 
     async def drain(self) -> dict[str, float]:
         """After SIGTERM: refuse new work at once, wait up to `shutdown_grace_s` for the requests in flight, then
-        answer what is still queued or computing with 503. Returns {"waited_s", "left", "answered_503"}."""
+        answer what is still queued, computing or compiling its constraint with 503. Returns {"waited_s", "left",
+        "answered_503"}."""
         self.draining = True
         start = time.monotonic()
         deadline = start + self.settings.shutdown_grace_s
@@ -50,6 +53,7 @@ class ServiceState:
         while self.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         left = self.inflight
+        self.preparer.stop()  # compilations still running stop at their next check; their requests get 503
         answered = self.batcher.fail_pending()
         if answered:
             log.warning("shutdown grace over: %d queued or running request(s) answered 503", answered)

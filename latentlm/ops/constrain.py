@@ -100,13 +100,19 @@ def compile_request(model: LoadedModel, spec: Any, limits: Limits, *, default_ma
     `limits.compile_seconds`: a server runs it off its event loop. `default_max_tokens`: the window's end when the
     constraint names none."""
     check_family(model)
-    raw = spec.model_dump(exclude_none=True) if hasattr(spec, "model_dump") else dict(spec)
-    if default_max_tokens is not None:
-        raw.setdefault("max_tokens", default_max_tokens)
-    parsed = automata.parse_constraint(raw, model.vocab)
+    parsed = parse_request(model, spec, default_max_tokens)
     dfa = automata.compile_constraint(parsed, model.vocab, max_states=limits.max_states,
                                       seconds=limits.compile_seconds, cancelled=limits.cancelled)
     return dfa, list(parsed.warnings)
+
+
+def parse_request(model: LoadedModel, spec: Any, default_max_tokens: int | None = None) -> automata.Constraint:
+    """The request's `constraint` parsed over the model's vocabulary (no compilation: O(words));
+    `.warnings` says what was dropped."""
+    raw = spec.model_dump(exclude_none=True) if hasattr(spec, "model_dump") else dict(spec)
+    if default_max_tokens is not None:
+        raw.setdefault("max_tokens", default_max_tokens)
+    return automata.parse_constraint(raw, model.vocab)
 
 
 def prefix_ids(model: LoadedModel, prefix: str | list[int] | None) -> list[int] | None:
@@ -188,11 +194,6 @@ def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, pref
             for i, ids in enumerate(draws)]
 
 
-def cost(model: LoadedModel, dfa: automata.WordDFA, *, n_samples: int = 0, guide_rows: int = 0, beam: int = 0,
-         prefix_tokens: int = 0) -> int:
-    """The request's work in the cost model's units, known once the automaton is compiled."""
-    return constrained.estimate_cost(model.impl, dfa, n_samples=n_samples, guide_rows=guide_rows, beam=beam,
-                                     prefix_tokens=prefix_tokens)
 def spelled(model: LoadedModel, ids: list[int], prefix: list[int] | None) -> dict[str, Any]:
     """`{"tokens"}` of a continuation, and its `text` after the prefix for a model over an LM's tokenizer
     (`format.text_of`)."""
@@ -200,3 +201,8 @@ def spelled(model: LoadedModel, ids: list[int], prefix: list[int] | None) -> dic
     return {"tokens": model.vocab.decode(ids), **({} if text is None else {"text": text()})}
 
 
+def cost(model: LoadedModel, dfa: automata.WordDFA, *, n_samples: int = 0, guide_rows: int = 0, beam: int = 0,
+         prefix_tokens: int = 0) -> int:
+    """The request's work in the cost model's units, known once the automaton is compiled."""
+    return constrained.estimate_cost(model.impl, dfa, n_samples=n_samples, guide_rows=guide_rows, beam=beam,
+                                     prefix_tokens=prefix_tokens)

@@ -19,6 +19,7 @@ answer 400 naming the field; nothing is silently ignored. Errors are the `{"erro
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import secrets
@@ -34,12 +35,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_
 from latentlm import ops
 from latentlm.models.base import ChainFamily, NextTokenFilter
 from latentlm.models.errors import InputError, LatentLMError
-from latentlm.ops import spec
+from latentlm.ops import constrain, spec
+from latentlm.ops.constrain import Limits
 from latentlm.ops.requests import ConstraintSpec, SampleRequest
 from latentlm.service import execute
 from latentlm.service.batcher import QueueFull
 from latentlm.service.errors import APIError
-from latentlm.service.routes.operations import CANCEL, JSONBytes, OperationRoute
+from latentlm.service.routes.operations import CANCEL, JSONBytes, OperationRoute, compiles, prepare_off_loop
 from latentlm.service.settings import Settings
 from latentlm.service.state import ServiceState, get_state
 
@@ -147,6 +149,7 @@ class Prepared:
     temperature: float = 1.0
     top_p: float | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    warnings: list[str] = field(default_factory=list)  # what the constraint dropped (answered as `warnings`)
 
     @property
     def n(self) -> int:
@@ -172,9 +175,10 @@ def encode_prompts(model: ops.LoadedModel, prompt: Any) -> list[list[int]]:
     return out
 
 
-def prepare(model: ops.LoadedModel, req: CompletionRequest, settings: Settings) -> Prepared:
+def prepare(model: ops.LoadedModel, req: CompletionRequest, settings: Settings, limits: Limits | None = None
+            ) -> Prepared:
     """Check the family, the fields, the limits and the cost budget before any work; build each prompt's
-    `/v1/sample` settings."""
+    `/v1/sample` settings (a constraint compiled within `limits`, default the settings')."""
     if not isinstance(model.impl, ChainFamily):
         raise APIError(400, f"model {model.name!r} (family {model.family}) does not generate text token by token; "
                             f"completions serve the chain families ({', '.join(CHAIN_FAMILIES)})", param="model",
@@ -219,10 +223,13 @@ def prepare(model: ops.LoadedModel, req: CompletionRequest, settings: Settings) 
             sreq = SampleRequest(model=req.model, n=prep.n, max_tokens=prep.max_tokens, seed=prep.seed,
                                  prefix=ids or None, temperature=prep.temperature, top_k=prep.top_k,
                                  top_p=prep.top_p, stop=req.stop, constraint=req.constraint)
-            cost += execute.check_sample(sreq, s.max_sample_tokens, model=model)
+            cost += execute.check_sample(sreq, s.max_sample_tokens, model=model,
+                                         limits=limits or execute.limits(s))
         prep.samples.append(sreq)
         if req.logprobs is not None or req.echo:
             cost += logprob_cost(model, len(ids) if req.echo else 0, prep.n, prep.max_tokens, len(ids))
+    if req.constraint is not None and prep.max_tokens > 0:
+        prep.warnings = list(constrain.parse_request(model, req.constraint, prep.max_tokens).warnings)
     execute.check_cost("completions", cost, s.max_request_cost, "max_tokens",
                        "ask for fewer or shorter completions (prompts, n, max_tokens) or fewer logprobs")
     prep.cost = cost
@@ -310,6 +317,9 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
         outs = [d["ids"][:-1] if d.get("finish_reason") == "eos" else d["ids"] for d in drawn]
         prompt_words = vocab.decode(ids)
         logprobs = None if filt is None else token_logprobs(model, filt, ids, outs, int(k or 0), echo)
+        if vocab.tokenizer is not None:
+            choices += tokenizer_choices(vocab, p_index * prep.n, ids, drawn, outs, logprobs, echo)
+            continue
         for j, (d, o) in enumerate(zip(drawn, outs, strict=True)):
             words = (prompt_words if echo else []) + vocab.decode(o)
             toks = spaced(words, first_spaced=bool(ids) and not echo)
@@ -317,9 +327,6 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
                        "length" if d.get("finish_reason") == "length" else "stop")
             if logprobs is not None:
                 lps, tops = logprobs[j]
-        if vocab.tokenizer is not None:
-            choices += tokenizer_choices(vocab, p_index * prep.n, ids, drawn, outs, logprobs, echo)
-            continue
                 base = 0 if echo else len(" ".join(prompt_words))
                 offsets = list(itertools.accumulate((len(t) for t in toks[:-1]), initial=base)) if toks else []
                 c.logprobs = {"tokens": toks, "token_logprobs": lps, "top_logprobs": [
@@ -331,13 +338,6 @@ def run(prep: Prepared) -> tuple[list[Choice], dict[str, int]]:
                      "total_tokens": prompt_tokens + completion_tokens}
 
 
-def token_logprobs(model: ops.LoadedModel, filt: NextTokenFilter, ids: list[int], outs: list[list[int]], k: int,
-                   echo: bool) -> list[tuple[list[float | None], list[list]]]:
-    """Per choice: log p(x_t | x_<t) of its tokens (the prompt's too with `echo`), as /v1/score computes them for
-    prompt + completion, and the k most probable alternatives at each of those positions (forward filtering)."""
-    full = [ids + o for o in outs]
-    scored: list[list[float]] = [[] for _ in full]
-    nonempty = [i for i, f in enumerate(full) if f]
 def tokenizer_choices(vocab, first: int, ids: list[int], drawn: list[dict], outs: list[list[int]],
                       logprobs: list | None, echo: bool) -> list[Choice]:
     """The choices of one prompt for a model over an LM's tokenizer: each token's text is its piece of the text
@@ -384,6 +384,13 @@ def token_key(vocab, i: int, first: bool) -> str:
         return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
 
 
+def token_logprobs(model: ops.LoadedModel, filt: NextTokenFilter, ids: list[int], outs: list[list[int]], k: int,
+                   echo: bool) -> list[tuple[list[float | None], list[list]]]:
+    """Per choice: log p(x_t | x_<t) of its tokens (the prompt's too with `echo`), as /v1/score computes them for
+    prompt + completion, and the k most probable alternatives at each of those positions (forward filtering)."""
+    full = [ids + o for o in outs]
+    scored: list[list[float]] = [[] for _ in full]
+    nonempty = [i for i, f in enumerate(full) if f]
     if nonempty:
         for i, r in zip(nonempty, ops.run(model, "score", [full[i] for i in nonempty], token_logprobs=True),
                         strict=True):
@@ -420,10 +427,11 @@ def sample_like_v1(model: ops.LoadedModel, sreq: SampleRequest) -> dict[str, Any
 
 
 # -- the route ---------------------------------------------------------------------------------------------------
-def call_for(model: ops.LoadedModel, req: CompletionRequest, settings: Settings) -> spec.Call:
+def call_for(model: ops.LoadedModel, req: CompletionRequest, settings: Settings, limits: Limits | None = None
+             ) -> spec.Call:
     """The completion request checked and prepared (`prepare`) as a call of `OPERATION`. Its `request` has the seed
     drawn here, so an engine process preparing it again (service/engine.py) draws the same choices."""
-    prep = prepare(model, req, settings)
+    prep = prepare(model, req, settings, limits)
     if req.seed is None:
         req = req.model_copy(update={"seed": prep.seed})
     return spec.Call(model, OPERATION, {"prepared": prep}, [], req, prep.cost,
@@ -460,7 +468,10 @@ async def completions(req: CompletionRequest, state: ServiceState = Depends(get_
     state.ensure_ready()
     model = state.registry.get(req.model)
     s = state.settings
-    call = call_for(model, req, s)
+    if compiles(req):  # a constraint's automaton: compiled on a preparation thread, never on the event loop
+        call = await prepare_off_loop(state, functools.partial(call_for, model, req, s))
+    else:
+        call = call_for(model, req, s)
     prep = call.opts["prepared"]
     try:
         drawn, usage = await state.batcher.submit(call, heavy=prep.cost > s.heavy_request_cost, scope=CANCEL.get())
@@ -470,7 +481,9 @@ async def completions(req: CompletionRequest, state: ServiceState = Depends(get_
     head = {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": prep.created,
             "model": model.name, "system_fingerprint": "fp_" + model.content_hash[:16]}
     if not req.stream:
-        return JSONBytes(ops.dumps({**head, "choices": [c.body() for c in choices], "usage": usage}), cost=prep.cost)
+        more = {"warnings": prep.warnings} if prep.warnings else {}
+        return JSONBytes(ops.dumps({**head, "choices": [c.body() for c in choices], "usage": usage, **more}),
+                         cost=prep.cost)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(stream_chunks(head, choices, usage, include_usage), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "x-cost": str(prep.cost)})

@@ -12,15 +12,20 @@ run on the inference thread.
 
 Every request's cost is estimated before any work (its family's `cost`, answered in the `x-cost` header): above
 `max_request_cost` it is refused 413 `budget_exceeded`; above `heavy_request_cost` it runs in the batcher's heavy
-lane (its own thread, in slices), so light requests never wait for it. While a request waits or computes, the
-route watches its connection: when the client goes away its `CancelScope` is cancelled, so queued work is dropped
-and heavy work stops at its next slice. `POST /v1/posterior` with `stream: true` (or `Accept:
-application/x-ndjson`) answers NDJSON, produced slice by slice with bounded memory.
+lane (its own thread, in slices), so light requests never wait for it. Preparing a request that compiles a
+constraint (`constraint`, `sample` with one) costs up to LATENTLM_CONSTRAINT_COMPILE_SECONDS of CPU: it runs on
+the preparation threads (`service.preparing`), never on the event loop. While a request waits, compiles or
+computes, the route watches its connection: when the client goes away its `CancelScope` is cancelled, so queued
+work is dropped, a compilation stops at its next check and heavy work at its next slice. `POST /v1/posterior`
+with `stream: true` (or `Accept: application/x-ndjson`) answers NDJSON, produced slice by slice with bounded
+memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 from contextvars import ContextVar
 from typing import Any, get_type_hints
 
@@ -206,10 +211,13 @@ async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Re
     batcher (the heavy lane above `heavy_request_cost`), shape the body (one write by `ops.dumps`)."""
     state.ensure_ready()
     s = state.settings
-    call = execute.prepare(state.registry.get(req.model), op, req, s.max_request_tokens, s.max_posterior_entries,
-                           max_cost=s.max_request_cost, streaming=call_streams(op, req),
-                           max_sample_tokens=s.max_sample_tokens, limits=execute.limits(s),
-                           max_stream_entries=s.max_stream_entries)
+    prepare = functools.partial(execute.prepare, state.registry.get(req.model), op, req, s.max_request_tokens,
+                                s.max_posterior_entries, max_cost=s.max_request_cost, streaming=call_streams(op, req),
+                                max_sample_tokens=s.max_sample_tokens, max_stream_entries=s.max_stream_entries)
+    if compiles(req):  # up to constraint_compile_seconds of CPU: on a preparation thread, cancelled with the request
+        call = await prepare_off_loop(state, prepare)
+    else:
+        call = prepare(limits=execute.limits(s))
     if op.stream == "ndjson" and call.streaming:
         return await stream_pieces(call, state)
     cache, key = state.cache, None
@@ -232,6 +240,24 @@ async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Re
         return JSONBytes(payload, cost=call.cost)
     await cache.set(key, payload)
     return JSONBytes(payload, "miss", call.cost)
+
+
+def compiles(req: Any) -> bool:
+    """Whether preparing `req` compiles a constraint's automaton (CPU-bound: never on the event loop)."""
+    return getattr(req, "constraint", None) is not None
+
+
+async def prepare_off_loop(state: ServiceState, prepare: Any) -> Any:
+    """`prepare(limits=...)` on the service's preparation threads (`service.preparing`), its compilation cancelled
+    when the request's client goes away or the shutdown grace ends. The request stops counting as on its way to
+    the batcher meanwhile (a light batch would wait for it)."""
+    scope = CANCEL.get()
+    state.batcher.retract(TICKET.get())
+    limits = dataclasses.replace(execute.limits(state.settings), cancelled=state.preparer.cancelled_for(scope))
+    try:
+        return await state.preparer.run(functools.partial(prepare, limits=limits), scope=scope)
+    except QueueFull as e:
+        raise state.queue_full(e) from None
 
 
 def call_streams(op: spec.Operation, req: Any) -> bool:
