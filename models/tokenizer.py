@@ -318,7 +318,7 @@ class TextTokenizer:
                             f"{self.decode_text([anchor, i])!r} token by token)"[:500], param="tokenizer")
 
 
-CACHE_SIZE = 16  # tokenizers kept read in a process (a GPT-2-sized one: ~10 MB, ~0.7 s to read and check)
+CACHE_SIZE = 16  # tokenizers kept read in a process (GPT-2-sized: ~7 MB of Python objects, ~1 s to read and check)
 _CACHE: dict[tuple[str, type], TextTokenizer] = {}
 
 

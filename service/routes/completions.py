@@ -13,8 +13,11 @@ adds is computed from the model exactly:
 
 Text: tokens are joined with single spaces as the vocabulary spells them (`<unk>`, lowercasing and `<eos>` as the
 model's manifest says); a completion after a non-empty prompt starts with a space, so `prompt + text` reads as one
-text. `<eos>` ends a choice (`finish_reason` "stop") and is not part of its text. Fields latentlm cannot honour
-answer 400 naming the field; nothing is silently ignored. Errors are the `{"error": {...}}` shape of every route.
+text. For a model over an LM's tokenizer (`tokenizer.json`), prompts are its ids and `text` its exact decoding;
+`logprobs.tokens` are each token's piece of that text (joining to it exactly) and `logprobs.bytes` each token's
+UTF-8 bytes (`tokenizer_choices`). `<eos>` ends a choice (`finish_reason` "stop") and is not part of its text.
+Fields latentlm cannot honour answer 400 naming the field; nothing is silently ignored. Errors are the
+`{"error": {...}}` shape of every route.
 """
 
 from __future__ import annotations
