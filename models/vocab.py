@@ -150,10 +150,6 @@ class Vocabulary:
             raise AttributeError("token_bytes: a word-level vocabulary (tokens are joined by spaces)")
         return self._token_bytes
 
-    def _tok_ids(self, ids: Sequence[int]) -> list[int]:
-        n = self.tokenizer.vocab_size  # ids beyond the tokenizer's (padding up to V) spell nothing
-        return [i for i in ids if i < n]
-
     def text(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> str:
         """The text of `ids` (a continuation of `prefix` ids when given: the text they add after it). With a
         tokenizer, decoded by it (exact bytes, special tokens skipped, a text's first word as the tokenizer spells
@@ -166,8 +162,8 @@ class Vocabulary:
         word-level, each token with a space before it but the first of the whole text. O(len(prefix) + len(ids))."""
         if self.tokenizer is None:
             return [(" " if (k > 0 or prefix) else "") + self.tokens[i] for k, i in enumerate(ids)]
-        full = self._tok_ids(list(prefix)) + list(ids)
-        keep = [k for k, i in enumerate(full) if i < self.tokenizer.vocab_size]
+        full = [*prefix, *ids]
+        keep = [k for k, i in enumerate(full) if i < self.tokenizer.vocab_size]  # ids beyond it (padding) spell nothing
         parts = self.tokenizer.pieces([full[k] for k in keep])
         out = [""] * len(full)
         for k, p in zip(keep, parts, strict=True):
