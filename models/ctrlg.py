@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from latentlm.models.errors import InputError
-from latentlm.models.lm_vocab import TOKENIZER_FILE, lm_vocabulary, read_tokenizer_json
+from latentlm.models.tokenizer import as_text_tokenizer, tokenizer_files, vocab_for
 from latentlm.models.vocab import Vocabulary
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -103,9 +103,9 @@ def _normalise_rows(p: Tensor, key: str, what: str) -> Tensor:
 
 def read_ctrlg(path: Path, tokenizer: str | Path | None = None) -> tuple[dict[str, Tensor], Vocabulary, dict[str, Any],
                                                                         dict[str, bytes]]:
-    """The `import-ctrlg` importer: (hmm tensors start/trans/emit float32, the tokenizer's vocabulary, config,
-    {tokenizer.json: bytes}). Raises InputError naming the tensor, key or option at fault; nothing is written.
-    O(H (H + V))."""
+    """The `import-ctrlg` importer: (hmm tensors start/trans/emit float32, the tokenizer's vocabulary (V entries,
+    `models.tokenizer.vocab_for`; ids the tokenizer lacks are placeholders), config, {tokenizer.json: bytes}).
+    Raises InputError naming the tensor, key or option at fault; nothing is written. O(H (H + V))."""
     path = Path(path)
     if tokenizer is None:
         raise InputError("--tokenizer: required (the LM's save_pretrained directory holding tokenizer.json)",
@@ -113,7 +113,13 @@ def read_ctrlg(path: Path, tokenizer: str | Path | None = None) -> tuple[dict[st
     if not path.is_dir():
         raise InputError(f"{path}: no such directory", param="DIR")
     H, V, eos = _config(path)
-    tok_json = read_tokenizer_json(Path(tokenizer), param="tokenizer")
+    if not Path(tokenizer).exists():
+        raise InputError(f"--tokenizer {tokenizer}: no such directory or file", param="tokenizer")
+    tok = as_text_tokenizer(Path(tokenizer))
+    if tok.vocab_size > V:
+        raise InputError(f"--tokenizer {tokenizer}: {tok.vocab_size} token ids, more than the checkpoint's "
+                         f"vocab_size {V} (config.json): not this HMM's tokenizer", param="tokenizer")
+    vocab = vocab_for(tok, V, eos)
     t = _tensors(path, H, V)
     gamma = t["gamma"]
     if torch.isnan(gamma).any() or (gamma == math.inf).any():
@@ -128,5 +134,4 @@ def read_ctrlg(path: Path, tokenizer: str | Path | None = None) -> tuple[dict[st
         raise InputError(f"beta: NaN or +inf log probability at {_first(torch.isnan(beta) | (beta == math.inf))}",
                          param="beta")
     emit = _normalise_rows(beta.exp_(), "beta", "emission probabilities (exp(beta))")
-    vocab = lm_vocabulary(tok_json, V, eos, where=f"--tokenizer {tokenizer}")
-    return {"start": start, "trans": trans, "emit": emit}, vocab, {"num_states": H}, {TOKENIZER_FILE: tok_json}
+    return {"start": start, "trans": trans, "emit": emit}, vocab, {"num_states": H}, tokenizer_files(tok)

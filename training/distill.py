@@ -31,9 +31,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from latentlm.models.errors import InputError, LimitExceeded
-from latentlm.models.lm_vocab import TOKENIZER_FILE, lm_vocabulary
 from latentlm.models.registry import save_artifact
 from latentlm.models.store import check_name
+from latentlm.models.tokenizer import TOKENIZER_FILE
 from latentlm.training import common
 from latentlm.training import distill_sampling as sampling
 from latentlm.training.distill_em import (
@@ -356,8 +356,6 @@ class Run:
     # 5. export
     def export(self, p: Params, history: common.History, done: int) -> Path:
         s, info = self.s, self.info
-        vocab = lm_vocabulary(info.tokenizer_json, info.vocab_size, info.eos_ids[0] if info.eos_ids else None,
-                              where=f"--lm {info.path}", param="lm")
         curve = {"rows": history.rows, "unigram_valid_ppl": self.record["unigram_valid_ppl"]}
         title = f"hmm {s.states} states distilled from {info.path.name} ({s.init} init, EM)"
         extra = {TOKENIZER_FILE: info.tokenizer_json, "curve.png": common.curve_png(history, title),
@@ -375,7 +373,7 @@ class Run:
             "train_seconds": round(time.perf_counter() - self.t0, 1), "best_valid_ppl": history.best,
             "final_valid_ppl": history.rows[-1]["valid_ppl"], "memory": self.memory, "curve": history.rows[-50:],
             **self.record}
-        return save_artifact(s.store, s.name, "hmm", p.export_tensors(), vocab, config={"num_states": s.states},
+        return save_artifact(s.store, s.name, "hmm", p.export_tensors(), info.vocab, config={"num_states": s.states},
                              provenance=prov, extra_files=extra)
 
     def run(self) -> Path:

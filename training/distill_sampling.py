@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from latentlm.models.errors import InputError
-from latentlm.models.lm_vocab import TOKENIZER_FILE
+from latentlm.models.tokenizer import TOKENIZER_FILE, TextTokenizer, vocab_for
+from latentlm.models.vocab import Vocabulary
 
 SPLITS = {"train": 0, "valid": 1}
 PAD = -1
@@ -44,7 +45,7 @@ class LMInfo:
     hidden_size: int
     start_id: int  # the token generation starts from (BOS, else EOS)
     eos_ids: tuple[int, ...]  # a sample ends at the first of these (empty: every sample runs to L)
-    eos_token: str | None  # the HMM's eos token string (the tokenizer's), or None
+    vocab: Vocabulary = field(repr=False)  # the HMM's: V lines, the tokenizer attached (`models.tokenizer.vocab_for`)
     config_sha256: str
     tokenizer_sha256: str
     tokenizer_json: bytes = field(repr=False)
@@ -90,9 +91,9 @@ def inspect_lm(path: Path) -> LMInfo:
     except Exception as e:
         raise InputError(f"{where}: no tokenizer could be loaded ({str(e).splitlines()[0]})", param="lm") from None
     if (path / TOKENIZER_FILE).is_file():
-        tok_json = (path / TOKENIZER_FILE).read_bytes()
+        text_tok = TextTokenizer.from_file(path / TOKENIZER_FILE, error=InputError)
     elif hasattr(tok, "backend_tokenizer"):
-        tok_json = tok.backend_tokenizer.to_str().encode("utf-8")
+        text_tok = TextTokenizer.from_hf(tok)
     else:
         raise InputError(f"{where}: the tokenizer is not a fast (`tokenizers`) tokenizer: the model needs its "
                          "tokenizer.json", param="lm")
@@ -108,10 +109,14 @@ def inspect_lm(path: Path) -> LMInfo:
     for what, i in [("BOS/start", start), *(("EOS", e) for e in eos_ids)]:
         if not 0 <= i < V:
             raise InputError(f"{where}: {what} id {i} is outside the vocabulary [0, {V})", param="lm")
-    eos_token = tok.convert_ids_to_tokens(eos_ids[0]) if eos_ids else None
+    if text_tok.vocab_size > V:
+        raise InputError(f"{where}: the tokenizer has {text_tok.vocab_size} token ids, the model's output only "
+                         f"{V} (vocab_size in config.json)", param="lm")
+    vocab = vocab_for(text_tok, V, eos_ids[0] if eos_ids else None, add_eos=bool(eos_ids))
+    tok_json = text_tok.to_json_bytes()
     weights = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir())
                if p.suffix in (".safetensors", ".bin", ".pt", ".pth")}
-    return LMInfo(path, config.model_type, V, d, int(start), eos_ids, eos_token,
+    return LMInfo(path, config.model_type, V, d, int(start), eos_ids, vocab,
                   _sha256((path / "config.json").read_bytes()), _sha256(tok_json), tok_json, tok, weights)
 
 

@@ -10,8 +10,8 @@ from latentlm.cli.common import add_store, positive_int, require_extra
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
-    """The [distill] extra checked (transformers, tokenizers, matplotlib for the curve), then the run."""
-    require_extra("distill", ["transformers", "tokenizers", "matplotlib"], "latentlm distill")
+    """The [distill] extra checked (transformers, matplotlib for the curve), then the run."""
+    require_extra("distill", ["transformers", "matplotlib"], "latentlm distill")
     from latentlm.training.distill import DistillSettings, distill
 
     keys = DistillSettings.__dataclass_fields__

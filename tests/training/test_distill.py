@@ -1,0 +1,322 @@
+"""`latentlm distill` end to end on a tiny GPT-2 trained here (tests/training/tiny_lm.py), and its parts against
+brute force: the E-step's expected counts (every state path enumerated), LVD's counts, k-means (scikit-learn's),
+the hidden states (one forward pass per sample), EM's monotone objective, resumable sample shards."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from latentlm import ops
+from latentlm.cli import main
+from latentlm.models.base import Batch
+from latentlm.training import distill_sampling as sampling
+from latentlm.training.distill_em import Counts, Params, accumulate, m_step, perplexity, random_params, sample_batches
+from latentlm.training.distill_init import kmeans, lvd_counts
+
+transformers = pytest.importorskip("transformers")  # the [distill] / [test] extras
+
+from tests.training.tiny_lm import make_lm  # noqa: E402
+
+QUIET = ["--no-progress", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def lm_dir(tmp_path_factory):
+    return make_lm(tmp_path_factory.mktemp("lm"))
+
+
+@pytest.fixture(scope="module")
+def distilled(lm_dir, tmp_path_factory):
+    """The store after `latentlm distill` with LVD, Z=8, L=8, 400 samples in shards of 100, 3 EM steps."""
+    store = tmp_path_factory.mktemp("store")
+    rc = main(["distill", "--lm", str(lm_dir), "--name", "d", "--store", str(store), "--states", "8", "--samples",
+               "400", "--max-length", "8", "--em-steps", "3", "--shard-size", "100", "--seed", "1", *QUIET])
+    assert rc == 0
+    return store
+
+
+def lm_samples(lm_dir, n: int, L: int, seed: int) -> list[list[int]]:
+    """Fresh samples of the LM, drawn here (plain `generate`, cut after the first EOS)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(lm_dir).eval()
+    eos = model.config.eos_token_id
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(torch.full((n, 1), eos), attention_mask=torch.ones(n, 1, dtype=torch.long),
+                             do_sample=True, top_k=0, max_new_tokens=L, pad_token_id=eos)
+    seqs = []
+    for row in out[:, 1:].tolist():
+        seqs.append(row[: row.index(eos) + 1] if eos in row else row)
+    return seqs
+
+
+def manifest(store, name: str) -> dict:
+    return json.loads((store / name / "manifest.json").read_text())
+
+
+def test_distilled_model_beats_a_unigram_on_fresh_lm_samples(distilled, lm_dir):
+    model = ops.load_model(distilled, "d")
+    fresh = lm_samples(lm_dir, 300, 8, seed=12345)
+    hmm_ll = sum(r["logprob"] for r in ops.run(model, "score", fresh))
+    tokens = sum(len(s) for s in fresh)
+    # the add-one unigram of the same training samples
+    work = distilled / ".distill" / "d" / "samples"
+    (key,) = list(work.iterdir())
+    train = np.concatenate([np.load(p) for p in sorted((key / "train").glob("shard-*.npy"))])
+    assert train.shape == (400, 8)
+    counts = np.bincount(train[train >= 0], minlength=len(model.vocab)) + 1.0
+    uni_ll = float(np.log(counts / counts.sum())[np.concatenate(fresh)].sum())
+    hmm_ppl, uni_ppl = math.exp(-hmm_ll / tokens), math.exp(-uni_ll / tokens)
+    assert hmm_ppl < 0.8 * uni_ppl, (hmm_ppl, uni_ppl)
+
+
+def test_store_carries_the_tokenizer_and_records_the_lm(distilled, lm_dir):
+    m = manifest(distilled, "d")
+    assert m["family"] == "hmm" and m["config"] == {"num_states": 8}
+    assert m["preprocessing"] == {"lowercase": False, "unk": None, "eos": "<|endoftext|>", "add_eos": True,
+                                  "tokenizer": "tokenizer.json"}
+    assert (distilled / "d" / "tokenizer.json").read_bytes() == (lm_dir / "tokenizer.json").read_bytes()
+    assert {"curve.png", "curve.json", "tokenizer.json"} <= set(m["files"])
+    tok = transformers.AutoTokenizer.from_pretrained(lm_dir)
+    lines = (distilled / "d" / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    assert lines == [tok.convert_ids_to_tokens(i) for i in range(len(tok))]
+    p = m["provenance"]
+    sha = lambda name: hashlib.sha256((lm_dir / name).read_bytes()).hexdigest()  # noqa: E731
+    assert p["lm"]["dir"] == str(lm_dir.resolve())
+    assert p["lm"]["config_sha256"] == sha("config.json") and p["lm"]["tokenizer_sha256"] == sha("tokenizer.json")
+    assert (p["samples"], p["valid_samples"], p["max_length"], p["seed"], p["init"], p["em_steps"],
+            p["pseudocount"], p["world_size"]) == (400, 100, 8, 1, "lvd", 3, 0.1, 1)
+    assert p["sampling"]["tokens_per_s"] > 0 and p["em_step_seconds"] > 0
+    curve = json.loads((distilled / "d" / "curve.json").read_text())
+    assert [r["iteration"] for r in curve["rows"]] == [0, 1, 2, 3]
+    assert curve["rows"][-1]["valid_ppl"] < curve["unigram_valid_ppl"]
+    # MAP-EM: the objective (log-likelihood + log prior of the pseudocount) never decreases
+    obj = [r["objective_per_token"] for r in curve["rows"][1:]]
+    assert all(b >= a - 1e-9 for a, b in itertools.pairwise(obj)), obj
+    text = ops.load_model(distilled, "d").vocab
+    assert text.encode("the dog") == tok("the dog")["input_ids"] + [tok.eos_token_id]
+
+
+def test_a_rerun_reuses_complete_shards_and_draws_what_an_uninterrupted_run_draws(lm_dir, tmp_path, capsys):
+    """A run of 100 samples (shards of 40: 40, 40, 20), then one of 120: shards 0 and 1 are reused as they are,
+    shard 2 drawn again at full size; the samples equal those of one uninterrupted run of 120."""
+    def run(work, n, steps="0"):
+        args = ["distill", "--lm", str(lm_dir), "--name", "r", "--store", str(tmp_path / "store"), "--states", "4",
+                "--samples", str(n), "--valid-samples", "10", "--max-length", "6", "--shard-size", "40", "--init",
+                "random", "--em-steps", steps, "--work-dir", str(work), *QUIET]
+        assert main(args) == 0
+        (key,) = list((work / "samples").iterdir())
+        return key / "train"
+
+    first = run(tmp_path / "w1", 100)
+    before = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
+    capsys.readouterr()
+    again = run(tmp_path / "w1", 120, steps="1")
+    err = capsys.readouterr().err
+    assert "3 shard(s) reused, 1 drawn" in err  # train 0, 1 and the valid shard reused; train 2 drawn again
+    assert all(before[f"shard-0000{i}.npy"] == (again / f"shard-0000{i}.npy").stat().st_mtime_ns for i in (0, 1))
+    assert np.load(again / "shard-00002.npy").shape == (40, 6)
+    fresh = run(tmp_path / "w2", 120)
+    for i in range(3):
+        assert np.array_equal(np.load(again / f"shard-0000{i}.npy"), np.load(fresh / f"shard-0000{i}.npy"))
+    assert not list(again.glob(".*tmp"))  # shards are written atomically
+
+
+def brute_counts(p: Params, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Expected start / transition / emission (V, Z) counts and log-likelihood by enumerating every state path."""
+    start, trans, emit = (t.double().numpy() for t in (p.start, p.trans, p.emit_by_word))
+    Z, V = trans.shape[0], emit.shape[0]
+    cs, ct, ce, ll = np.zeros(Z), np.zeros((Z, Z)), np.zeros((V, Z)), 0.0
+    for x in seqs:
+        paths = list(itertools.product(range(Z), repeat=len(x)))
+        w = np.array([start[z[0]] * np.prod([trans[a, b] for a, b in itertools.pairwise(z)])
+                      * np.prod([emit[xt, zt] for xt, zt in zip(x, z, strict=True)]) for z in paths])
+        px = w.sum()
+        ll += math.log(px)
+        for z, wz in zip(paths, w / px, strict=True):
+            cs[z[0]] += wz
+            for a, b in itertools.pairwise(z):
+                ct[a, b] += wz
+            for xt, zt in zip(x, z, strict=True):
+                ce[xt, zt] += wz
+    return cs, ct, ce, ll
+
+
+def test_expected_counts_and_m_step_match_brute_force():
+    gen = torch.Generator().manual_seed(0)
+    Z, V = 2, 3
+    p = random_params(Z, torch.full((V,), 1 / V), gen)
+    p = Params(p.start.double(), p.trans.double(), p.emit_by_word.double())
+    seqs = [[0, 2, 1], [1, 1], [2, 0, 0], [1]]  # padding in a batch: lengths 3, 2, 3, 1
+    c = Counts.zeros(Z, V, "cpu")
+    accumulate(p, Batch.from_lists(seqs[:2]), c)
+    accumulate(p, Batch.from_lists(seqs[2:]), c)
+    cs, ct, ce, ll = brute_counts(p, seqs)
+    for got, want in ((c.start, cs), (c.trans, ct), (c.emit, ce)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-14)
+    assert c.loglik == pytest.approx(ll, abs=1e-12) and (c.tokens, c.sequences) == (9, 4)
+    # M-step: Ctrl-G's pseudocount, spread over each distribution's entries
+    a = 0.3
+    new = m_step(c, a, dtype=torch.float64)
+    np.testing.assert_allclose(new.start.numpy(), (cs + a / Z) / (cs + a / Z).sum(), rtol=1e-12)
+    np.testing.assert_allclose(new.trans.numpy(), (ct + a / Z) / (ct + a / Z).sum(1, keepdims=True), rtol=1e-12)
+    np.testing.assert_allclose(new.emit_by_word.numpy(), (ce + a / V) / (ce + a / V).sum(0, keepdims=True),
+                               rtol=1e-12)
+
+
+def test_em_never_lowers_the_training_likelihood(distilled):
+    """Plain EM (pseudocount 0) on the distilled run's training samples, from a random start: the log-likelihood of
+    the samples never decreases; with a pseudocount, the MAP objective never does."""
+    (key,) = list((distilled / ".distill" / "d" / "samples").iterdir())
+    arrays = [np.load(p) for p in sorted((key / "train").glob("shard-*.npy"))]
+    V = 300
+    for a in (0.0, 0.5):
+        p = random_params(6, torch.full((V,), 1.0 / V), torch.Generator().manual_seed(3))
+        objective = []
+        for _ in range(6):
+            c = Counts.zeros(6, V, "cpu")
+            for b in sample_batches(arrays, 128, "cpu"):
+                accumulate(p, b, c)
+            objective.append(c.loglik + p.log_prior(a))
+            p = m_step(c, a, old=p)
+        assert all(y >= x - 1e-6 * abs(x) for x, y in itertools.pairwise(objective)), (a, objective)
+        assert objective[-1] > objective[0] + 1
+
+
+def test_lvd_counts_are_read_off_the_assignments():
+    samples = np.array([[0, 1, -1], [2, 2, 1]], dtype=np.int32)
+    assign = torch.tensor([1, 0, 0, 1, 1])  # row 0: z = 1, 0; row 1: z = 0, 1, 1
+    c = lvd_counts(samples, assign, 2, 3)
+    assert c.start.tolist() == [1, 1]
+    assert c.trans.tolist() == [[0, 1], [1, 1]]
+    assert c.emit.tolist() == [[0, 1], [1, 1], [1, 1]]  # [x, z]
+    assert (c.tokens, c.sequences) == (5, 2)
+
+
+def test_kmeans_finds_the_partition_scikit_learn_finds():
+    sklearn_cluster = pytest.importorskip("sklearn.cluster")
+    gen = torch.Generator().manual_seed(0)
+    centres = torch.tensor([[0.0, 0, 0], [10, 0, 0], [0, 10, 0], [0, 0, 10]])
+    x = (centres.repeat_interleave(50, 0) + torch.randn(200, 3, generator=gen)).float()
+    _, assign, history = kmeans(x, 4, iters=20, generator=torch.Generator().manual_seed(1))
+    ref = sklearn_cluster.KMeans(4, n_init=10, random_state=0).fit(x.numpy()).labels_
+    pairs = set(zip(assign.tolist(), ref.tolist(), strict=True))
+    assert len(pairs) == 4  # the same partition up to the clusters' names
+    assert all(b <= a + 1e-5 for a, b in itertools.pairwise(history))  # Lloyd never raises the distortion
+    # fewer distinct points than clusters: the extra clusters stay empty, nothing fails
+    _, assign, _ = kmeans(torch.zeros(10, 2), 3, iters=5, generator=torch.Generator().manual_seed(0))
+    assert len(set(assign.tolist())) == 1
+
+
+def test_hidden_states_are_the_states_that_predict_each_token(lm_dir):
+    """`hidden_states` (batched, prompts of different lengths left-padded) equals one unpadded forward pass per
+    sample: at each token, the LM's last hidden state over everything before it."""
+    info = sampling.inspect_lm(lm_dir)
+    model = sampling.load_model(info, torch.device("cpu"))
+    prompts = [[0], [0, 80, 71, 68], [0, 69]]
+    samples = np.array([[5, 6, 7, -1], [8, 0, -1, -1], [9, 10, 11, 12], [13, -1, -1, -1]], dtype=np.int32)
+    got = sampling.hidden_states(model, info, samples, prompts=prompts, first_row=1, batch=4, device="cpu")
+    want = []
+    for r, s in enumerate(samples):
+        s = [int(t) for t in s if t >= 0]
+        prefix = prompts[(1 + r) % len(prompts)]
+        with torch.no_grad():
+            h = model.base_model(input_ids=torch.tensor([prefix + s[:-1]])).last_hidden_state[0]
+        want.append(h[len(prefix) - 1 :])
+    torch.testing.assert_close(got, torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+def test_samples_end_at_the_first_eos():
+    new = np.array([[4, 0, 5, 0], [4, 5, 6, 7], [0, 3, 3, 3]])
+    out = sampling.end_samples(new[:, :3], 4, (0,))
+    assert out.tolist() == [[4, 0, -1, -1], [4, 5, 6, -1], [0, -1, -1, -1]]
+    assert out.dtype == np.int32
+
+
+def test_prompted_samples_continue_the_prompts(lm_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the red\n\na cat\n", encoding="utf-8")
+    store = tmp_path / "store"
+    assert main(["distill", "--lm", str(lm_dir), "--name", "p", "--store", str(store), "--states", "4", "--samples",
+                 "100", "--valid-samples", "10", "--max-length", "5", "--em-steps", "1", "--prompts", str(prompts),
+                 *QUIET]) == 0
+    p = manifest(store, "p")["provenance"]
+    assert p["prompts"]["count"] == 2
+    assert p["prompts"]["sha256"] == hashlib.sha256(prompts.read_bytes()).hexdigest()
+    # row r continues prompt r % 2: its first token is likelier under the LM after its own prompt than after the other
+    (key,) = list((store / ".distill" / "p" / "samples").iterdir())
+    rows = np.load(key / "train" / "shard-00000.npy")
+    tok = transformers.AutoTokenizer.from_pretrained(lm_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(lm_dir).eval()
+    with torch.no_grad():
+        nxt = [torch.log_softmax(model(torch.tensor([tok(t)["input_ids"]])).logits[0, -1], -1)
+               for t in ("the red", "a cat")]
+    for k in (0, 1):
+        first = torch.from_numpy(rows[k::2, 0].astype(np.int64))
+        own, other = float(nxt[k][first].sum()), float(nxt[1 - k][first].sum())
+        assert own > other + 10, (k, own, other)
+
+
+def _error_line(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_a_missing_or_non_causal_lm_is_one_line_naming_it(tmp_path, lm_dir, capsys):
+    base = ["distill", "--name", "x", "--store", str(tmp_path / "store"), "--states", "4", "--samples", "10",
+            "--max-length", "4", *QUIET]
+    line = _error_line(capsys, [*base, "--lm", str(tmp_path / "nope")])
+    assert str(tmp_path / "nope") in line and "no such directory" in line
+    (tmp_path / "empty").mkdir()
+    assert "no config.json" in _error_line(capsys, [*base, "--lm", str(tmp_path / "empty")])
+    enc = tmp_path / "encoder"
+    transformers.DistilBertConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, hidden_dim=64).save_pretrained(enc)
+    line = _error_line(capsys, [*base, "--lm", str(enc)])
+    assert str(enc) in line and "'distilbert' is not a causal language model" in line
+    assert not (tmp_path / "store").exists()  # refused before any work
+    line = _error_line(capsys, [*base, "--lm", str(lm_dir), "--family", "blocked_hmm"])
+    assert "--family blocked_hmm: not yet" in line
+
+
+def test_memory_is_estimated_and_refused_before_any_work(tmp_path, lm_dir, capsys):
+    base = ["distill", "--lm", str(lm_dir), "--name", "big", "--store", str(tmp_path), "--samples", "10",
+            "--max-length", "4", *QUIET]
+    line = _error_line(capsys, [*base, "--states", "300000"])  # 16 bytes x 3e5 x 3e5 = 1.3 TiB
+    assert line.startswith("latentlm distill: error: --states 300000: distilling needs about 1")
+    assert "GiB is available" in line
+    line = _error_line(capsys, [*base, "--states", "64", "--max-memory", "0.0001"])
+    assert "allowed (--max-memory)" in line
+    assert not (tmp_path / ".distill").exists()
+
+
+def test_time_limit_stops_em_and_still_exports(tmp_path, lm_dir):
+    assert main(["distill", "--lm", str(lm_dir), "--name", "t", "--store", str(tmp_path), "--states", "4",
+                 "--samples", "50", "--max-length", "4", "--init", "random", "--em-steps", "50", "--time-limit",
+                 "0.00001", *QUIET]) == 0
+    p = manifest(tmp_path, "t")["provenance"]
+    assert p["em_steps"] <= 1
+    model = ops.load_model(tmp_path, "t")
+    assert ops.run(model, "score", [[5, 6, 0]])[0]["logprob"] < 0
+
+
+def test_validation_perplexity_is_the_chain_engines(distilled):
+    """The curve's last validation perplexity is the stored model's on the held-out shards, scored by ops."""
+    (key,) = list((distilled / ".distill" / "d" / "samples").iterdir())
+    valid = np.load(key / "valid" / "shard-00000.npy")
+    seqs = [[int(t) for t in r if t >= 0] for r in valid]
+    model = ops.load_model(distilled, "d")
+    ll = sum(r["logprob"] for r in ops.run(model, "score", seqs))
+    ppl = math.exp(-ll / sum(len(s) for s in seqs))
+    curve = json.loads((distilled / "d" / "curve.json").read_text())
+    assert ppl == pytest.approx(curve["rows"][-1]["valid_ppl"], rel=1e-4)
+    # and the training code's own perplexity agrees
+    p = Params(*(model.impl.start, model.impl.trans, model.impl.emit.T.contiguous()))
+    assert perplexity(p, sample_batches([valid], 64, "cpu"))[0] == pytest.approx(ppl, rel=1e-4)
