@@ -125,7 +125,7 @@ class ChainView:
         raise NotImplementedError
 
     def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
-        """(W,): sum_z u(z) B(z, words[w]) for one row u (S,): the token product restricted to some words."""
+        """(n, W): sum_z u(i, z) B(z, words[w]) for rows u (n, S): the token product restricted to some words."""
         raise NotImplementedError
 
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
@@ -199,10 +199,10 @@ class DenseView(ChainView):
         return a @ self.emit
 
     def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
-        out = torch.empty(len(words), dtype=self.dtype, device=self.device)
+        out = torch.empty(len(u), len(words), dtype=self.dtype, device=self.device)
         step = max(1, SLAB_ENTRIES // self.S)
         for lo in range(0, len(words), step):
-            out[lo: lo + step] = self.emit_by_word[words[lo: lo + step]] @ u
+            out[:, lo: lo + step] = u @ self.emit_by_word[words[lo: lo + step]].T
         return out
 
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
@@ -281,7 +281,12 @@ class BlockedView(ChainView):
         return self.model._token_probs(a)
 
     def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
-        return (u[self._states(words)] * self.model.emit[words].to(self.dtype)).sum(-1)
+        out = torch.empty(len(u), len(words), dtype=self.dtype, device=self.device)
+        step = max(1, SLAB_ENTRIES // max(1, len(u) * self.k))
+        for lo in range(0, len(words), step):
+            w = words[lo: lo + step]
+            out[:, lo: lo + step] = (u[:, self._states(w)] * self.model.emit[w].to(self.dtype)).sum(-1)
+        return out
 
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
         idx = self._states(words)
@@ -612,18 +617,22 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
 def _fix_classes(msgs: Messages, out: Tensor, a: Tensor, succ: Tensor, d: Tensor, Mj: Tensor, col: Tensor,
                  sig: Tensor) -> None:
     """The words whose class leads elsewhere than their row's default successor d (classes of any token ids):
-    -inf where that is no live state, else one product per (row, successor) over its words (`probs_at`).
-    O(n (V D + S x the words outside the default)), D = distinct successors of the row's state."""
+    -inf where that is no live state, else one product per (automaton state, successor) over its rows and words
+    (`probs_at`): rows in the same automaton state share their successors. O(D V + n S x the words outside the
+    default) for D distinct (state, successor) pairs."""
     cls = msgs.cls.clamp_min(0)  # <eos> (-1) is set by the caller afterwards
-    for i in range(len(a)):
-        tok_succ = succ[i][cls]  # (V,)
-        differs = tok_succ != d[i]
-        out[i, differs & (tok_succ < 0)] = -math.inf
-        others = succ[i][(succ[i] != d[i]) & (succ[i] >= 0)].unique().tolist()
-        for s in others:
+    for key in torch.unique(succ, dim=0):  # the rows' successor rows (one per automaton state and liveness)
+        rows = (succ == key).all(1).nonzero().squeeze(1)
+        dflt = d[rows[0]]
+        tok_succ = key[cls]  # (V,)
+        differs = tok_succ != dflt
+        dead = (differs & (tok_succ < 0)).nonzero().squeeze(1)
+        if len(dead):
+            out[rows[:, None], dead] = -math.inf
+        for s in key[(key != dflt) & (key >= 0)].unique().tolist():
             words = (tok_succ == s).nonzero().squeeze(1)
-            u = a[i] * Mj[:, col[s]]
-            out[i, words] = _log(msgs.view.probs_at(u, words)) + sig[s]
+            u = a[rows] * Mj[:, col[s]][None]
+            out[rows[:, None], words] = _log(msgs.view.probs_at(u, words)) + sig[s]
 
 
 def _log(x: Tensor) -> Tensor:
