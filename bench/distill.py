@@ -332,11 +332,23 @@ def gemm_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
 
 
 # ---------------------------------------------------------------- stage 2: distillation
-# (states, init) per run; the samples are shared (the CLI keys its sample shards by LM, length, seed)
-DISTILL_FULL = {"samples": 50_000, "max_length": 32, "eval": 2_000, "unigram": 20_000,
-                "runs": [(256, "lvd"), (256, "random"), (1024, "lvd"), (1024, "random")], "extra": []}
-DISTILL_TINY = {"samples": 300, "max_length": 12, "eval": 50, "unigram": 200,
-                "runs": [(8, "lvd"), (8, "random")], "extra": []}
+# (states, init, extra CLI options) per run; the samples are shared: each run's --work-dir links `samples` to one
+# directory (the CLI keys its shards by LM, length, seed, shard size and batch, so every run reads the same)
+DISTILL_FULL = {"samples": 50_000, "max_length": 32, "eval": 2_000, "unigram": 50_000, "em_steps": 10,
+                "common": ["--sample-batch", "256"], "runs": "256:lvd,256:random,1024:lvd:60"}
+DISTILL_TINY = {"samples": 300, "max_length": 12, "eval": 50, "unigram": 300, "em_steps": 3,
+                "common": ["--lvd-samples", "100", "--valid-samples", "100"], "runs": "8:lvd,8:random"}
+
+
+def parse_runs(spec: str) -> list[tuple[int, str, list[str]]]:
+    """"Z:init[:minutes],..." -> [(states, init, extra CLI options)]; minutes -> --time-limit."""
+    out = []
+    for part in spec.split(","):
+        f = part.strip().split(":")
+        if len(f) not in (2, 3) or f[1] not in ("lvd", "random") or not f[0].isdigit():
+            raise SystemExit(f"--runs: expected Z:lvd|random[:minutes], got {part!r}")
+        out.append((int(f[0]), f[1], ["--time-limit", f[2]] if len(f) == 3 else []))
+    return out
 
 
 def latentlm_cmd() -> list[str]:
@@ -345,28 +357,39 @@ def latentlm_cmd() -> list[str]:
                                             "sys.exit(main())"]
 
 
-def run_distill(work: Path, lm_dir: Path, states: int, init: str, cfg: dict, seed: int) -> dict:
-    """One `latentlm distill` subprocess (one thread), cached in distill-<name>.json; its log in <name>.log."""
+def run_distill(work: Path, lm_dir: Path, states: int, init: str, extra: list[str], cfg: dict, seed: int) -> dict:
+    """One `latentlm distill` subprocess (one thread), cached in distill-<name>.json; its output in <name>.log."""
     name = f"gpt-{states}-{init}"
     path = work / f"distill-{name}.json"
     if path.exists():
         return json.loads(path.read_text())
+    run_dir = work / "runs" / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (work / "samples").mkdir(exist_ok=True)
+    if not (run_dir / "samples").exists():
+        (run_dir / "samples").symlink_to(work / "samples", target_is_directory=True)
     cmd = [*latentlm_cmd(), "distill", "--lm", str(lm_dir), "--name", name, "--store", str(work / "store"),
            "--states", str(states), "--samples", str(cfg["samples"]), "--max-length", str(cfg["max_length"]),
-           "--seed", str(seed), "--init", init, *cfg["extra"]]
+           "--seed", str(seed), "--init", init, "--em-steps", str(cfg["em_steps"]), "--work-dir", str(run_dir),
+           "--no-progress", *cfg["common"], *extra]
     log(f"distill: {' '.join(cmd)}")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.perf_counter()
+    started = dt.datetime.now().isoformat(timespec="seconds")
     with open(work / f"{name}.log", "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False).returncode
     wall = time.perf_counter() - t0
-    tail = (work / f"{name}.log").read_text(errors="replace")[-3000:]
+    text = (work / f"{name}.log").read_text(errors="replace")
     res = {"name": name, "states": states, "init": init, "command": " ".join(cmd), "rc": rc, "wall_seconds": wall,
-           "log_tail": tail}
+           "started": started, "log_tail": text[-3000:]}
     manifest = work / "store" / name / "manifest.json"
     if rc == 0 and manifest.exists():
-        res["manifest"] = json.loads(manifest.read_text())
+        res["provenance"] = json.loads(manifest.read_text()).get("provenance", {})
     log(f"distill {name}: rc {rc}, {wall:.0f}s")
+    record_run(work, {"stage": f"distill {name}", "command": " ".join(cmd), "started": started, "ok": rc == 0,
+                      "seconds": wall, "error": None if rc == 0 else text.strip().splitlines()[-1:]})
+    if rc != 0:  # a failed run is recorded, not cached: the next call tries again
+        return res
     write_json(path, res)
     return res
 
@@ -376,9 +399,7 @@ def read_shards(work: Path, limit: int) -> list[list[int]]:
     import numpy as np
 
     out: list[list[int]] = []
-    for f in sorted((work / "store").rglob("*.npy")):
-        if "train" not in f.name and "train" not in f.parent.name:
-            continue
+    for f in sorted((work / "samples").glob("*/train/*.npy")):
         for row in np.load(f, allow_pickle=False):
             out.append([int(t) for t in row if t >= 0])
             if len(out) >= limit:
@@ -386,12 +407,14 @@ def read_shards(work: Path, limit: int) -> list[list[int]]:
     return out
 
 
-def stage_distill(work: Path, tiny: bool, seed: int) -> dict:
+def stage_distill(work: Path, tiny: bool, seed: int, runs: str | None = None) -> dict:
     import torch
 
     from latentlm import ops
 
     cfg = dict(DISTILL_TINY if tiny else DISTILL_FULL)
+    if runs:
+        cfg["runs"] = runs
     lm_dir = work / "lm"
     model, eos = load_lm(lm_dir)
     V = model.config.vocab_size
@@ -403,7 +426,7 @@ def stage_distill(work: Path, tiny: bool, seed: int) -> dict:
         speed.append({"batch": b, "sequences": len(seqs), "tokens": sum(map(len, seqs)), "seconds": sec,
                       "tokens_per_s": sum(map(len, seqs)) / sec})
         log(f"sampling: batch {b}: {speed[-1]['tokens_per_s']:.0f} tokens/s")
-    runs = [run_distill(work, lm_dir, Z, init, cfg, seed) for Z, init in cfg["runs"]]
+    runs = [run_distill(work, lm_dir, Z, init, extra, cfg, seed) for Z, init, extra in parse_runs(cfg["runs"])]
     # fresh LM samples (a seed the CLI never uses), scored by the LM, each HMM and a unigram
     eval_path = work / "eval_samples.json"
     if eval_path.exists():
@@ -432,7 +455,7 @@ def stage_distill(work: Path, tiny: bool, seed: int) -> dict:
         log(f"eval {r['name']}: ppl {evals['hmm'][r['name']]['ppl']:.2f} (LM {evals['lm_ppl']:.2f}, "
             f"unigram {evals['unigram_ppl']:.2f})")
     # the GEMM rate at each size's EM shapes (a batch of rows against the Z x Z transition), this process
-    gemm = {Z: gemm_gflops(1024, Z, Z) for Z in sorted({Z for Z, _ in cfg["runs"]})}
+    gemm = {Z: gemm_gflops(1024, Z, Z) for Z in sorted({r[0] for r in parse_runs(cfg["runs"])})}
     return {"settings": cfg, "sampling": speed, "runs": runs, "eval": evals, "gemm_gflops": gemm,
             "torch_threads": torch.get_num_threads(), "cpu": cpu_name(),
             "date": dt.datetime.now().isoformat(timespec="seconds")}
@@ -456,7 +479,7 @@ def run_stage(name: str, work: Path, args) -> dict:
     command = " ".join(["python", *sys.argv])
     started = dt.datetime.now().isoformat(timespec="seconds")
     try:
-        res = fn(work, args.tiny, args.seed)
+        res = fn(work, args.tiny, args.seed, **({"runs": args.runs} if name == "distill" else {}))
     except BaseException as e:
         record_run(work, {"stage": name, "command": command, "started": started, "ok": False,
                           "seconds": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"[:500]})
@@ -483,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="append", choices=STAGES, help="rerun this stage even if cached")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--runs", default=None, help="distill: Z:lvd|random[:minutes],... (default: the stage's list); "
+                    "runs already made are reused, so a longer list adds runs")
     args = ap.parse_args(argv)
     import torch
 

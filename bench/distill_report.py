@@ -42,14 +42,9 @@ def table(head: list[str], rows: list[list[Any]]) -> list[str]:
 
 
 def em_steps(run: dict) -> tuple[int | None, float | None, int | None]:
-    """(EM steps, mean seconds per step, samples trained on) from the run's manifest, where the CLI records them."""
-    m = run.get("manifest") or {}
-    t = m.get("training") or m.get("distill") or {}
-    hist = t.get("history") or t.get("em") or []
-    secs = [h.get("seconds") for h in hist if isinstance(h, dict) and h.get("seconds") is not None]
-    steps = t.get("em_steps") or (len(secs) or None)
-    mean = t.get("em_step_seconds") or (sum(secs) / len(secs) if secs else None)
-    return steps, mean, t.get("samples")
+    """(EM steps, mean seconds per EM step, training tokens) from the run's manifest provenance."""
+    p = run.get("provenance") or {}
+    return p.get("em_steps"), p.get("em_step_seconds"), p.get("train_tokens")
 
 
 def report(work: Path) -> str:

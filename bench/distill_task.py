@@ -19,7 +19,7 @@ to too under until up very was we were what when where which while who whom why 
 says say year years one two three four five new last first other many much may might must""".split())
 TASK_FULL = {"sets": 100, "budget": 256, "batch": 256, "max_tokens": 32, "top_words": 2000, "alpha": 1.0,
              "hmm": "gpt-1024-lvd"}
-TASK_TINY = {"sets": 3, "budget": 8, "batch": 8, "max_tokens": 12, "top_words": 200, "alpha": 1.0,
+TASK_TINY = {"sets": 3, "budget": 8, "batch": 8, "max_tokens": 24, "top_words": 200, "alpha": 1.0,
              "hmm": "gpt-8-lvd"}
 
 
@@ -130,7 +130,7 @@ def stage_task(work: Path, tiny: bool, seed: int) -> dict:
                 rows["reject"].append({"set": i, "ok": False, "tokens": 0, "seconds": sec, "generated_tokens": gen_tok})
             # (b) the LM + the guide
             t0 = time.perf_counter()
-            proc = ConstraintLogitsProcessor(hmm, c, alpha=cfg["alpha"])
+            proc = ConstraintLogitsProcessor(hmm, c, **({"alpha": cfg["alpha"]} if cfg["alpha"] != 1.0 else {}))
             setup = time.perf_counter() - t0
             timed = Timed(proc)
             torch.manual_seed(seed + i)
