@@ -12,23 +12,18 @@ torch thread (OMP_NUM_THREADS=1 unless set): the bench shares a 2-core VM. `repo
 
 from __future__ import annotations
 
+import argparse
+import datetime as dt
+import json
+import math
 import os
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("MKL_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import argparse  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import platform  # noqa: E402
-import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
 
 EOS = "<|endoftext|>"
 ROOT = Path(__file__).resolve().parent.parent
@@ -531,5 +526,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch loads (every import of it is lazy)
+        os.environ.setdefault(var, "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.modules.setdefault("distill", sys.modules["__main__"])  # distill_task / distill_report import it by name
     sys.exit(main())
