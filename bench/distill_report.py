@@ -113,22 +113,37 @@ def distill_section(di: dict, lm: dict | None) -> list[str]:
            "LM sampling speed in the bench's own process (`generate`, one thread, KV cache):", ""]
     out += table(["batch", "sequences", "tokens", "seconds", "tokens/s"],
                  [[s["batch"], s["sequences"], s["tokens"], s["seconds"], s["tokens_per_s"]] for s in di["sampling"]])
-    rows = []
+    rows, sampling = [], []
     for r in di["runs"]:
-        steps, step_s, _ = em_steps(r)
-        Z, n, T = r["states"], cfg["samples"], cfg["max_length"]
-        flops = FB_FLOPS_PER_TOKEN * n * T * Z * Z
+        p = r.get("provenance") or {}
+        steps, step_s, tokens = em_steps(r)
+        Z = r["states"]
+        flops = FB_FLOPS_PER_TOKEN * (tokens or cfg["samples"] * cfg["max_length"]) * Z * Z
         g = di["gemm_gflops"].get(str(Z)) or di["gemm_gflops"].get(Z)
         limit = flops / (g * 1e9) if g else None
-        rows.append([r["name"], r["rc"], steps, step_s, flops / 1e12, g, limit,
-                     (step_s / limit) if (step_s and limit) else None])
-    out += ["EM step time against its flop limit: an EM step over N samples of T tokens costs about "
-            f"{FB_FLOPS_PER_TOKEN} N T Z^2 flops (forward, backward, transition counts; emissions O(N T Z)); the "
-            "limit is those flops at the float32 torch.mm rate of a (1024, Z) x (Z, Z) product measured in the "
-            "bench's process (one thread). The EM step counts every sample at the full T (an upper bound on the "
-            "work when samples end early).", ""]
-    out += table(["HMM", "exit", "EM steps", "s / EM step", "TFLOP / step", "GEMM GFLOP/s", "limit s",
-                  "step / limit"], rows)
+        curve = p.get("curve") or []
+        init_ppl = next((c["valid_ppl"] for c in curve if c.get("iteration") == 0), None)
+        rows.append([r["name"], r["rc"], r["wall_seconds"], (p.get("lvd") or {}).get("seconds"), steps, step_s,
+                     flops / 1e12, g, limit, (step_s / limit) if (step_s and limit) else None, init_ppl,
+                     p.get("final_valid_ppl")])
+        smp = p.get("sampling") or {}
+        if smp.get("shards_drawn"):
+            sampling.append([r["name"], smp.get("tokens_drawn"), smp.get("seconds"), smp.get("tokens_per_s"),
+                             smp.get("batch")])
+    if sampling:
+        out += ["Sampling inside `latentlm distill` (the first run draws the shards, train and valid; the others "
+                "reuse them):", ""]
+        out += table(["run", "tokens drawn", "seconds", "tokens/s", "batch"], sampling)
+    out += ["Each run: wall time of the subprocess, LVD (hidden states of 10,000 samples and k-means), EM steps "
+            "and their time. EM step time against its flop limit: an EM step costs about "
+            f"{FB_FLOPS_PER_TOKEN} Z^2 flops per training token (forward, backward: a (B, Z) x (Z, Z) GEMM per "
+            "position each; transition counts: one (Z, B T) x (B T, Z) GEMM; 2 flops per multiply-add; emissions "
+            "O(Z) per token); the limit is those flops at the float32 torch.mm rate of a (1024, Z) x (Z, Z) product "
+            "measured in the bench's process (one thread, the same loaded VM). The step also scores the valid "
+            "samples (a tenth of the training tokens, forward only) and does the M-step, inside its time. Valid "
+            "ppl: the CLI's own held-out LM samples, before EM (the initialisation) and after the last step.", ""]
+    out += table(["HMM", "exit", "wall s", "LVD s", "EM steps", "s / EM step", "TFLOP / step", "GEMM GFLOP/s",
+                  "limit s", "step / limit", "valid ppl at init", "valid ppl after EM"], rows)
     ev = di["eval"]
     out += [f"Perplexity per token on {ev['sequences']:,} fresh LM samples ({ev['tokens']:,} tokens, a seed the "
             "distillation never used; eos counted where a sample ends; a sample cut at the length limit scored as "
@@ -194,10 +209,15 @@ def paper_section(lm: dict | None, di: dict | None) -> list[str]:
                      f"{di['settings']['samples']:,}", str(di["settings"]["max_length"]), "1 CPU thread"])
     out += table(["", "LM, parameters", "vocabulary", "HMM states", "HMM parameters", "samples", "length",
                   "hardware"], rows)
-    out += ["The method is theirs (samples from the LM, LVD initialisation, EM with a pseudocount, the guide as "
-            "the HMM's probability of the constraint); what differs is scale: an LM about 150x smaller with a "
-            "vocabulary 8x smaller, HMMs 4-128x smaller in states, and 100-200x fewer samples, so the HMM's "
-            "perplexity gap to its LM and the guide's fluency here say how the method behaves at this scale, "
-            "not what the papers' models reach. The task keywords come from PTB sentences, not CommonGen's "
-            "concept sets, and there is no BLEU: no reference sentences are scored.", ""]
+    scale = ""
+    if lm and di:
+        n = di["settings"]["samples"]
+        scale = (f": an LM {GPT2_LARGE_PARAMS / lm['parameters']:,.0f}x smaller with a vocabulary "
+                 f"{GPT2_VOCAB / V:.1f}x smaller, HMMs {4096 / max(Zs):,.0f}-{32768 / min(Zs):,.0f}x smaller in "
+                 f"states, {8e6 / n:,.0f}-{1e7 / n:,.0f}x fewer samples")
+    out += ["The method is theirs (samples from the LM, LVD initialisation by k-means of the LM's hidden states, "
+            "EM with a pseudocount, the guide as the HMM's probability of the constraint); what differs is scale"
+            f"{scale}. So the HMM's perplexity gap to its LM and the guide's fluency here say how the method "
+            "behaves at this scale, not what the papers' models reach. The task's keywords come from PTB sentences, "
+            "not CommonGen's concept sets, and there is no BLEU: no reference sentences are scored.", ""]
     return out
