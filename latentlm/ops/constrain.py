@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from latentlm.models import constrained
+from latentlm.models import constrained, text_constraint
 from latentlm.models import constraint as automata
 from latentlm.models.errors import InputError, UnsupportedOperation
 from latentlm.ops import format
@@ -101,17 +101,35 @@ def compile_request(model: LoadedModel, spec: Any, limits: Limits, *, default_ma
     constraint names none."""
     check_family(model)
     parsed = parse_request(model, spec, default_max_tokens)
-    dfa = automata.compile_constraint(parsed, model.vocab, max_states=limits.max_states,
-                                      seconds=limits.compile_seconds, cancelled=limits.cancelled)
+    if isinstance(parsed, text_constraint.TextConstraint):  # a model over an LM's tokenizer: constraints on text
+        dfa: automata.WordDFA = text_constraint.compile_text_constraint(
+            parsed, model.vocab, max_states=limits.max_states, seconds=limits.compile_seconds,
+            cancelled=limits.cancelled)
+    else:
+        dfa = automata.compile_constraint(parsed, model.vocab, max_states=limits.max_states,
+                                          seconds=limits.compile_seconds, cancelled=limits.cancelled)
     return dfa, list(parsed.warnings)
 
 
-def parse_request(model: LoadedModel, spec: Any, default_max_tokens: int | None = None) -> automata.Constraint:
-    """The request's `constraint` parsed over the model's vocabulary (no compilation: O(words));
-    `.warnings` says what was dropped."""
+WORD_COUNTS = ("min_words", "max_words")
+
+
+def parse_request(model: LoadedModel, spec: Any, default_max_tokens: int | None = None
+                  ) -> automata.Constraint | text_constraint.TextConstraint:
+    """The request's `constraint` parsed (no compilation: O(words)): over the decoded text for a model that carries
+    its LM's tokenizer (`models.text_constraint`), else over the vocabulary's words, where `min_words` /
+    `max_words` are refused (422 naming them: a word-level model's tokens are its words, min_tokens / max_tokens
+    count them). `.warnings` says what was dropped."""
     raw = spec.model_dump(exclude_none=True) if hasattr(spec, "model_dump") else dict(spec)
     if default_max_tokens is not None:
         raw.setdefault("max_tokens", default_max_tokens)
+    if getattr(model.vocab, "tokenizer", None) is not None:
+        return text_constraint.parse_text_constraint(raw)
+    for key in WORD_COUNTS:
+        if key in raw:
+            raise InputError(f"constraint.{key}: counts the words of a text decoded by an LM's tokenizer; model "
+                             f"{model.name!r} is word-level (its tokens are words: use min_tokens / max_tokens, "
+                             "which count the final <eos> too)", param=f"constraint.{key}")
     return automata.parse_constraint(raw, model.vocab)
 
 

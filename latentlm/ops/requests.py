@@ -175,21 +175,29 @@ Probability = Annotated[float, Field(gt=0, le=1), BeforeValidator(number)]  # in
 
 
 class ConstraintSpec(BaseModel):
-    """What a continuation must satisfy (`models.constraint`); a continuation is complete when it emits `<eos>`,
-    and its length (min_tokens .. max_tokens) counts that `<eos>`."""
+    """What a continuation must satisfy (`models.constraint`; for a model over an LM's tokenizer, its decoded text:
+    `models.text_constraint`); a continuation is complete when it emits `<eos>`, and its length (min_tokens ..
+    max_tokens) counts that `<eos>`."""
 
     model_config = ConfigDict(extra="forbid")
     include: list[list[str] | str] | None = Field(
         None, description="groups, each a list of alternatives (a word or a space-separated phrase of the model's "
-                          "vocabulary); every group must appear at least once")
+                          "vocabulary; for a model over an LM's tokenizer, text matched as a whole word, "
+                          "case-sensitive); every group must appear at least once")
     ordered: StrictBool = Field(False, description="the groups' first occurrences end in the given order")
     exclude: list[str] | None = Field(None, description="words or phrases that must not appear")
     min_tokens: StrictInt | None = Field(None, ge=1, description="shortest continuation, counting <eos> (default 1)")
     max_tokens: StrictInt | None = Field(None, ge=1, description="longest continuation, counting <eos> (default: "
                                                                 "the request's max_tokens, else 32)")
     regex: str | None = Field(None, description="a regular expression over words: vocabulary words, `.` (any word), "
-                                                "`[w1 w2]`, `[^w1 w2]`, `( ) | * + ? {m,n}`, separated by spaces")
+                                                "`[w1 w2]`, `[^w1 w2]`, `( ) | * + ? {m,n}`, separated by spaces; for "
+                                                "a model over an LM's tokenizer, a Python-style regex the decoded "
+                                                "text matches in full")
     suffix: str | None = Field(None, description="the continuation ends with this phrase (before <eos>)")
+    min_words: StrictInt | None = Field(None, ge=0, description="fewest words of the decoded text (runs of "
+                                        "characters other than ASCII white space); models over an LM's tokenizer")
+    max_words: StrictInt | None = Field(None, ge=0, description="most words of the decoded text; models over an "
+                                        "LM's tokenizer (a word-level model's words are its tokens: max_tokens)")
 
 
 ConstraintField = Annotated[ConstraintSpec, Cli(parse=json_arg, metavar="FILE.json")]
