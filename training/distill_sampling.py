@@ -116,6 +116,8 @@ def inspect_lm(path: Path) -> LMInfo:
     tok_json = text_tok.to_json_bytes()
     weights = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(path.iterdir())
                if p.suffix in (".safetensors", ".bin", ".pt", ".pth")}
+    if not weights:
+        raise InputError(f"{where}: no weights (model.safetensors or pytorch_model.bin)", param="lm")
     return LMInfo(path, config.model_type, V, d, int(start), eos_ids, vocab,
                   _sha256((path / "config.json").read_bytes()), _sha256(tok_json), tok_json, tok, weights)
 
@@ -123,7 +125,11 @@ def inspect_lm(path: Path) -> LMInfo:
 def load_model(info: LMInfo, device: torch.device):
     """The LM itself, in eval mode on `device`."""
     transformers = transformers_quiet()
-    model = transformers.AutoModelForCausalLM.from_pretrained(info.path, local_files_only=True)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(info.path, local_files_only=True)
+    except Exception as e:  # OSError, ValueError, RuntimeError (shapes)... from transformers
+        raise InputError(f"--lm {info.path}: the model cannot be loaded ({str(e).splitlines()[0]})",
+                         param="lm") from None
     out = model.get_output_embeddings()
     if out is not None and out.weight.shape[0] != info.vocab_size:
         raise InputError(f"--lm {info.path}: the output layer has {out.weight.shape[0]} rows, config.json says "

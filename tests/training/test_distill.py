@@ -277,6 +277,11 @@ def test_a_missing_or_non_causal_lm_is_one_line_naming_it(tmp_path, lm_dir, caps
     assert str(tmp_path / "nope") in line and "no such directory" in line
     (tmp_path / "empty").mkdir()
     assert "no config.json" in _error_line(capsys, [*base, "--lm", str(tmp_path / "empty")])
+    bare = tmp_path / "bare"  # a config and a tokenizer, no weights
+    bare.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (bare / f).write_bytes((lm_dir / f).read_bytes())
+    assert "no weights" in _error_line(capsys, [*base, "--lm", str(bare)])
     enc = tmp_path / "encoder"
     transformers.DistilBertConfig(vocab_size=300, dim=32, n_layers=1, n_heads=2, hidden_dim=64).save_pretrained(enc)
     line = _error_line(capsys, [*base, "--lm", str(enc)])
