@@ -296,14 +296,21 @@ class Run:
                      "pseudocount": s.pseudocount, "seed": s.seed})
 
     def checkpoint(self, p: Params, state: dict[str, Any]) -> None:
-        """Parameters and history after an EM step, written atomically (safetensors + JSON)."""
+        """Parameters and history after an EM step: `params-<step>.safetensors`, then `state.json` naming it (each
+        written whole, then renamed into place), then the older parameters removed: a run killed anywhere leaves a
+        state and the parameters it names."""
         d = self.work / "em"
         d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f".params.{os.getpid()}.tmp"
+        name = f"params-{state['done']:05d}.safetensors"
+        tmp = d / f".{name}.{os.getpid()}.tmp"
         save_file({k: v.detach().cpu().contiguous() for k, v in p.tensors().items()}, str(tmp))
-        os.replace(tmp, d / "params.safetensors")
-        (d / ".state.tmp").write_text(json.dumps(state), encoding="utf-8")
-        os.replace(d / ".state.tmp", d / "state.json")
+        os.replace(tmp, d / name)
+        tmp = d / f".state.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({**state, "params": name}), encoding="utf-8")
+        os.replace(tmp, d / "state.json")
+        for old in d.glob("params-*.safetensors"):
+            if old.name != name:
+                old.unlink()
 
     def resume(self) -> tuple[Params, dict[str, Any]] | None:
         d = self.work / "em"
@@ -311,8 +318,8 @@ class Run:
             state = json.loads((d / "state.json").read_text(encoding="utf-8"))
             if state.get("key") != self.em_key():
                 return None
-            t = load_file(str(d / "params.safetensors"), device=str(self.device))
-        except (OSError, ValueError):
+            t = load_file(str(d / state["params"]), device=str(self.device))
+        except (OSError, ValueError, KeyError):
             return None
         return Params(t["start"], t["trans"], t["emit_by_word"]), state
 
@@ -347,7 +354,8 @@ class Run:
                        "valid_ppl": vppl, **({"cut_short": 1.0} if cut else {})}
                 history.add(**row)
                 bar.update(0, valid_ppl=vppl)
-                self.checkpoint(p, {"key": self.em_key(), "done": done, "history": history.to_json()})
+                self.checkpoint(p, {"key": self.em_key(), "done": done, "history": history.to_json(),
+                                    "lvd": self.record.get("lvd")})
                 _log(f"EM step {done}/{s.em_steps}: train ppl {train_ppl:.3f} (before the step), valid ppl "
                      f"{vppl:.3f}, {step_s:.2f} s" + (" (cut short: time limit or interrupt)" if cut else ""))
         bar.close()
@@ -388,6 +396,8 @@ class Run:
         if resumed is not None:
             p, state = resumed
             history, done = common.History.from_json(state["history"]), int(state["done"])
+            if state.get("lvd"):
+                self.record["lvd"] = state["lvd"]
             _log(f"EM: continuing from the checkpoint after step {done} in {self.work / 'em'}")
         else:
             torch.manual_seed(s.seed)

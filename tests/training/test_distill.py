@@ -128,6 +128,29 @@ def test_a_rerun_reuses_complete_shards_and_draws_what_an_uninterrupted_run_draw
     assert not list(again.glob(".*tmp"))  # shards are written atomically
 
 
+def test_em_continues_from_its_checkpoint_as_an_uninterrupted_run(lm_dir, tmp_path, capsys):
+    """1 EM step, then a rerun asking for 3: it continues after step 1 and writes the model 3 uninterrupted steps
+    write, bit for bit."""
+    from safetensors.torch import load_file
+
+    def run(steps: str, name: str):
+        assert main(["distill", "--lm", str(lm_dir), "--name", name, "--store", str(tmp_path), "--states", "4",
+                     "--samples", "60", "--valid-samples", "10", "--max-length", "6", "--em-steps", steps,
+                     "--work-dir", str(tmp_path / "work"), *QUIET]) == 0
+        return load_file(str(tmp_path / name / "weights.safetensors"))
+
+    run("1", "a")
+    capsys.readouterr()
+    resumed = run("3", "a")
+    assert "continuing from the checkpoint after step 1" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "work" / "em").glob("params-*")] == ["params-00003.safetensors"]
+    for f in (tmp_path / "work" / "em").iterdir():
+        f.unlink()
+    fresh = run("3", "b")
+    assert all(torch.equal(resumed[k], fresh[k]) for k in ("start", "trans", "emit"))
+    assert manifest(tmp_path, "a")["provenance"]["em_steps"] == 3
+
+
 def brute_counts(p: Params, seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
     """Expected start / transition / emission (V, Z) counts and log-likelihood by enumerating every state path."""
     start, trans, emit = (t.double().numpy() for t in (p.start, p.trans, p.emit_by_word))
