@@ -141,10 +141,18 @@ def test_every_generated_text_satisfies_the_constraint_in_process(loaded, name, 
 
 
 def test_a_larger_lm_vocabulary_never_generates_the_extra_ids(loaded):
+    """Extra ids declared as padding (lm_vocab_size, or the LM's config) get weight 0; undeclared, they are refused."""
     spec = SPECS[0]
     net = lm(vocab_size=V + 24, seed=1)
+    with pytest.raises(InputError) as e:
+        ConstraintLogitsProcessor(loaded["hmm"], spec)(torch.tensor([[EOS]]), torch.zeros(1, V + 24))
+    assert e.value.param == "scores" and "lm_vocab_size" in str(e.value)
+    with pytest.raises(InputError) as e:  # declared, but not what the LM gives
+        ConstraintLogitsProcessor(loaded["hmm"], spec, lm_vocab_size=V + 24)(torch.tensor([[EOS]]),
+                                                                            torch.zeros(1, V + 25))
+    assert e.value.param == "scores"
     for seed in range(2):
-        proc = ConstraintLogitsProcessor(loaded["hmm"], spec, prefix="w2 w9")
+        proc = ConstraintLogitsProcessor(loaded["hmm"], spec, prefix="w2 w9", config=net.config)
         torch.manual_seed(seed)
         out = net.generate(torch.tensor([[EOS]]), do_sample=True, num_return_sequences=6, logits_processor=[proc],
                            **proc.generate_kwargs())
@@ -266,7 +274,8 @@ def test_errors_name_the_argument(loaded):
         proc(torch.tensor([[EOS]]), torch.zeros(1, V))
     assert e.value.param == "input_ids"
     with pytest.raises(InputError) as e:  # a prompt id outside the HMM's vocabulary (a larger LM's)
-        ConstraintLogitsProcessor(loaded["hmm"], SPECS[0])(torch.tensor([[V + 3]]), torch.zeros(1, V + 8))
+        ConstraintLogitsProcessor(loaded["hmm"], SPECS[0], lm_vocab_size=V + 8)(torch.tensor([[V + 3]]),
+                                                                                torch.zeros(1, V + 8))
     assert e.value.param == "input_ids"
     # a processor before the guide that ruled out every token the constraint allows
     proc = ConstraintLogitsProcessor(loaded["hmm"], {"include": [["w3"]], "max_tokens": 2})

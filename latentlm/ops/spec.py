@@ -228,8 +228,15 @@ def supported(model: LoadedModel, op: Operation) -> bool:
 
 
 def describe(model: LoadedModel) -> dict[str, Any]:
-    """`GET /v1/models`' entry of `model`, its `operations` those of `OPERATIONS` it answers."""
-    return {**model.describe(), "operations": sorted(n for n, op in OPERATIONS.items() if supported(model, op))}
+    """`GET /v1/models`' entry of `model`, its `operations` those of `OPERATIONS` it answers; a model over an LM's
+    tokenizer adds `vocabulary_sha256` (`ops.guide.vocabulary_sha256`: what each id spells, which a guided LM's
+    tokenizer must match)."""
+    out = {**model.describe(), "operations": sorted(n for n, op in OPERATIONS.items() if supported(model, op))}
+    if model.vocab.tokenizer is not None:
+        from latentlm.ops.guide import vocabulary_sha256
+
+        out["vocabulary_sha256"] = vocabulary_sha256(model.vocab.tokenizer)
+    return out
 
 
 def prepare(model: LoadedModel, op: Operation | str, req: BaseModel, limits: Limits = Limits()) -> Call:
