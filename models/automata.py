@@ -324,6 +324,7 @@ def compile_regex(pattern: str, budget: Budget, param: str = "constraint.regex")
     Positions n (`estimate_regex`; check it first): O(n^2 / 64) to build, then O(|S| n / 64 + C) per DFA state."""
     with budget.naming(param):
         node, leaves = _parse(pattern, param)
+        budget.states(_positions(node), "its position automaton (bounded repeats expanded)")
         budget.check()
         g = _Glushkov(budget)
         null, first, last = g.build(node)
