@@ -124,10 +124,6 @@ class ChainView:
         """(n, S) -> (n, V): sum_z a(z) B(z, v)."""
         raise NotImplementedError
 
-    def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
-        """(n, W): sum_z u(i, z) B(z, words[w]) for rows u (n, S): the token product restricted to some words."""
-        raise NotImplementedError
-
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
         """sum_z a[i, z] B(z, words[i]) M[z, cols[i]] (R,) for a (R, S), words (R,), M (S, C), cols (R,)."""
         raise NotImplementedError
@@ -197,13 +193,6 @@ class DenseView(ChainView):
 
     def token_probs(self, a: Tensor) -> Tensor:
         return a @ self.emit
-
-    def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
-        out = torch.empty(len(u), len(words), dtype=self.dtype, device=self.device)
-        step = max(1, SLAB_ENTRIES // self.S)
-        for lo in range(0, len(words), step):
-            out[:, lo: lo + step] = u @ self.emit_by_word[words[lo: lo + step]].T
-        return out
 
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
         out = torch.empty(len(a), dtype=self.dtype, device=self.device)
@@ -280,14 +269,6 @@ class BlockedView(ChainView):
     def token_probs(self, a: Tensor) -> Tensor:
         return self.model._token_probs(a)
 
-    def probs_at(self, u: Tensor, words: Tensor) -> Tensor:
-        out = torch.empty(len(u), len(words), dtype=self.dtype, device=self.device)
-        step = max(1, SLAB_ENTRIES // max(1, len(u) * self.k))
-        for lo in range(0, len(words), step):
-            w = words[lo: lo + step]
-            out[:, lo: lo + step] = (u[:, self._states(w)] * self.model.emit[w].to(self.dtype)).sum(-1)
-        return out
-
     def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
         idx = self._states(words)
         return (a.gather(1, idx) * self.model.emit[words].to(self.dtype) * M[idx, cols[:, None]]).sum(-1)
@@ -355,15 +336,15 @@ def tempered(model: ChainFamily, temperature: float) -> ChainFamily:
     return model
 
 
-def class_layout(dfa: WordDFA) -> tuple[np.ndarray, np.ndarray | None]:
-    """(words (C,): the word of each one-word class, -1 for a class of several words; default (Q,): per state, the
-    class whose successor a next-token step computes for every word at once (the others' words are fixed after), or
-    None for a word-level automaton, whose default is always its OTHER class K). A `models.text_constraint.TextDFA`
-    says both (its classes are any sets of token ids); a `WordDFA` has K one-word classes and OTHER."""
+def class_layout(dfa: WordDFA) -> tuple[np.ndarray, bool]:
+    """(words (C,): the word of each one-word class, -1 for a class of several words; general: the classes are any
+    sets of token ids (a `models.text_constraint.TextDFA`, which says `class_words`), not a word-level automaton's K
+    one-word classes and OTHER (class K), whose next-token scores go through OTHER's column for every word at once
+    and then fix the named words)."""
     words = getattr(dfa, "class_words", None)
     if words is None:
-        return np.concatenate([dfa.special, [-1]]).astype(np.int64), None
-    return words, dfa.default_class  # type: ignore[attr-defined]
+        return np.concatenate([dfa.special, [-1]]).astype(np.int64), False
+    return words, True
 
 
 def eos_allowed(j: int, lo: int, hi: int) -> bool:
@@ -404,13 +385,12 @@ class Messages:
     sigma_t: list[Tensor] = field(init=False)
     pair_dst_t: Tensor = field(init=False)
     class_words: Tensor = field(init=False)
-    default_class: Tensor | None = field(init=False)
+    general: bool = field(init=False)
 
     def __post_init__(self) -> None:
         dev = self.view.device
-        words, default = class_layout(self.dfa)
+        words, self.general = class_layout(self.dfa)
         self.class_words = torch.as_tensor(words, device=dev)
-        self.default_class = None if default is None else torch.as_tensor(default, device=dev)
         self.delta = torch.as_tensor(self.dfa.delta, device=dev)
         self.accept = torch.as_tensor(self.dfa.accept, device=dev)
         self.cls = torch.as_tensor(self.dfa.cls, device=dev)
@@ -484,7 +464,7 @@ def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0,
     live = dfa.live()
     # emission columns per class: the named words, then OTHER (every other word but <eos>, one masked row sum)
     cls = torch.as_tensor(dfa.cls, device=dev)
-    if class_layout(dfa)[1] is not None:  # classes of any token ids: one scatter-add pass over B
+    if class_layout(dfa)[1]:  # classes of any token ids: one scatter-add pass over B
         Bc = view.class_mass(cls, K + 1)
     else:
         Bc = torch.empty(S, K + 1, dtype=dtype, device=dev)
@@ -575,9 +555,12 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
         succ = torch.where(alive_rows[:, None], msgs.delta[qs], -1)  # (n, K+1)
         ok = (succ >= 0) & (col[succ.clamp_min(0)] >= 0)
         succ = torch.where(ok, succ, -1)
-        general = msgs.default_class is not None
-        d = succ.gather(1, msgs.default_class[qs][:, None]).squeeze(1) if general else succ[:, K]  # type: ignore
-        rows = (d >= 0).nonzero().squeeze(1)
+        if msgs.general:  # classes of any token ids: one product per (row, live successor), then each word's pick
+            model_probs = _class_scores(msgs, out, a, succ, Mj, col, sig, with_model)
+            rows = r = succ[:0, 0]
+        else:
+            d = succ[:, K]
+            rows = (d >= 0).nonzero().squeeze(1)
         if len(rows):  # every word through the OTHER column, then the named words that go elsewhere are fixed
             u = a[rows] * Mj[:, col[d[rows]]].T
             if with_model:
@@ -587,10 +570,7 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
             else:
                 probs = view.token_probs(u)
             out[rows] = _log(probs) + sig[d[rows]].unsqueeze(1)
-        if general:
-            _fix_classes(msgs, out, a, succ, d, Mj, col, sig)
-            r = c = succ[:0, 0]
-        else:
+        if not msgs.general:
             r, c = (succ[:, :K] != d[:, None]).nonzero(as_tuple=True)
         if len(r):
             s = succ[r, c]
@@ -614,25 +594,55 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
     return out, _log(model_probs)
 
 
-def _fix_classes(msgs: Messages, out: Tensor, a: Tensor, succ: Tensor, d: Tensor, Mj: Tensor, col: Tensor,
-                 sig: Tensor) -> None:
-    """The words whose class leads elsewhere than their row's default successor d (classes of any token ids):
-    -inf where that is no live state, else one product per (automaton state, successor) over its rows and words
-    (`probs_at`): rows in the same automaton state share their successors. O(D V + n S x the words outside the
-    default) for D distinct (state, successor) pairs."""
+SMALL_SUCCESSOR = 16  # a successor reached by fewer than V / 16 words gets their scores word by word, not a GEMM row
+
+
+def _class_scores(msgs: Messages, out: Tensor, a: Tensor, succ: Tensor, Mj: Tensor, col: Tensor, sig: Tensor,
+                  with_model: bool) -> Tensor | None:
+    """log s_j into `out` (n, V) for an automaton whose classes are any sets of token ids. Rows in the same automaton
+    state share their successors: each such group of rows gets one row a * M(., q') per distinct live successor q'
+    reached by many words, all of them (and, with `with_model`, the rows `a` themselves) in one token product, each
+    of those words picking its successor's row; the words of the other successors (a keyphrase's pieces: few) are
+    scored one by one (`scores_at`); words with no live successor stay -inf. Returns p(v | x, y_<=j) (n, V) with
+    `with_model`, else None. O((big successors + n) S V) in one GEMM plus O(S) per (row, word of a small one)."""
+    view = msgs.view
+    Q, V = msgs.delta.shape[0], len(msgs.cls)
     cls = msgs.cls.clamp_min(0)  # <eos> (-1) is set by the caller afterwards
-    for key in torch.unique(succ, dim=0):  # the rows' successor rows (one per automaton state and liveness)
-        rows = (succ == key).all(1).nonzero().squeeze(1)
-        dflt = d[rows[0]]
-        tok_succ = key[cls]  # (V,)
-        differs = tok_succ != dflt
-        dead = (differs & (tok_succ < 0)).nonzero().squeeze(1)
-        if len(dead):
-            out[rows[:, None], dead] = -math.inf
-        for s in key[(key != dflt) & (key >= 0)].unique().tolist():
-            words = (tok_succ == s).nonzero().squeeze(1)
-            u = a[rows] * Mj[:, col[s]][None]
-            out[rows[:, None], words] = _log(msgs.view.probs_at(u, words)) + sig[s]
+    dev = a.device
+    keys, inv = torch.unique(succ, dim=0, return_inverse=True)  # (G, C): one per automaton state and liveness
+    blocks, plan, offset = [], [], 0
+    small_rows, small_words, small_succ = [], [], []
+    for g in range(len(keys)):
+        key = keys[g]
+        live = key[key >= 0].unique()
+        if not len(live):
+            continue  # every word dead: out stays -inf
+        rows = (inv == g).nonzero().squeeze(1)
+        pos = torch.full((Q + 1,), -1, dtype=torch.long, device=dev)
+        pos[live] = torch.arange(len(live), device=dev)
+        pick = pos[torch.where(key >= 0, key, Q)[cls]]  # (V,): each word's successor as an index into `live`
+        big = torch.bincount(pick[pick >= 0], minlength=len(live)) * SMALL_SUCCESSOR >= V
+        rank = torch.full((len(live),), -1, dtype=torch.long, device=dev)
+        rank[big] = torch.arange(int(big.sum()), device=dev)
+        pick_big = torch.where(pick >= 0, rank[pick.clamp_min(0)], -1)
+        if bool(big.any()):
+            blocks.append((a[rows][:, None, :] * Mj[:, col[live[big]]].T[None]).reshape(-1, a.shape[1]))
+            plan.append((rows, live[big], pick_big, offset))
+            offset += len(rows) * int(big.sum())
+        words = ((pick >= 0) & (pick_big < 0)).nonzero().squeeze(1)
+        if len(words):
+            small_rows.append(rows.repeat_interleave(len(words)))
+            small_words.append(words.repeat(len(rows)))
+            small_succ.append(live[pick[words]].repeat(len(rows)))
+    probs = view.token_probs(torch.cat([*blocks, a])) if with_model or blocks else None
+    for rows, live, pick, off in plan:
+        P = probs[off: off + len(rows) * len(live)].view(len(rows), len(live), -1)  # type: ignore[index]
+        chosen = P.gather(1, pick.clamp_min(0).expand(len(rows), 1, -1)).squeeze(1)
+        out[rows] = torch.where(pick >= 0, _log(chosen) + sig[live][pick.clamp_min(0)], -math.inf)
+    if small_rows:
+        r, w, q2 = torch.cat(small_rows), torch.cat(small_words), torch.cat(small_succ)
+        out[r, w] = _log(view.scores_at(a[r], w, Mj, col[q2])) + sig[q2]
+    return probs[offset:] if with_model else None  # type: ignore[index]
 
 
 def _log(x: Tensor) -> Tensor:
@@ -790,7 +800,7 @@ def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: S
             words[go[special]] = msgs.class_words[c[special]]
             other = go[~special]
             if len(other):
-                if msgs.default_class is None:  # word-level: every such class is OTHER
+                if not msgs.general:  # word-level: every such class is OTHER
                     words[other] = _draw_other(msgs, z[other], generator)
                 else:
                     words[other] = _draw_other(msgs, z[other], generator, c[~special])
@@ -931,8 +941,9 @@ def estimate_cost(model: ChainFamily, dfa: WordDFA, *, n_samples: int = 0, metho
     filt = width * S  # the filter after a word: (a * B(., w)) A over the states that can emit it
     scores = 2 * emit_width * V + filt + dfa.num_classes * emit_width  # guide / token-marginal step (two rows)
     draw = S + dfa.num_classes + 64  # state-then-token step: a row of A, the successors, the word
-    if class_layout(dfa)[1] is not None:  # classes of any token ids: the words outside each row's default too
-        scores += emit_width * V + 4 * V
+    if class_layout(dfa)[1]:  # classes of any token ids: a row per distinct live successor in the token product
+        succ_rows = max(1, int(max((len(set(r[r >= 0].tolist())) for r in dfa.delta), default=1)))
+        scores += (succ_rows - 1) * emit_width * V + 4 * V
     per_sample = draw if method == "states" else scores
     steps = dfa.max_tokens
     total = backward + STEP_OVERHEAD * steps + prefix_tokens * (width * width + 5_000)

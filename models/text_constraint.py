@@ -83,12 +83,10 @@ class TextConstraint:
 @dataclass(frozen=True, eq=False)
 class TextDFA(WordDFA):
     """A `WordDFA` whose classes are any sets of token ids (the engine in `models.constrained` reads them through
-    `class_words` and `default_class`): `class_words` (C,) the token of a one-token class, -1 for a class of several;
-    `default_class` (Q,) a class whose successor covers the most tokens in each state (the one full product of a
-    next-token step); `special` is empty, `has_other` true (every class holds a token)."""
+    `class_words`): `class_words` (C,) the token of a one-token class, -1 for a class of several; `special` is
+    empty, `has_other` true (every class holds a token)."""
 
     class_words: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    default_class: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 # -- parsing -----------------------------------------------------------------------------------------------------
@@ -294,28 +292,13 @@ def _compile(c: TextConstraint, table: TokenTable, max_states: int, budget: Budg
     if len(single):
         tok = np.flatnonzero((cls >= 0) & (sizes_of[np.maximum(cls, 0)] == 1))
         class_words[cls[tok]] = tok
-    default = _default_classes(delta, sizes_of)
     sizes = {**parts, "states": int(delta.shape[0]), "classes": C, "edges": int((delta >= 0).sum())}
     dfa = TextDFA(c, cls, np.zeros(0, dtype=np.int64), delta, accept, table.eos_id, True, sizes,  # type: ignore
-                  class_words, default)
+                  class_words)
     if not dfa.live()[0][0]:
         raise InputError(f"constraint: no continuation of {c.min_tokens} to {c.max_tokens} tokens (counting the "
                          "final <eos>) satisfies it", param="constraint")
     return dfa
-
-
-def _default_classes(delta: np.ndarray, class_sizes: np.ndarray) -> np.ndarray:
-    """Per state, a class whose successor receives the most tokens (its live successors only; 0 when none)."""
-    Q, C = delta.shape
-    out = np.zeros(Q, dtype=np.int64)
-    for q in range(Q):
-        row = delta[q]
-        ok = row >= 0
-        if not ok.any():
-            continue
-        mass = np.bincount(row[ok], weights=class_sizes[ok], minlength=Q)
-        out[q] = int(np.flatnonzero(row == int(mass.argmax()))[0])
-    return out
 
 
 def _check_spellable(c: TextConstraint, table: TokenTable, budget: Budget) -> None:
