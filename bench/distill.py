@@ -330,19 +330,22 @@ def gemm_gflops(m: int, k: int, n: int, repeats: int = 5) -> float:
 # (states, init, extra CLI options) per run; the samples are shared: each run's --work-dir links `samples` to one
 # directory (the CLI keys its shards by LM, length, seed, shard size and batch, so every run reads the same)
 DISTILL_FULL = {"samples": 50_000, "max_length": 32, "eval": 2_000, "unigram": 50_000, "em_steps": 10,
-                "common": ["--sample-batch", "256"], "runs": "256:lvd,256:random,1024:lvd:60"}
+                "common": ["--sample-batch", "256"], "runs": "256:lvd,256:random,1024:lvd:75:20"}
 DISTILL_TINY = {"samples": 300, "max_length": 12, "eval": 50, "unigram": 300, "em_steps": 3,
                 "common": ["--lvd-samples", "100", "--valid-samples", "100"], "runs": "8:lvd,8:random"}
 
 
 def parse_runs(spec: str) -> list[tuple[int, str, list[str]]]:
-    """"Z:init[:minutes],..." -> [(states, init, extra CLI options)]; minutes -> --time-limit."""
+    """"Z:init[:minutes[:em_steps]],..." -> [(states, init, extra CLI options)]: minutes -> --time-limit (empty:
+    none), em_steps -> --em-steps (else the stage's default)."""
     out = []
     for part in spec.split(","):
         f = part.strip().split(":")
-        if len(f) not in (2, 3) or f[1] not in ("lvd", "random") or not f[0].isdigit():
-            raise SystemExit(f"--runs: expected Z:lvd|random[:minutes], got {part!r}")
-        out.append((int(f[0]), f[1], ["--time-limit", f[2]] if len(f) == 3 else []))
+        if not 2 <= len(f) <= 4 or f[1] not in ("lvd", "random") or not f[0].isdigit() \
+                or not all(x.isdigit() for x in f[2:] if x):
+            raise SystemExit(f"--runs: expected Z:lvd|random[:minutes[:em_steps]], got {part!r}")
+        extra = ["--time-limit", f[2]] if len(f) >= 3 and f[2] else []
+        out.append((int(f[0]), f[1], extra + (["--em-steps", f[3]] if len(f) == 4 else [])))
     return out
 
 
@@ -363,10 +366,11 @@ def run_distill(work: Path, lm_dir: Path, states: int, init: str, extra: list[st
     (work / "samples").mkdir(exist_ok=True)
     if not (run_dir / "samples").exists():
         (run_dir / "samples").symlink_to(work / "samples", target_is_directory=True)
+    steps = [] if "--em-steps" in extra else ["--em-steps", str(cfg["em_steps"])]
     cmd = [*latentlm_cmd(), "distill", "--lm", str(lm_dir), "--name", name, "--store", str(work / "store"),
            "--states", str(states), "--samples", str(cfg["samples"]), "--max-length", str(cfg["max_length"]),
-           "--seed", str(seed), "--init", init, "--em-steps", str(cfg["em_steps"]), "--work-dir", str(run_dir),
-           "--no-progress", *cfg["common"], *extra]
+           "--seed", str(seed), "--init", init, *steps, "--work-dir", str(run_dir), "--no-progress",
+           *cfg["common"], *extra]
     log(f"distill: {' '.join(cmd)}")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.perf_counter()

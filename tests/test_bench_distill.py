@@ -65,6 +65,7 @@ def test_unigram_and_parse_runs():
     lp = bench.unigram_logprobs([[0, 0, 1]], [[0, 2]], vocab=3, add=0.5)
     assert lp[0] == pytest.approx(math.log(2.5 / 4.5) + math.log(0.5 / 4.5))
     assert bench.parse_runs("256:lvd,1024:random:60") == [(256, "lvd", []), (1024, "random", ["--time-limit", "60"])]
+    assert bench.parse_runs("64:lvd::30") == [(64, "lvd", ["--em-steps", "30"])]
     with pytest.raises(SystemExit):
         bench.parse_runs("256:kmeans")
 
