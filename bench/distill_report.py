@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +99,24 @@ def report(work: Path) -> str:
                      [[c["step"], c["seconds"], c["train_loss"], c["valid_loss_subset"], c["lr"]]
                       for c in lm["curve"]])
     if di:
-        out += distill_section(di, lm)
+        out += distill_section(di, lm, work)
     if tk:
         out += task_section(tk)
     out += paper_section(lm, di)
     return "\n".join(out) + "\n"
 
 
-def distill_section(di: dict, lm: dict | None) -> list[str]:
+def sampling_logs(work: Path) -> list[list[Any]]:
+    """Every in-process sampling measurement of the distill stage's runs, from their logs (distill*.log):
+    [log, time, batch, tokens/s]; the machine's load moved them between runs."""
+    rows = []
+    for f in sorted(work.glob("distill*.log")):
+        for m in re.finditer(r"^\[(\d\d:\d\d:\d\d)\] sampling: batch (\d+): (\d+) tokens/s", f.read_text(), re.M):
+            rows.append([f.name, m.group(1), int(m.group(2)), float(m.group(3))])
+    return rows
+
+
+def distill_section(di: dict, lm: dict | None, work: Path) -> list[str]:
     cfg = di["settings"]
     out = ["## Stage 2: distillation", "",
            f"Samples: {cfg['samples']:,} sequences of up to {cfg['max_length']} tokens from `<|endoftext|>` (plain "
@@ -113,6 +124,10 @@ def distill_section(di: dict, lm: dict | None) -> list[str]:
            "LM sampling speed in the bench's own process (`generate`, one thread, KV cache):", ""]
     out += table(["batch", "sequences", "tokens", "seconds", "tokens/s"],
                  [[s["batch"], s["sequences"], s["tokens"], s["seconds"], s["tokens_per_s"]] for s in di["sampling"]])
+    logged = sampling_logs(work)
+    if len(logged) > len(di["sampling"]):
+        out += ["The same measurement in every run of the stage (its logs; the VM's load differed):", ""]
+        out += table(["log", "time", "batch", "tokens/s"], logged)
     rows, sampling = [], []
     for r in di["runs"]:
         p = r.get("provenance") or {}
