@@ -37,8 +37,10 @@ def fmt(x: Any, digits: int = 2) -> str:
 
 
 def table(head: list[str], rows: list[list[Any]]) -> list[str]:
+    """A markdown table; the home directory written as ~ in every cell."""
+    home = str(Path.home())
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    out += ["| " + " | ".join(fmt(c).replace(home, "~") for c in r) + " |" for r in rows]
     return out + [""]
 
 
