@@ -543,7 +543,6 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
     the same pass over the emissions (one (2n, S) x (S, V) product). O(n (S V + K S)) (blocked: O(n k (V + K)))."""
     dfa, view = msgs.dfa, msgs.view
     n, V = len(a), msgs.vocab_size
-    K = dfa.num_classes - 1
     lo, hi = dfa.min_tokens, dfa.max_tokens
     out = torch.full((n, V), -math.inf, dtype=torch.float64, device=view.device)
     model_probs: Tensor | None = None
@@ -552,35 +551,13 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
     Mj = msgs.M[j + 1] if j + 1 < hi else None
     if Mj is not None:
         col, sig = msgs.col_t[j + 1], msgs.sigma_t[j + 1]
-        succ = torch.where(alive_rows[:, None], msgs.delta[qs], -1)  # (n, K+1)
+        succ = torch.where(alive_rows[:, None], msgs.delta[qs], -1)  # (n, classes)
         ok = (succ >= 0) & (col[succ.clamp_min(0)] >= 0)
         succ = torch.where(ok, succ, -1)
-        if msgs.general:  # classes of any token ids: one product per (row, live successor), then each word's pick
+        if msgs.general:  # classes of any token ids
             model_probs = _class_scores(msgs, out, a, succ, Mj, col, sig, with_model)
-            rows = r = succ[:0, 0]
         else:
-            d = succ[:, K]
-            rows = (d >= 0).nonzero().squeeze(1)
-        if len(rows):  # every word through the OTHER column, then the named words that go elsewhere are fixed
-            u = a[rows] * Mj[:, col[d[rows]]].T
-            if with_model:
-                both = view.token_probs(torch.cat([u, a]))
-                model_probs = both[len(rows):]
-                probs = both[: len(rows)]
-            else:
-                probs = view.token_probs(u)
-            out[rows] = _log(probs) + sig[d[rows]].unsqueeze(1)
-        if not msgs.general:
-            r, c = (succ[:, :K] != d[:, None]).nonzero(as_tuple=True)
-        if len(r):
-            s = succ[r, c]
-            words = msgs.special[c]
-            vals = torch.full((len(r),), -math.inf, dtype=torch.float64, device=view.device)
-            live_pairs = (s >= 0).nonzero().squeeze(1)
-            if len(live_pairs):
-                rr, ss = r[live_pairs], s[live_pairs]
-                vals[live_pairs] = _log(view.scores_at(a[rr], words[live_pairs], Mj, col[ss])) + sig[ss]
-            out[r, words] = vals
+            model_probs = _word_scores(msgs, out, a, succ, Mj, col, sig, with_model)
     if dfa.eos_id is not None:
         out[:, dfa.eos_id] = -math.inf
         if eos_allowed(j, lo, hi):
@@ -592,6 +569,38 @@ def next_log_scores(msgs: Messages, a: Tensor, q: Tensor, j: int, *, with_model:
     if model_probs is None:
         model_probs = view.token_probs(a)
     return out, _log(model_probs)
+
+
+def _word_scores(msgs: Messages, out: Tensor, a: Tensor, succ: Tensor, Mj: Tensor, col: Tensor, sig: Tensor,
+                 with_model: bool) -> Tensor | None:
+    """log s_j into `out` (n, V) for a word-level automaton: every word through the OTHER column (one product), then
+    the named words that go elsewhere fixed one by one. Returns p(v | x, y_<=j) (n, V) from the same product with
+    `with_model`, else None (also when no row has a live OTHER successor)."""
+    view = msgs.view
+    K = msgs.dfa.num_classes - 1
+    model_probs = None
+    d = succ[:, K]
+    rows = (d >= 0).nonzero().squeeze(1)
+    if len(rows):
+        u = a[rows] * Mj[:, col[d[rows]]].T
+        if with_model:
+            both = view.token_probs(torch.cat([u, a]))
+            model_probs = both[len(rows):]
+            probs = both[: len(rows)]
+        else:
+            probs = view.token_probs(u)
+        out[rows] = _log(probs) + sig[d[rows]].unsqueeze(1)
+    r, c = (succ[:, :K] != d[:, None]).nonzero(as_tuple=True)
+    if len(r):
+        s = succ[r, c]
+        words = msgs.special[c]
+        vals = torch.full((len(r),), -math.inf, dtype=torch.float64, device=view.device)
+        live_pairs = (s >= 0).nonzero().squeeze(1)
+        if len(live_pairs):
+            rr, ss = r[live_pairs], s[live_pairs]
+            vals[live_pairs] = _log(view.scores_at(a[rr], words[live_pairs], Mj, col[ss])) + sig[ss]
+        out[r, words] = vals
+    return model_probs
 
 
 SMALL_SUCCESSOR = 16  # a successor reached by fewer than V / 16 words gets their scores word by word, not a GEMM row
