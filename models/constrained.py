@@ -34,6 +34,11 @@ With a_j(z) = p(z_{n+j+1} = z | x, y_<=j) (the plain predictive filter: the cons
     s_j(eos) = [Lmin <= j+1 <= Lmax] [q_j accepting] sum_z a_j(z) B(z, eos)
     sum_v s_j(v) = P(C | x, y_<=j);   the guide's weight g_j(v) = s_j(v) / p(v | x, y_<=j) = P(C | x, y_<=j, v).
 All words of class OTHER share one column of M: their scores are one product (a_j * M(., q_OTHER)) B.
+An automaton over the text of a model that carries its LM's tokenizer (`models.text_constraint.TextDFA`) has
+classes of any token ids (`class_layout`): their emissions Bc come from one scatter-add pass over B
+(`ChainView.class_mass`, never 1 - a sum), next-token scores from one product holding a row per (automaton state,
+successor reached by many tokens) (`_class_scores`), and the samplers draw a token within any multi-token class as
+within OTHER.
 
 Usage:
     dfa = constraint.compile_constraint(constraint.parse_constraint(spec, vocab), vocab)   # 422 / 413 cases
