@@ -177,7 +177,8 @@ def distill_section(di: dict, lm: dict | None, work: Path) -> list[str]:
 
 
 def task_section(tk: dict) -> list[str]:
-    cfg, s, g = tk["settings"], tk["summary"], tk["goals"]
+    cfg, s = tk["settings"], tk["summary"]
+    hmms, first = cfg["hmms"], cfg["hmms"][0]
     out = ["## Stage 3: CommonGen-style keywords", "",
            f"{len(tk['sets'])} sets of 3-4 content words (alternating), each from one held-out PTB test sentence "
            f"(alphabetic, 3+ letters, not a stop word, among the {cfg['top_words']:,} most frequent training "
@@ -185,37 +186,42 @@ def task_section(tk: dict) -> list[str]:
            f"of at most {cfg['max_tokens']} tokens, the event the constraint `{{\"include\": [[w1], [w2], ...], "
            f"\"max_tokens\": {cfg['max_tokens']}}}` describes; success = every keyword occurs in its decoded text "
            "as a whole word (an independent regex check `(?<!\\w)word(?!\\w)`, not the automaton). "
-           f"The HMM: `{cfg['hmm']}` ({tk['hmm_states']:,} states). Fluency = the LM's log-likelihood per token of "
-           "the outputs (eos counted), under the plain LM: rejection's accepted samples are exact draws from the LM "
-           "given the constraint, the target. ms per token: wall time of generation over the tokens generated "
-           "(rejection: all its draws, batched); setup: compiling the constraint and the HMM's backward messages, "
-           "once per set, not in ms per token.", ""]
+           f"The task's HMM is `{first}`; " + ", ".join(f"`{n}` ({tk['hmm_states'][n]:,} states)" for n in hmms)
+           + ", loaded in float64. Fluency = the LM's log-likelihood per token of the outputs (eos counted), under "
+           "the plain LM: rejection's accepted samples are exact draws from the LM given the constraint, the "
+           "target. ms per token: wall time of generation over the tokens generated (rejection: all its draws, "
+           "batched); setup: compiling the constraint and the HMM's backward messages, once per set, not in ms "
+           "per token. All on one thread.", ""]
     names = {"lm": "LM alone, unconstrained (batch 1; the reference step)",
-             "reject": f"(a) LM + rejection, {cfg['budget']} draws per set (batch {cfg['batch']})",
-             "guide": f"(b) LM + guide (alpha {cfg['alpha']}, batch 1)",
-             "hmm": "(c) HMM alone, exact constrained sampling"}
-    out += table(["method", "success", "outputs", "LM log-lik / token", "ms / token", "setup s / set"],
-                 [[names[k], s[k]["success"], s[k]["outputs"], s[k]["ll_per_token"], s[k]["ms_per_token"],
-                   s[k].get("setup_s_per_set")] for k in ("lm", "reject", "guide", "hmm")])
-    out += ["Goals (issue 56):", "",
-            f"- (b) succeeds on every set: {'PASS' if g['guide_success_100'] else 'FAIL'} "
-            f"({s['guide']['success']:.0%}).",
-            "- (b)'s log-likelihood per token within 10% of (a)'s accepted samples: "
-            + ("not measurable (rejection accepted nothing)" if g["ll_gap"] is None else
-               f"{'PASS' if g['ll_within_10pct'] else 'FAIL'} ({fmt(s['guide']['ll_per_token'], 3)} against "
-               f"{fmt(s['reject']['ll_per_token'], 3)}: {g['ll_gap']:+.1%})") + ".",
-            f"  On the {round(s['reject']['success'] * len(tk['sets']))} sets rejection solved, (b) "
-            f"{fmt(s['guide'].get('ll_per_token_on_rejection_sets'), 3)} and (c) "
-            f"{fmt(s['hmm'].get('ll_per_token_on_rejection_sets'), 3)} per token.",
-            f"- the guided step at most 2x a plain LM step: {'PASS' if g['step_within_2x'] else 'FAIL'} "
-            f"({g['guided_over_plain_step']:.2f}x; the guide's own call {g['guide_step_ms']:.2f} ms per token, "
-            f"its setup {tk['guide']['setup_seconds'] / len(tk['sets']):.2f} s per set).", "",
-            "Examples (first five sets):", ""]
+             "reject": f"(a) LM + rejection, {cfg['budget']:,} draws per set (batch {cfg['batch']})"}
+    for n in hmms:
+        names[f"guide:{n}"] = f"(b) LM + guide `{n}` (alpha {cfg['alpha']}, batch 1)"
+        names[f"hmm:{n}"] = f"(c) `{n}` alone, exact constrained sampling"
+    keys = ["lm", "reject", *[f"guide:{n}" for n in hmms], *[f"hmm:{n}" for n in hmms]]
+    out += table(["method", "success", "outputs", "LM log-lik / token", "on the sets (a) solved", "ms / token",
+                  "setup s / set"],
+                 [[names[k], s[k]["success"], s[k]["outputs"], s[k]["ll_per_token"],
+                   s[k].get("ll_per_token_on_rejection_sets"), s[k]["ms_per_token"], s[k].get("setup_s_per_set")]
+                  for k in keys])
+    out += [f"Rejection accepted {s['reject']['outputs']:,} of {cfg['budget'] * len(tk['sets']):,} draws "
+            f"({s['reject']['accept_rate']:.2e}: about the LM's average P(C) over these sets).", "",
+            "Goals (issue 56), for each HMM (the task's first):", ""]
+    for n in hmms:
+        g, gs = tk["goals"][n], s[f"guide:{n}"]
+        out += [f"- `{n}`: (b) succeeds on every set: {'PASS' if g['guide_success_100'] else 'FAIL'} "
+                f"({gs['success']:.0%}); (b)'s log-likelihood per token within 10% of (a)'s accepted samples: "
+                + ("not measurable (rejection accepted nothing)" if g["ll_gap"] is None else
+                   f"{'PASS' if g['ll_within_10pct'] else 'FAIL'} ({fmt(gs['ll_per_token'], 3)} against "
+                   f"{fmt(s['reject']['ll_per_token'], 3)}: {g['ll_gap']:+.1%})")
+                + f"; the guided step at most 2x a plain LM step: {'PASS' if g['step_within_2x'] else 'FAIL'} "
+                f"({g['guided_over_plain_step']:.2f}x; the guide's own call {g['guide_step_ms']:.2f} ms per "
+                f"token, the plain LM step {s['lm']['ms_per_token']:.2f} ms)."]
+    out += ["", "Examples (first five sets):", ""]
     for i, words in enumerate(tk["sets"][:5]):
         out.append(f"- {', '.join(words)}")
-        for k in ("reject", "guide", "hmm"):
-            row = next((r for r in tk["rows"][k] if r["set"] == i and r.get("ok") is not None and "text" in r), None)
-            out.append(f"  - {k}: " + (f"`{row['text']}`" if row else "(none accepted)"))
+        for k in ("reject", f"guide:{first}", f"hmm:{first}"):
+            r = next((r for r in tk["rows"][k] if r["set"] == i and r.get("ok") and "text" in r), None)
+            out.append(f"  - {k.split(':')[0]}: " + (f"`{r['text']}`" if r else "(none accepted)"))
     return out + [""]
 
 

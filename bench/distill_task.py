@@ -17,10 +17,11 @@ he her here hers him his how if in into is it its itself just me more most my no
 other our out over own same she should so some such than that the their them then there these they this those through
 to too under until up very was we were what when where which while who whom why will with would you your yours said
 says say year years one two three four five new last first other many much may might must""".split())
-TASK_FULL = {"sets": 100, "budget": 256, "batch": 256, "max_tokens": 32, "top_words": 2000, "alpha": 1.0,
-             "hmm": "gpt-1024-lvd"}
+# hmms: the first is the task's HMM (the goals), the others are compared with it
+TASK_FULL = {"sets": 100, "budget": 1024, "batch": 256, "max_tokens": 32, "top_words": 1000, "alpha": 1.0,
+             "hmms": ["gpt-1024-lvd", "gpt-256-lvd"]}
 TASK_TINY = {"sets": 3, "budget": 8, "batch": 8, "max_tokens": 24, "top_words": 200, "alpha": 1.0,
-             "hmm": "gpt-8-lvd"}
+             "hmms": ["gpt-8-lvd", "gpt-8-random"]}
 
 
 def keyword_sets(n: int, seed: int, top: int) -> list[list[str]]:
@@ -83,6 +84,21 @@ def summarize(rows: list[dict], sets: int) -> dict:
             "setup_s_per_set": sum(r.get("setup_seconds", 0.0) for r in rows) / sets}
 
 
+def generate_one(model, eos: int, T: int, gen_kw: dict, seed: int, procs: list | None = None,
+                 extra: dict | None = None) -> tuple[list[int], float]:
+    """One text from `eos` (batch 1), cut after its first eos; and the seconds `generate` took."""
+    import torch
+
+    start = torch.full((1, 1), eos, dtype=torch.long)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    g = model.generate(start, attention_mask=torch.ones_like(start), logits_processor=procs,
+                       **{**gen_kw, "max_new_tokens": T, **(extra or {})})
+    sec = time.perf_counter() - t0
+    ids = g[0, 1:].tolist()
+    return (ids[: ids.index(eos) + 1] if eos in ids else ids), sec
+
+
 def stage_task(work: Path, tiny: bool, seed: int) -> dict:
     import torch
     from tokenizers import Tokenizer
@@ -99,84 +115,78 @@ def stage_task(work: Path, tiny: bool, seed: int) -> dict:
     def text(ids: list[int]) -> str:
         return tok.decode([i for i in ids if i != eos], skip_special_tokens=True)
 
-    hmm = ops.load_model(work / "store", cfg["hmm"], dtype="float64")
+    def row(i: int, ids: list[int], sec: float, words: list[str], **more) -> dict:
+        t = text(ids)
+        return {"set": i, "ids": ids, "text": t, "ok": has_words(t, words), "tokens": len(ids), "seconds": sec,
+                "lm_ll": lm_logprobs(model, eos, [ids])[0], **more}
+
+    hmms = {name: ops.load_model(work / "store", name, dtype="float64") for name in cfg["hmms"]}
     sets = keyword_sets(cfg["sets"], seed, cfg["top_words"])
     T = cfg["max_tokens"]
-    rows: dict[str, list[dict]] = {"lm": [], "reject": [], "guide": [], "hmm": []}
-    guide_steps = {"seconds": 0.0, "calls": 0, "setup_seconds": 0.0}
+    rows: dict[str, list[dict]] = {"lm": [], "reject": [], **{f"{k}:{n}": [] for n in hmms for k in ("guide", "hmm")}}
+    steps = {n: {"seconds": 0.0, "calls": 0} for n in hmms}
     gen_kw = {"do_sample": True, "top_k": 0, "top_p": 1.0, "eos_token_id": eos, "pad_token_id": eos}
+    alpha = {"alpha": cfg["alpha"]} if cfg["alpha"] != 1.0 else {}
     lm_sample(model, eos, 2, T, 1, seed)  # warm-up: the first generate call pays one-time costs
     for i, words in enumerate(sets):
         c = constraint_for(words, T)
-        start = torch.full((1, 1), eos, dtype=torch.long)
         with torch.no_grad():
-            # the LM alone, one sample, batch 1: the plain step the guide is compared with
-            torch.manual_seed(seed + i)
-            t0 = time.perf_counter()
-            g = model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=T, **gen_kw)
-            sec = time.perf_counter() - t0
-            ids = g[0, 1:].tolist()
-            ids = ids[: ids.index(eos) + 1] if eos in ids else ids
-            rows["lm"].append({"set": i, "ids": ids, "text": text(ids), "ok": True, "tokens": len(ids),
-                               "seconds": sec, "lm_ll": lm_logprobs(model, eos, [ids])[0]})
-            # (a) rejection: `budget` LM samples in batches; accepted = every keyword as a whole word
+            # the LM alone, one text at batch 1: the plain step the guide is compared with
+            ids, sec = generate_one(model, eos, T, gen_kw, seed + i)
+            rows["lm"].append({**row(i, ids, sec, words), "ok": True})
+            # (a) rejection: `budget` LM samples in batches; accepted: complete (ended by eos, as the constraint's
+            # event) and every keyword a whole word
             samples, sec = lm_sample(model, eos, cfg["budget"], T, cfg["batch"], seed * 1000 + i)
-            acc = [s for s in samples if s[-1] == eos and has_words(text(s), words)]  # complete texts, as C asks
-            lls = lm_logprobs(model, eos, acc) if acc else []
+            acc = [s for s in samples if s[-1] == eos and has_words(text(s), words)]
             gen_tok = sum(map(len, samples))
-            for k, (s, ll) in enumerate(zip(acc, lls, strict=True)):
-                rows["reject"].append({"set": i, "ids": s, "text": text(s), "ok": True, "tokens": len(s),
-                                       "lm_ll": ll, "seconds": sec if k == 0 else 0.0,
+            for k, s in enumerate(acc):
+                rows["reject"].append({**row(i, s, sec if k == 0 else 0.0, words),
                                        "generated_tokens": gen_tok if k == 0 else 0})
             if not acc:
                 rows["reject"].append({"set": i, "ok": False, "tokens": 0, "seconds": sec, "generated_tokens": gen_tok})
-            # (b) the LM + the guide
-            t0 = time.perf_counter()
-            proc = ConstraintLogitsProcessor(hmm, c, **({"alpha": cfg["alpha"]} if cfg["alpha"] != 1.0 else {}))
-            setup = time.perf_counter() - t0
-            timed = Timed(proc)
-            torch.manual_seed(seed + i)
-            t0 = time.perf_counter()
-            g = model.generate(start, attention_mask=torch.ones_like(start), logits_processor=[timed],
-                               **{**gen_kw, **proc.generate_kwargs()})
-            sec = time.perf_counter() - t0
-            ids = g[0, 1:].tolist()
-            ids = ids[: ids.index(eos) + 1] if eos in ids else ids
-            guide_steps["seconds"] += timed.seconds
-            guide_steps["calls"] += timed.calls
-            guide_steps["setup_seconds"] += setup
-            rows["guide"].append({"set": i, "ids": ids, "text": text(ids), "ok": has_words(text(ids), words),
-                                  "tokens": len(ids), "seconds": sec, "setup_seconds": setup,
-                                  "lm_ll": lm_logprobs(model, eos, [ids])[0]})
-            # (c) the HMM alone, exact constrained sampling
-            t0 = time.perf_counter()
-            dfa = constrain.compile_for(hmm, c, constrain.Limits())
-            constrain.MESSAGES.get(hmm, dfa, 1.0, constrain.Limits())  # the backward messages, cached for sample
-            setup = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            draw = constrain.sample(hmm, dfa, n=1, seed=seed + i, prefix=None)[0]
-            sec = time.perf_counter() - t0
-            ids = list(draw["ids"])
-            rows["hmm"].append({"set": i, "ids": ids, "text": text(ids), "ok": has_words(text(ids), words),
-                                "tokens": len(ids), "seconds": sec, "setup_seconds": setup,
-                                "lm_ll": lm_logprobs(model, eos, [ids])[0]})
-        log(f"set {i} {words}: reject {len(acc)}/{cfg['budget']}, guide {rows['guide'][-1]['ok']} "
-            f"{rows['guide'][-1]['text']!r}, hmm {rows['hmm'][-1]['ok']}")
+            for name, hmm in hmms.items():
+                # (b) the LM + the guide
+                t0 = time.perf_counter()
+                proc = ConstraintLogitsProcessor(hmm, c, **alpha)
+                setup = time.perf_counter() - t0
+                timed = Timed(proc)
+                ids, sec = generate_one(model, eos, T, gen_kw, seed + i, [timed], proc.generate_kwargs())
+                steps[name]["seconds"] += timed.seconds
+                steps[name]["calls"] += timed.calls
+                rows[f"guide:{name}"].append(row(i, ids, sec, words, setup_seconds=setup))
+                # (c) the HMM alone, exact constrained sampling
+                t0 = time.perf_counter()
+                dfa = constrain.compile_for(hmm, c, constrain.Limits())
+                constrain.MESSAGES.get(hmm, dfa, 1.0, constrain.Limits())  # the backward messages, cached
+                setup = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                draw = constrain.sample(hmm, dfa, n=1, seed=seed + i, prefix=None)[0]
+                rows[f"hmm:{name}"].append(row(i, list(draw["ids"]), time.perf_counter() - t0, words,
+                                               setup_seconds=setup))
+        first = f"guide:{cfg['hmms'][0]}"
+        log(f"set {i} {words}: reject {len(acc)}/{cfg['budget']}, guide {rows[first][-1]['ok']} "
+            f"{rows[first][-1]['text']!r}, hmm {rows['hmm:' + cfg['hmms'][0]][-1]['ok']}")
     summary = {k: summarize(v, len(sets)) for k, v in rows.items()}
+    draws = cfg["budget"] * len(sets)
+    summary["reject"]["accept_rate"] = sum(1 for r in rows["reject"] if r["ok"]) / draws
     accepted = {r["set"] for r in rows["reject"] if r["ok"]}  # the sets rejection solved: (b), (c) on them alone
-    for k in ("guide", "hmm"):
-        same = [r for r in rows[k] if r["ok"] and r["set"] in accepted]
-        n = sum(r["tokens"] for r in same)
-        summary[k]["ll_per_token_on_rejection_sets"] = sum(r["lm_ll"] for r in same) / n if n else None
+    for k in rows:
+        if k.startswith(("guide:", "hmm:")):
+            same = [r for r in rows[k] if r["ok"] and r["set"] in accepted]
+            n = sum(r["tokens"] for r in same)
+            summary[k]["ll_per_token_on_rejection_sets"] = sum(r["lm_ll"] for r in same) / n if n else None
     lm_step = summary["lm"]["ms_per_token"]
-    guided = summary["guide"]["ms_per_token"]
-    a, b = summary["reject"]["ll_per_token"], summary["guide"]["ll_per_token"]
-    goals = {"guide_success_100": summary["guide"]["success"] == 1.0,
-             "ll_gap": None if a is None else (b - a) / abs(a),
-             "ll_within_10pct": None if a is None else abs(b - a) <= 0.1 * abs(a),
-             "guided_over_plain_step": guided / lm_step,
-             "guide_step_ms": 1000 * guide_steps["seconds"] / max(1, guide_steps["calls"]),
-             "step_within_2x": guided / lm_step <= 2.0}
-    return {"settings": cfg, "sets": sets, "summary": summary, "guide": guide_steps, "goals": goals, "rows": rows,
-            "hmm_states": hmm.impl.num_states, "cpu": cpu_name(),
+    a = summary["reject"]["ll_per_token"]
+    goals = {}
+    for name in hmms:
+        g = summary[f"guide:{name}"]
+        b = g["ll_per_token"]
+        goals[name] = {"guide_success_100": g["success"] == 1.0,
+                       "ll_gap": None if a is None or b is None else (b - a) / abs(a),
+                       "ll_within_10pct": None if a is None or b is None else abs(b - a) <= 0.1 * abs(a),
+                       "guided_over_plain_step": g["ms_per_token"] / lm_step,
+                       "guide_step_ms": 1000 * steps[name]["seconds"] / max(1, steps[name]["calls"]),
+                       "step_within_2x": g["ms_per_token"] / lm_step <= 2.0}
+    return {"settings": cfg, "sets": sets, "summary": summary, "goals": goals, "rows": rows,
+            "hmm_states": {n: h.impl.num_states for n, h in hmms.items()}, "cpu": cpu_name(),
             "date": dt.datetime.now().isoformat(timespec="seconds")}
