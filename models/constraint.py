@@ -37,6 +37,9 @@ compilation ticks one `automata.Budget`: `LimitExceeded` is raised when the rege
 MAX_REGEX_POSITIONS positions (before any work), as soon as an automaton explored exceeds `build_limit` states,
 the minimised one `max_states`, or the compilation its `seconds` (DEFAULT_COMPILE_SECONDS), before any inference
 work; it names `constraint.regex` when the regex part exceeds it, else `constraint`.
+
+Length (over 600 lines): the word-level constraint's whole pipeline (parsing, the regex over words, Aho-Corasick, the
+product, the cache) in one module; the text path (`models.text_constraint`) reuses its shape parser and cache.
 """
 
 from __future__ import annotations
@@ -110,40 +113,15 @@ def parse_constraint(spec: Mapping[str, Any], vocab: Vocabulary, *, max_tokens_l
     """The `constraint` object (see the module docstring) -> `Constraint` over `vocab`'s ids. Raises InputError
     naming the field (`constraint.include`, ...) and the word for anything malformed or outside the vocabulary,
     LimitExceeded for `max_tokens` above `max_tokens_limit` or more than `MAX_GROUPS` groups. O(total words)."""
-    if not isinstance(spec, Mapping):
-        raise InputError(f"{field_name}: expected an object", param=field_name)
-    unknown = [k for k in spec if k not in FIELDS]
-    if unknown:
-        raise InputError(f"{field_name}.{unknown[0]}: unknown field (allowed: {', '.join(FIELDS)})",
-                         param=f"{field_name}.{unknown[0]}")
+    groups, excludes, ordered, lo, hi = parse_shape(spec, FIELDS, field_name, max_tokens_limit, "words or phrases")
+    include = [tuple(_phrase(a, vocab, where, f"{field_name}.include") for where, a in g) for g in groups]
 
     def name(key: str) -> str:
         return f"{field_name}.{key}"
 
-    include: list[tuple[tuple[int, ...], ...]] = []
-    groups = spec.get("include") or []
-    if not isinstance(groups, list):
-        raise InputError(f"{name('include')}: expected a list of groups (lists of words or phrases)",
-                         param=name("include"))
-    if len(groups) > MAX_GROUPS:
-        raise LimitExceeded(f"{name('include')}: {len(groups)} groups, above the limit of {MAX_GROUPS}",
-                            param=name("include"))
-    for i, group in enumerate(groups):
-        alts = [group] if isinstance(group, str) else group
-        if not isinstance(alts, list) or not alts:
-            raise InputError(f"{name('include')}[{i}]: expected a non-empty list of words or phrases",
-                             param=name("include"))
-        include.append(tuple(_phrase(a, vocab, f"{name('include')}[{i}][{j}]", name("include"))
-                             for j, a in enumerate(alts)))
-    exclude_spec = spec.get("exclude") or []
-    if isinstance(exclude_spec, str):
-        exclude_spec = [exclude_spec]
-    if not isinstance(exclude_spec, list):
-        raise InputError(f"{name('exclude')}: expected a list of words or phrases", param=name("exclude"))
     exclude_ids: list[tuple[int, ...]] = []
     warnings: list[str] = []
-    for i, p in enumerate(exclude_spec):
-        where = f"{name('exclude')}[{i}]"
+    for where, p in excludes:
         unknown = [w for w in _words(p, where, name("exclude"), vocab) if _lookup(w, vocab) is None]
         if unknown:  # a phrase with a word the model never emits never occurs: excluding it excludes nothing
             warnings.append(f"{where}: word {unknown[0]!r} is not in the model's vocabulary, so {p!r} can never "
@@ -151,11 +129,51 @@ def parse_constraint(spec: Mapping[str, Any], vocab: Vocabulary, *, max_tokens_l
             continue
         exclude_ids.append(_phrase(p, vocab, where, name("exclude")))
     exclude = tuple(exclude_ids)
+    suffix_spec = spec.get("suffix")
+    suffix = () if suffix_spec in (None, "") else _phrase(suffix_spec, vocab, name("suffix"), name("suffix"))
+    regex = spec.get("regex")
+    regex_tokens = None if regex in (None, "") else parse_regex(regex, vocab, name("regex"))
+    return Constraint(tuple(include), ordered, exclude, lo, hi, regex_tokens, suffix, tuple(warnings))
+
+
+def parse_shape(spec: Any, fields: Sequence[str], field_name: str, max_tokens_limit: int, what: str
+                ) -> tuple[list[list[tuple[str, Any]]], list[tuple[str, Any]], bool, int, int]:
+    """The structure every `constraint` object shares (word-level here, text in `models.text_constraint`): unknown
+    fields, `include` groups, `exclude`, `ordered` and the `min_tokens` / `max_tokens` window, checked with errors
+    naming the field. Returns (groups of (where, raw alternative), [(where, raw excluded phrase)], ordered, lo, hi);
+    the caller reads the phrases (`what` names them in messages)."""
+    if not isinstance(spec, Mapping):
+        raise InputError(f"{field_name}: expected an object", param=field_name)
+    unknown = [k for k in spec if k not in fields]
+    if unknown:
+        raise InputError(f"{field_name}.{unknown[0]}: unknown field (allowed: {', '.join(fields)})",
+                         param=f"{field_name}.{unknown[0]}")
+
+    def name(key: str) -> str:
+        return f"{field_name}.{key}"
+
+    groups = spec.get("include") or []
+    if not isinstance(groups, list):
+        raise InputError(f"{name('include')}: expected a list of groups (lists of {what})", param=name("include"))
+    if len(groups) > MAX_GROUPS:
+        raise LimitExceeded(f"{name('include')}: {len(groups)} groups, above the limit of {MAX_GROUPS}",
+                            param=name("include"))
+    include = []
+    for i, group in enumerate(groups):
+        alts = [group] if isinstance(group, str) else group
+        if not isinstance(alts, list) or not alts:
+            raise InputError(f"{name('include')}[{i}]: expected a non-empty list of {what}", param=name("include"))
+        include.append([(f"{name('include')}[{i}][{j}]", a) for j, a in enumerate(alts)])
+    exclude = spec.get("exclude") or []
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    if not isinstance(exclude, list):
+        raise InputError(f"{name('exclude')}: expected a list of {what}", param=name("exclude"))
     ordered = spec.get("ordered", False)
     if not isinstance(ordered, bool):
         raise InputError(f"{name('ordered')}: expected true or false", param=name("ordered"))
-    lo = _int(spec.get("min_tokens", DEFAULT_MIN_TOKENS), name("min_tokens"))
-    hi = _int(spec.get("max_tokens", DEFAULT_MAX_TOKENS), name("max_tokens"))
+    lo = as_int(spec.get("min_tokens", DEFAULT_MIN_TOKENS), name("min_tokens"))
+    hi = as_int(spec.get("max_tokens", DEFAULT_MAX_TOKENS), name("max_tokens"))
     if lo < 1:
         raise InputError(f"{name('min_tokens')}: must be at least 1 (the length counts the final <eos>), got {lo}",
                          param=name("min_tokens"))
@@ -164,14 +182,10 @@ def parse_constraint(spec: Mapping[str, Any], vocab: Vocabulary, *, max_tokens_l
     if hi > max_tokens_limit:
         raise LimitExceeded(f"{name('max_tokens')}: {hi} is above the limit of {max_tokens_limit}",
                             param=name("max_tokens"))
-    suffix_spec = spec.get("suffix")
-    suffix = () if suffix_spec in (None, "") else _phrase(suffix_spec, vocab, name("suffix"), name("suffix"))
-    regex = spec.get("regex")
-    regex_tokens = None if regex in (None, "") else parse_regex(regex, vocab, name("regex"))
-    return Constraint(tuple(include), ordered, exclude, lo, hi, regex_tokens, suffix, tuple(warnings))
+    return include, [(f"{name('exclude')}[{i}]", p) for i, p in enumerate(exclude)], ordered, lo, hi
 
 
-def _int(value: Any, where: str) -> int:
+def as_int(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InputError(f"{where}: expected an integer, got {value!r}", param=where)
     return value
@@ -381,24 +395,11 @@ def compile_constraint(constraint: Constraint, vocab: Vocabulary, *, max_states:
                          param="constraint")
     limit = BUILD_FACTOR * max_states if build_limit is None else build_limit
     key = (constraint, len(vocab), vocab.eos_id, max_states, limit)
-    hit = _CACHE.get(key)
-    if isinstance(hit, WordDFA):
-        return hit
-    if hit is not None:
-        kind, message, param = hit
-        raise kind(message, param=param)
     budget = Budget(limit, seconds, cancelled, param="constraint")
-    try:
-        dfa = _compile(constraint, len(vocab), vocab.eos_id, max_states, budget)
-    except (InputError, LimitExceeded) as e:
-        if not budget.expired:
-            _CACHE.put(key, (type(e), e.message, e.param))
-        raise
-    _CACHE.put(key, dfa)
-    return dfa
+    return _CACHE.compile(key, budget, lambda: _compile(constraint, len(vocab), vocab.eos_id, max_states, budget))
 
 
-class _Compiled:
+class Compiled:
     """The last CACHE_SIZE compilations (automata, or the error an input always gets), least recently used dropped
     first; thread-safe (the service compiles on several threads)."""
 
@@ -425,9 +426,27 @@ class _Compiled:
         with self._lock:
             self._entries.clear()
 
+    def compile(self, key: tuple, budget: Budget, build: Callable[[], Any]) -> Any:
+        """The cached automaton of `key`, or the error its input always gets, else `build()` (within `budget`),
+        cached with its input-only errors (a deadline or a cancellation is not cached)."""
+        hit = self.get(key)
+        if isinstance(hit, tuple):
+            kind, message, param = hit
+            raise kind(message, param=param)
+        if hit is not None:
+            return hit
+        try:
+            dfa = build()
+        except (InputError, LimitExceeded) as e:
+            if not budget.expired:
+                self.put(key, (type(e), e.message, e.param))
+            raise
+        self.put(key, dfa)
+        return dfa
+
 
 CACHE_SIZE = 64
-_CACHE = _Compiled(CACHE_SIZE)
+_CACHE = Compiled(CACHE_SIZE)
 clear_compiled = _CACHE.clear  # tests: compile again
 
 

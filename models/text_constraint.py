@@ -93,56 +93,21 @@ def parse_text_constraint(spec: Mapping[str, Any], *, max_tokens_limit: int = wl
     """The `constraint` object (module docstring) -> `TextConstraint`. InputError naming the field for anything
     malformed (an empty phrase, one with U+FFFD or a lone surrogate), LimitExceeded above the limits (groups,
     phrases, bytes per phrase, max_tokens, max_words). O(total text)."""
-    if not isinstance(spec, Mapping):
-        raise InputError(f"{field_name}: expected an object", param=field_name)
-    unknown = [k for k in spec if k not in FIELDS]
-    if unknown:
-        raise InputError(f"{field_name}.{unknown[0]}: unknown field (allowed: {', '.join(FIELDS)})",
-                         param=f"{field_name}.{unknown[0]}")
+    groups, excludes, ordered, lo, hi = wl.parse_shape(spec, FIELDS, field_name, max_tokens_limit, "phrases")
+    include = [tuple(_phrase(a, where, f"{field_name}.include") for where, a in g) for g in groups]
+    exclude = tuple(_phrase(p, where, f"{field_name}.exclude") for where, p in excludes)
+    if sum(len(g) for g in include) + len(exclude) > MAX_PHRASES:
+        raise LimitExceeded(f"{field_name}: more than {MAX_PHRASES} phrases", param=field_name)
 
     def name(key: str) -> str:
         return f"{field_name}.{key}"
 
-    groups = spec.get("include") or []
-    if not isinstance(groups, list):
-        raise InputError(f"{name('include')}: expected a list of groups (lists of phrases)", param=name("include"))
-    if len(groups) > wl.MAX_GROUPS:
-        raise LimitExceeded(f"{name('include')}: {len(groups)} groups, above the limit of {wl.MAX_GROUPS}",
-                            param=name("include"))
-    include = []
-    for i, group in enumerate(groups):
-        alts = [group] if isinstance(group, str) else group
-        if not isinstance(alts, list) or not alts:
-            raise InputError(f"{name('include')}[{i}]: expected a non-empty list of phrases", param=name("include"))
-        include.append(tuple(_phrase(a, f"{name('include')}[{i}][{j}]", name("include"))
-                             for j, a in enumerate(alts)))
-    exclude_spec = spec.get("exclude") or []
-    if isinstance(exclude_spec, str):
-        exclude_spec = [exclude_spec]
-    if not isinstance(exclude_spec, list):
-        raise InputError(f"{name('exclude')}: expected a list of phrases", param=name("exclude"))
-    exclude = tuple(_phrase(p, f"{name('exclude')}[{i}]", name("exclude")) for i, p in enumerate(exclude_spec))
-    if sum(len(g) for g in include) + len(exclude) > MAX_PHRASES:
-        raise LimitExceeded(f"{field_name}: more than {MAX_PHRASES} phrases", param=field_name)
-    ordered = spec.get("ordered", False)
-    if not isinstance(ordered, bool):
-        raise InputError(f"{name('ordered')}: expected true or false", param=name("ordered"))
-    lo = _int(spec.get("min_tokens", wl.DEFAULT_MIN_TOKENS), name("min_tokens"))
-    hi = _int(spec.get("max_tokens", wl.DEFAULT_MAX_TOKENS), name("max_tokens"))
-    if lo < 1:
-        raise InputError(f"{name('min_tokens')}: must be at least 1 (the length counts the final <eos>), got {lo}",
-                         param=name("min_tokens"))
-    if hi < lo:
-        raise InputError(f"{name('max_tokens')}: {hi} is below min_tokens {lo}", param=name("max_tokens"))
-    if hi > max_tokens_limit:
-        raise LimitExceeded(f"{name('max_tokens')}: {hi} is above the limit of {max_tokens_limit}",
-                            param=name("max_tokens"))
-    wlo = _int(spec.get("min_words", 0), name("min_words"))
+    wlo = wl.as_int(spec.get("min_words", 0), name("min_words"))
     whi = spec.get("max_words")
     if wlo < 0:
         raise InputError(f"{name('min_words')}: must be at least 0, got {wlo}", param=name("min_words"))
     if whi is not None:
-        whi = _int(whi, name("max_words"))
+        whi = wl.as_int(whi, name("max_words"))
         if whi < wlo:
             raise InputError(f"{name('max_words')}: {whi} is below min_words {wlo}", param=name("max_words"))
     for key, value in (("min_words", wlo), ("max_words", whi)):
@@ -159,12 +124,6 @@ def parse_text_constraint(spec: Mapping[str, Any], *, max_tokens_limit: int = wl
         raise LimitExceeded(f"{name('regex')}: {len(regex)} characters, above the limit of {wl.MAX_REGEX_CHARS}",
                             param=name("regex"))
     return TextConstraint(tuple(include), ordered, exclude, lo, hi, wlo, whi, regex, suffix)
-
-
-def _int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{where}: expected an integer, got {value!r}", param=where)
-    return value
 
 
 def _phrase(text: Any, where: str, param: str) -> str:
@@ -185,7 +144,7 @@ def _phrase(text: Any, where: str, param: str) -> str:
 
 
 # -- compilation ---------------------------------------------------------------------------------------------------
-_CACHE = wl._Compiled(wl.CACHE_SIZE)
+_CACHE = wl.Compiled(wl.CACHE_SIZE)
 clear_compiled = _CACHE.clear
 
 
@@ -206,21 +165,8 @@ def compile_text_constraint(c: TextConstraint, vocab: Vocabulary, *, max_states:
                          param="constraint")
     limit = wl.BUILD_FACTOR * max_states if build_limit is None else build_limit
     key = (c, vocab.tokenizer.sha256, len(vocab), vocab.eos_id, max_states, limit)
-    hit = _CACHE.get(key)
-    if isinstance(hit, TextDFA):
-        return hit
-    if hit is not None:
-        kind, message, param = hit
-        raise kind(message, param=param)
     budget = Budget(limit, seconds, cancelled, param="constraint")
-    try:
-        dfa = _compile(c, token_table(vocab), max_states, budget)
-    except (InputError, LimitExceeded) as e:
-        if not budget.expired:
-            _CACHE.put(key, (type(e), e.message, e.param))
-        raise
-    _CACHE.put(key, dfa)
-    return dfa
+    return _CACHE.compile(key, budget, lambda: _compile(c, token_table(vocab), max_states, budget))
 
 
 def _compile(c: TextConstraint, table: TokenTable, max_states: int, budget: Budget) -> TextDFA:
