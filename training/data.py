@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -158,6 +159,17 @@ def running_text(seqs: Sequence[Sequence[int]]) -> list[int]:
     in corpus order: the running text BPTT training sees, scored as one sequence so each sentence is
     conditioned on the state carried over from the ones before it. O(tokens)."""
     return [t for s in seqs for t in s]
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Training data given as token-id sequences instead of read from `--data` (`latentlm distill`: an LM's samples
+    over its tokenizer's ids): the vocabulary, the training and the validation sequences (ids in [0, len(vocab)),
+    each sequence non-empty, with its `<eos>` where it has one: nothing is appended)."""
+
+    vocab: Vocabulary
+    train: list[list[int]]
+    valid: list[list[int]]
 
 
 def load_training_split(ns: TrainSettings) -> tuple[Vocabulary, list[list[int]], list[list[int]]]:

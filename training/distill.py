@@ -12,6 +12,9 @@
 5. Export: a dense `hmm` carrying the LM's `tokenizer.json` (`notes/tokenizer_contract`), `curve.png`,
    `curve.json`, and provenance naming the LM (directory, config and tokenizer hashes) and the recipe. The model
    exported is the last EM step's.
+
+`--family blocked_hmm` replaces steps 3-5 by the neural trainer over Brown clusters of the token ids
+(`distill_blocked`); its memory estimate is its own.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from latentlm.models.registry import save_artifact
 from latentlm.models.store import check_name
 from latentlm.models.tokenizer import TOKENIZER_FILE
 from latentlm.training import common
+from latentlm.training import distill_blocked as blocked
 from latentlm.training import distill_sampling as sampling
 from latentlm.training.distill_em import (
     EM_BYTES_PER_ENTRY,
@@ -55,11 +59,16 @@ GIB = 1 << 30
 FAMILIES = ("hmm", "blocked_hmm")
 INITS = ("lvd", "random")
 ESTEP_BUDGET = {"cpu": 256 << 20, "cuda": 2 << 30}  # the E-step workspace `--batch-size 0` aims at
+HMM_DEFAULTS = {"em_steps": 10, "pseudocount": 0.1, "init": "lvd", "lvd_samples": 10000, "kmeans_iters": 25,
+                "batch_size": 0}  # --family hmm's own settings (None: its default here; refused for blocked_hmm)
+BLOCKED_ONLY = ("clusters", "epochs", "lr")  # --family blocked_hmm's own settings (the trainer's defaults)
 
 
 @dataclass
 class DistillSettings:
-    """Everything `latentlm distill` takes (the CLI's flags, by name)."""
+    """Everything `latentlm distill` takes (the CLI's flags, by name). A family's own settings left None take the
+    family's defaults (`HMM_DEFAULTS`, filled in for --family hmm; the trainer's for blocked_hmm); given to the
+    other family they are refused."""
 
     lm: Path
     name: str
@@ -73,17 +82,26 @@ class DistillSettings:
     time_limit: float | None = None  # minutes
     device: str = "auto"
     valid_samples: int | None = None  # default: min(20000, max(100, samples // 10))
-    em_steps: int = 10
-    pseudocount: float = 0.1
-    init: str = "lvd"
-    lvd_samples: int = 10000
-    kmeans_iters: int = 25
-    batch_size: int = 0  # E-step rows per batch; 0: what ESTEP_BUDGET allows
+    em_steps: int | None = None  # hmm: 10
+    pseudocount: float | None = None  # hmm: 0.1
+    init: str | None = None  # hmm: "lvd"
+    lvd_samples: int | None = None  # hmm: 10000
+    kmeans_iters: int | None = None  # hmm: 25
+    batch_size: int | None = None  # hmm: E-step rows per batch; 0 (the default): what ESTEP_BUDGET allows
+    clusters: int | None = None  # blocked_hmm: Brown clusters (default `distill_blocked.default_clusters`)
+    epochs: int | None = None  # blocked_hmm: passes over the samples (the trainer's default, 10)
+    lr: float | None = None  # blocked_hmm: AdamW's learning rate (the trainer's default, 0.01)
     sample_batch: int = 64
     shard_size: int = 10000
     work_dir: Path | None = None
     max_memory: float | None = None  # GiB; default: what the device has available
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.family == "hmm":
+            for key, value in HMM_DEFAULTS.items():
+                if getattr(self, key) is None:
+                    setattr(self, key, value)
 
     @property
     def valid_count(self) -> int:
@@ -94,17 +112,20 @@ class DistillSettings:
         check_name(self.name)
         if self.family not in FAMILIES:
             raise InputError(f"--family: one of {', '.join(FAMILIES)}, got {self.family!r}", param="family")
-        if self.family == "blocked_hmm":
-            raise InputError("--family blocked_hmm: not yet: distillation trains a dense hmm by EM (--family hmm); "
-                             "a blocked_hmm needs token clusters that `latentlm train` builds from words",
-                             param="family")
-        if self.init not in INITS:
+        hmm = self.family == "hmm"
+        for key in BLOCKED_ONLY if hmm else HMM_DEFAULTS:
+            if getattr(self, key) is not None:
+                raise InputError(f"--{key.replace('_', '-')}: only for --family {'blocked_hmm' if hmm else 'hmm'} ("
+                                 + ("a dense hmm is trained by EM: --em-steps, --pseudocount, --init" if hmm else
+                                    "a blocked_hmm is trained by the gradient trainer: --clusters, --epochs, --lr")
+                                 + ")", param=key)
+        if hmm and self.init not in INITS:
             raise InputError(f"--init: one of {', '.join(INITS)}, got {self.init!r}", param="init")
-        for key in ("states", "samples", "max_length", "sample_batch", "shard_size", "lvd_samples"):
+        for key in ("states", "samples", "max_length", "sample_batch", "shard_size", *(("lvd_samples",) * hmm)):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InputError(f"--{key.replace('_', '-')}: must be a positive integer, got {v!r}", param=key)
-        for key in ("em_steps", "batch_size", "kmeans_iters", "valid_count"):
+        for key in (*(("em_steps", "batch_size", "kmeans_iters") * hmm), "valid_count"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 name = "valid_samples" if key == "valid_count" else key
@@ -112,8 +133,10 @@ class DistillSettings:
         if self.valid_count < 1:
             raise InputError("--valid-samples: at least 1 (validation perplexity is measured on them)",
                              param="valid_samples")
-        if not (self.pseudocount >= 0 and math.isfinite(self.pseudocount)):
+        if hmm and not (self.pseudocount >= 0 and math.isfinite(self.pseudocount)):
             raise InputError(f"--pseudocount: must be >= 0, got {self.pseudocount}", param="pseudocount")
+        if not hmm:
+            blocked.check(self)
         if self.time_limit is not None and not self.time_limit > 0:
             raise InputError(f"--time-limit: minutes, > 0, got {self.time_limit}", param="time_limit")
         if self.max_memory is not None and not self.max_memory > 0:
@@ -164,9 +187,12 @@ def memory_estimate(s: DistillSettings, info: sampling.LMInfo, batch: int) -> di
 
 
 def check_memory(s: DistillSettings, info: sampling.LMInfo, device: torch.device, batch: int) -> dict[str, Any]:
-    """Refuse (LimitExceeded naming --states) a run whose estimate exceeds the memory available (or --max-memory)."""
-    est = memory_estimate(s, info, batch)
+    """Refuse (LimitExceeded naming --states) a run whose estimate exceeds the memory available (or --max-memory).
+    `batch`: E-step rows (hmm) or the clusters (blocked_hmm, `distill_blocked.check_memory`)."""
     avail = int(s.max_memory * GIB) if s.max_memory is not None else available_memory(device)
+    if s.family == "blocked_hmm":
+        return blocked.check_memory(s, info, device, batch, avail)
+    est = memory_estimate(s, info, batch)
     if est["total"] > avail:
         raise LimitExceeded(
             f"--states {s.states}: distilling needs about {est['total'] / GIB:.2f} GiB on {device.type} "
@@ -201,8 +227,9 @@ class Run:
         self.device = common.resolve_device(s.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InputError("--device cuda: no CUDA device here", param="device")
-        self.batch = estep_batch(s, self.device)
-        self.memory = check_memory(s, self.info, self.device, self.batch)
+        self.clusters = blocked.clusters_for(s, self.info) if s.family == "blocked_hmm" else 0
+        self.batch = estep_batch(s, self.device) if s.family == "hmm" else 0
+        self.memory = check_memory(s, self.info, self.device, self.batch or self.clusters)
         self.work = Path(s.work_dir) if s.work_dir else Path(s.store) / ".distill" / s.name
         self.sample_key = sampling.sample_key(self.info, max_length=s.max_length, seed=s.seed,
                                               shard_size=s.shard_size, batch=s.sample_batch,
@@ -362,6 +389,19 @@ class Run:
         return p, done
 
     # 5. export
+    def provenance(self) -> dict[str, Any]:
+        """What every family's manifest records: the LM, the settings, the samples (count, length, seed, prompts,
+        how they were drawn), the device, the memory estimate, the unigram baseline."""
+        s = self.s
+        return {
+            "source": "latentlm distill", "lm": self.info.provenance(),
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
+            "samples": s.samples, "valid_samples": s.valid_count, "max_length": s.max_length, "seed": s.seed,
+            "prompts": None if self.prompts is None else {"file": str(s.prompts), "sha256": self.prompts_sha,
+                                                          "count": len(self.prompts)},
+            "world_size": 1, "device": self.device.type, "train_tokens": self.train_tokens, "memory": self.memory,
+            **self.record}
+
     def export(self, p: Params, history: common.History, done: int) -> Path:
         s, info = self.s, self.info
         curve = {"rows": history.rows, "unigram_valid_ppl": self.record["unigram_valid_ppl"]}
@@ -370,17 +410,10 @@ class Run:
                  "curve.json": json.dumps(curve, indent=1).encode()}
         steps = [r["step_seconds"] for r in history.rows if "step_seconds" in r]
         prov = {
-            "source": "latentlm distill", "lm": info.provenance(),
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()},
-            "samples": s.samples, "valid_samples": s.valid_count, "max_length": s.max_length, "seed": s.seed,
-            "prompts": None if self.prompts is None else {"file": str(s.prompts), "sha256": self.prompts_sha,
-                                                          "count": len(self.prompts)},
-            "init": s.init, "em_steps": done, "pseudocount": s.pseudocount, "world_size": 1,
-            "device": self.device.type, "batch_rows": self.batch, "train_tokens": self.train_tokens,
-            "em_step_seconds": (sum(steps) / len(steps)) if steps else None,
+            **self.provenance(), "init": s.init, "em_steps": done, "pseudocount": s.pseudocount,
+            "batch_rows": self.batch, "em_step_seconds": (sum(steps) / len(steps)) if steps else None,
             "train_seconds": round(time.perf_counter() - self.t0, 1), "best_valid_ppl": history.best,
-            "final_valid_ppl": history.rows[-1]["valid_ppl"], "memory": self.memory, "curve": history.rows[-50:],
-            **self.record}
+            "final_valid_ppl": history.rows[-1]["valid_ppl"], "curve": history.rows[-50:]}
         return save_artifact(s.store, s.name, "hmm", p.export_tensors(), info.vocab, config={"num_states": s.states},
                              provenance=prov, extra_files=extra)
 
@@ -392,6 +425,8 @@ class Run:
         counts = unigram_counts(self.arrays("train"), V)
         self.train_tokens = int(counts.sum())
         self.record["unigram_valid_ppl"] = unigram_perplexity(counts, self.arrays("valid"))
+        if s.family == "blocked_hmm":
+            return blocked.train(self, int((counts > 0).sum()), deadline, _log)
         resumed = self.resume()
         if resumed is not None:
             p, state = resumed

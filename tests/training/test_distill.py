@@ -1,6 +1,7 @@
 """`latentlm distill` end to end on a tiny GPT-2 trained here (tests/training/tiny_lm.py), and its parts against
 brute force: the E-step's expected counts (every state path enumerated), LVD's counts, k-means (scikit-learn's),
-the hidden states (one forward pass per sample), EM's monotone objective, resumable sample shards."""
+the hidden states (one forward pass per sample), EM's monotone objective, resumable sample shards; and
+`--family blocked_hmm` (the neural trainer over Brown clusters of the token ids) on the same samples."""
 
 from __future__ import annotations
 
@@ -310,8 +311,6 @@ def test_a_missing_or_non_causal_lm_is_one_line_naming_it(tmp_path, lm_dir, caps
     line = _error_line(capsys, [*base, "--lm", str(enc)])
     assert str(enc) in line and "'distilbert' is not a causal language model" in line
     assert not (tmp_path / "store").exists()  # refused before any work
-    line = _error_line(capsys, [*base, "--lm", str(lm_dir), "--family", "blocked_hmm"])
-    assert "--family blocked_hmm: not yet" in line
 
 
 def test_memory_is_estimated_and_refused_before_any_work(tmp_path, lm_dir, capsys):
@@ -348,3 +347,136 @@ def test_validation_perplexity_is_the_chain_engines(distilled):
     # and the training code's own perplexity agrees
     p = Params(*(model.impl.start, model.impl.trans, model.impl.emit.T.contiguous()))
     assert perplexity(p, sample_batches([valid], 64, "cpu"))[0] == pytest.approx(ppl, rel=1e-4)
+
+
+# -- --family blocked_hmm: the neural trainer over Brown clusters of the token ids -------------------------------
+@pytest.fixture(scope="module")
+def blocked(distilled, lm_dir):
+    """`latentlm distill --family blocked_hmm`, 64 states in 4 clusters, 8 epochs, on the `distilled` run's samples
+    (its work directory: the shards are reused, not drawn again)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small only waits for a second thread (and the CPU is shared)
+    try:
+        rc = main(["distill", "--lm", str(lm_dir), "--name", "b", "--store", str(distilled), "--states", "64",
+                   "--samples", "400", "--max-length", "8", "--shard-size", "100", "--seed", "1", "--family",
+                   "blocked_hmm", "--clusters", "4", "--epochs", "8", "--work-dir",
+                   str(distilled / ".distill" / "d"), *QUIET])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    return distilled
+
+
+def shards(store, split: str) -> np.ndarray:
+    (key,) = list((store / ".distill" / "d" / "samples").iterdir())
+    return np.concatenate([np.load(p) for p in sorted((key / split).glob("shard-*.npy"))])
+
+
+def test_blocked_model_is_over_the_lms_tokenizer_scores_text_and_beats_a_unigram(blocked, lm_dir, tmp_path, capsys):
+    model = ops.load_model(blocked, "b")
+    assert model.family == "blocked_hmm"
+    m = manifest(blocked, "b")
+    assert m["config"]["num_states"] == 64 and m["config"]["num_clusters"] == 4
+    assert m["preprocessing"]["tokenizer"] == "tokenizer.json" and m["vocab_size"] == 300
+    assert (blocked / "b" / "tokenizer.json").read_bytes() == (lm_dir / "tokenizer.json").read_bytes()
+    assert {"curve.png", "clusters.txt", "tokenizer.json"} <= set(m["files"])
+    # text goes in through the LM's tokenizer, the eos appended; the CLI scores it as ops scores those ids
+    tok = transformers.AutoTokenizer.from_pretrained(lm_dir)
+    text = "the red dog sleeps near the river ."
+    ids = tok(text)["input_ids"] + [tok.eos_token_id]
+    assert model.vocab.encode(text) == ids
+    (tmp_path / "in.txt").write_text(text + "\n", encoding="utf-8")
+    capsys.readouterr()
+    assert main(["score", "--model", "b", "--store", str(blocked), str(tmp_path / "in.txt")]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = ops.run(model, "score", [ids])[0]
+    assert got["num_tokens"] == len(ids) and got["logprob"] == pytest.approx(want["logprob"], rel=1e-6)
+    assert -60 < got["logprob"] < 0
+    # fresh LM samples: well below the add-one unigram of the training samples
+    fresh = lm_samples(lm_dir, 300, 8, seed=12345)
+    tokens = sum(len(s) for s in fresh)
+    hmm_ppl = math.exp(-sum(r["logprob"] for r in ops.run(model, "score", fresh)) / tokens)
+    train = shards(blocked, "train")
+    counts = np.bincount(train[train >= 0], minlength=300) + 1.0
+    uni_ppl = math.exp(-float(np.log(counts / counts.sum())[np.concatenate(fresh)].sum()) / tokens)
+    assert hmm_ppl < 0.8 * uni_ppl, (hmm_ppl, uni_ppl)
+
+
+def test_blocked_run_trains_on_the_samples_and_records_the_lm(blocked, lm_dir):
+    """The clusters are Brown's over the training samples' token ids; the recorded validation perplexity is the
+    stored model's on the held-out samples; the provenance names the LM and the recipe as the dense path's does."""
+    from safetensors.torch import load_file
+
+    from latentlm.training.brown import brown_clusters
+
+    train = [[int(t) for t in r if t >= 0] for r in shards(blocked, "train")]
+    stored = load_file(str(blocked / "b" / "weights.safetensors"))
+    assert np.array_equal(stored["word_cluster"].numpy(), brown_clusters(train, 300, 4).word_cluster)
+    valid = [[int(t) for t in r if t >= 0] for r in shards(blocked, "valid")]
+    model = ops.load_model(blocked, "b")
+    ppl = math.exp(-sum(r["logprob"] for r in ops.run(model, "score", valid)) / sum(map(len, valid)))
+    p = manifest(blocked, "b")["provenance"]
+    assert ppl == pytest.approx(p["best_valid_ppl"], rel=1e-4) and p["final_valid_ppl"] == p["best_valid_ppl"]
+    assert p["best_valid_ppl"] < p["unigram_valid_ppl"]
+    sha = lambda name: hashlib.sha256((lm_dir / name).read_bytes()).hexdigest()  # noqa: E731
+    assert p["source"] == "latentlm distill" and p["lm"]["dir"] == str(lm_dir.resolve())
+    assert p["lm"]["config_sha256"] == sha("config.json") and p["lm"]["tokenizer_sha256"] == sha("tokenizer.json")
+    assert (p["samples"], p["valid_samples"], p["max_length"], p["seed"], p["init"], p["clusters"],
+            p["states_per_cluster"], p["world_size"]) == (400, 100, 8, 1, "random", 4, 16, 1)
+    assert p["sampling"]["shards_reused"] == 5 and p["sampling"]["shards_drawn"] == 0  # the dense run's samples
+    assert p["settings"]["family"] == "blocked_hmm" and p["settings"]["em_steps"] is None
+    t = p["trainer_settings"]
+    assert (t["family"], t["states"], t["clusters"], t["epochs"], t["hidden"], t["lr"]) == \
+        ("blocked_hmm", 64, 4, 8, 256, 0.01)
+    assert p["steps"] > 0 and p["memory"]["estimate_bytes"] < p["memory"]["available_bytes"]
+
+
+def test_blocked_flags_are_checked_naming_them(tmp_path, lm_dir, capsys):
+    base = ["distill", "--lm", str(lm_dir), "--name", "x", "--store", str(tmp_path / "store"), "--samples", "20",
+            "--valid-samples", "5", "--max-length", "4", *QUIET]
+    blocked = [*base, "--family", "blocked_hmm"]
+    assert _error_line(capsys, [*blocked, "--states", "64", "--clusters", "5"]).endswith(
+        "error: --clusters 5: must divide --states 64 (each cluster gets --states / --clusters states)")
+    assert "--clusters: must be a positive integer, got 0" in _error_line(capsys, [*blocked, "--states", "64",
+                                                                                  "--clusters", "0"])
+    line = _error_line(capsys, [*blocked, "--states", "512", "--clusters", "512"])
+    assert "--clusters 512: more clusters than the LM's 300 token ids" in line
+    assert "--clusters: only for --family blocked_hmm" in _error_line(capsys, [*base, "--states", "8",
+                                                                              "--clusters", "2"])
+    assert "--em-steps: only for --family hmm" in _error_line(capsys, [*blocked, "--states", "8", "--em-steps", "2"])
+    assert "--init: only for --family hmm" in _error_line(capsys, [*blocked, "--states", "8", "--init", "lvd"])
+    assert "--epochs: must be a positive integer" in _error_line(capsys, [*blocked, "--states", "8", "--epochs", "0"])
+    line = _error_line(capsys, [*blocked, "--states", str(1 << 20)])  # 12 bytes x 2^40 transitions to evaluate
+    assert "--states 1048576: distilling a blocked_hmm needs about" in line and "GiB is available" in line
+    assert not (tmp_path / "store").exists()  # all of the above before any work
+    # more clusters than the samples hold distinct tokens: refused after sampling, before Brown clustering
+    assert main([*blocked, "--states", "256", "--clusters", "256"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("latentlm distill: error: --clusters 256: the 20 training samples hold only ")
+    assert not (tmp_path / "store" / ".distill" / "x" / "train").exists()  # the trainer never started
+
+
+def test_default_clusters():
+    from latentlm.training.distill_blocked import default_clusters
+
+    assert [default_clusters(z) for z in (8, 64, 96, 100, 4096, 32768)] == [1, 4, 6, 5, 128, 128]
+    assert default_clusters(4096, distinct=50) == 32  # the largest divisor up to the distinct tokens
+
+
+def test_blocked_memory_estimate_has_no_states_x_vocabulary_term(lm_dir):
+    """At 4,096 states over GPT-2's 50,257 tokens the blocked run needs under half the dense one's memory, and
+    growing the vocabulary from 300 to 50,257 tokens costs it less than one float32 Z x V table (it grows with
+    V h and V k, not V Z); the Z x Z transitions it holds like the dense model."""
+    import dataclasses
+
+    from latentlm.training import distill, distill_blocked
+
+    info = sampling.inspect_lm(lm_dir)
+    gpt2 = dataclasses.replace(info, vocab_size=50257)
+    s = distill.DistillSettings(lm=lm_dir, name="m", store=lm_dir, states=4096, samples=100000, max_length=32)
+    dense = distill.memory_estimate(s, gpt2, distill.estep_batch(s, torch.device("cpu")))["total"]
+    s.family = "blocked_hmm"
+    est = distill_blocked.memory_estimate(s, gpt2, 128)
+    assert est["total"] < dense / 2, (est, dense)
+    assert est["total"] - distill_blocked.memory_estimate(s, info, 128)["total"] < 4 * 4096 * 50257
+    assert est["evaluate"] >= 12 * 4096**2  # the (Z, Z) float32 transitions, three times

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,7 @@ from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training import common
-from latentlm.training.data import load_training_split
+from latentlm.training.data import Sequences, load_training_split
 from latentlm.training.neural import bptt, losses
 from latentlm.training.neural.growth import checkpoint_states, split_model, split_state_dict, splits_done
 from latentlm.training.neural.networks import VLHMM, RankNeural, sample_state_dropout
@@ -183,17 +183,22 @@ class Run:
         return f"{self.ns.family} Z={self.model.M * self.model.k}" + self.splits.describe(done)
 
 
-def setup(ns: TrainSettings) -> Run:
+def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Path | None = None) -> Run:
     """Data, model and optimiser, restored from the checkpoint with --resume (refused before any data is read
-    when its shape settings differ); the step-0 evaluation of a fresh run."""
+    when its shape settings differ); the step-0 evaluation of a fresh run. The data is `--data`'s, or
+    `sequences` when given (ids over their own vocabulary; `latentlm distill`); checkpoints go to `checkpoints`
+    (default `<store>/.train/<name>/`)."""
     common.check_resume(ns)
     gen = common.seed_all(ns.seed)
     device = common.resolve_device(ns.device)
-    vocab, train_seqs, valid_seqs = load_training_split(ns)
+    if sequences is None:
+        vocab, train_seqs, valid_seqs = load_training_split(ns)
+    else:
+        vocab, train_seqs, valid_seqs = sequences.vocab, sequences.train, sequences.valid
     model, extra_files = build(ns, vocab, train_seqs)
     model.to(device)
     blocked = ns.family == "blocked_hmm"
-    ckdir = common.checkpoint_dir(ns.store, ns.name)
+    ckdir = common.checkpoint_dir(ns.store, ns.name) if checkpoints is None else Path(checkpoints)
     tensors, state = common.load_checkpoint(ckdir) if ns.resume else ({}, {})
     while blocked and ns.resume and model.M * model.k < checkpoint_states(model, tensors):
         model = split_model(model)[0]  # splits done before the checkpoint (its parameters follow)
@@ -361,9 +366,9 @@ def checkpoint(run: Run, with_carry: bool) -> None:
     run.check_seconds += time.perf_counter() - tick
 
 
-def export(run: Run) -> Path:
+def export(run: Run, provenance: dict[str, Any] | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """The best evaluation's parameters as the family's artifact (+ clusters.txt, curve.png); returns its
-    directory."""
+    directory. `provenance` entries replace or add to the trainer's; `extra_files` are stored too."""
     ns, model = run.ns, run.model
     if run.blocked and splits_done(ns.states, model, run.splits) < len(run.splits):  # a share never reached
         print(f"--split-at: the budget ended before {len(run.splits) - splits_done(ns.states, model, run.splits)} "
@@ -380,9 +385,9 @@ def export(run: Run) -> Path:
                               "steps": run.pos.step, "gemm": run.gemm_name,
                               "gemm_gflops": {k: round(v, 1) for k, v in run.gemm_rates.items()}})
     title = f"{ns.family} {ns.states} states" + (f", M={model.M}" if blocked else f", r={ns.rank}")
-    extra_files = {**run.extra_files, "curve.png": common.curve_png(run.history, title)}
-    return save_artifact(ns.store, ns.name, ns.family, tensors, run.vocab, config=config, provenance=prov,
-                         extra_files=extra_files)
+    files = {**run.extra_files, "curve.png": common.curve_png(run.history, title), **(extra_files or {})}
+    return save_artifact(ns.store, ns.name, ns.family, tensors, run.vocab, config=config,
+                         provenance={**prov, **(provenance or {})}, extra_files=files)
 
 
 @trainer("blocked_hmm", "rank_hmm")
@@ -394,9 +399,15 @@ def train(ns: TrainSettings) -> Path:
 
 
 def _train(ns: TrainSettings) -> Path:
+    return export(fit(ns))
+
+
+def fit(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Path | None = None) -> Run:
     """Epochs of steps; a check at --eval-every / --evals-per-epoch, the end and any limit (--max-steps,
-    --time-limit, Ctrl-C); a checkpoint at each check and every --checkpoint-every steps; then the export."""
-    run = setup(ns)
+    --time-limit, Ctrl-C); a checkpoint at each check and every --checkpoint-every steps. Returns the run, for
+    `export`. `sequences`, `checkpoints`: as `setup` takes them. The GEMM library the run picks stays the
+    process's: a caller other than `train` holds `gemm.using` around fit and export."""
+    run = setup(ns, sequences, checkpoints)
     with common.graceful_interrupt() as interrupt:  # Ctrl-C: stop after this step and export the best
         for epoch in range(run.pos.epoch, ns.epochs):
             batches = epoch_batches(run, epoch)
@@ -430,4 +441,4 @@ def _train(ns: TrainSettings) -> Path:
             if run.stop:
                 break
     run.bar.close()
-    return export(run)
+    return run
