@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hmm_inference import append_section, machine, matmul_peaks, run_heading  # noqa: E402
 
 from latentlm.models import constrained as cn  # noqa: E402
+from latentlm.models import constrained_sampling as cs  # noqa: E402
 from latentlm.models.base import Batch, ChainFamily  # noqa: E402
 from latentlm.models.blocked_hmm import BlockedHMM  # noqa: E402
 from latentlm.models.constraint import WordDFA, compile_constraint, parse_constraint  # noqa: E402
@@ -283,12 +284,12 @@ def bench_model(label: str, model: ChainFamily, vocab: Vocabulary, args, deadlin
         lp_base = base.log_prob()
         # sampling: ours (both samplers) for every token; the baseline's scores for one token. A first draw builds
         # the model's sampling tables, once per model as the service does: not timed
-        cn.sample(msgs, 1, torch.Generator(device=dev).manual_seed(0))
-        draws, t_sample = best_of(lambda msgs=msgs: cn.sample(msgs, args.samples, torch.Generator(
+        cs.sample(msgs, 1, torch.Generator(device=dev).manual_seed(0))
+        draws, t_sample = best_of(lambda msgs=msgs: cs.sample(msgs, args.samples, torch.Generator(
             device=dev).manual_seed(0)), dev, args.repeats)
         tokens = sum(len(y) for y in draws)
         steps = max(len(y) for y in draws)
-        by_tokens, t_sample_tok = best_of(lambda msgs=msgs: cn.sample(msgs, args.samples, torch.Generator(
+        by_tokens, t_sample_tok = best_of(lambda msgs=msgs: cs.sample(msgs, args.samples, torch.Generator(
             device=dev).manual_seed(0), method="tokens"), dev, args.repeats)
         steps_tok = max(len(y) for y in by_tokens)
         t_base_tok = min(base_token_time(base, msgs, args.samples, dev) for _ in range(args.repeats))

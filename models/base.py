@@ -2,7 +2,9 @@
 
 A `ChainFamily` subclass supplies only its view of a batch for the chain engine (`chain`, `log_chain`)
 and how reduced states map back to its state ids (`state_ids`); score, posterior, Viterbi, MBR and
-sampling come from here and from `models.chain`.
+sampling come from here and from `models.chain`. A family that lists `constraint` in its operations also supplies
+its view for the product recursions of `models.constrained` (`constraint_view`, `tempered_copy`, and
+`constraint_sizes` where its chain is not its states).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from latentlm.models import calibrate as calibration
 from latentlm.models import chain
 from latentlm.models.backend import Backend
 from latentlm.models.chain import Emit, Trans
-from latentlm.models.cost import ENTRY_COST, OUTPUT_TOKEN_COST, SAMPLE_STEP_COST, TOKEN_COST, Work
+from latentlm.models.chain_view import ChainView
+from latentlm.models.cost import ENTRY_COST, OUTPUT_TOKEN_COST, SAMPLE_STEP_COST, TOKEN_COST, Work, product_cost
 from latentlm.models.errors import InputError
 from latentlm.models.family import Family
 from latentlm.models.results import Decoded, Embedding, Marginals, Path, Sample, Score
 from latentlm.models.sampling import CategoricalTable, Samples, draw_rows, run_sampler, slot_to_token, truncated
+from latentlm.models.sampling import tempered as tempered_weights
 
 
 @dataclass
@@ -127,9 +131,10 @@ class ChainOps:
         return [Embedding(e[i, : len(s)].tolist(), vecs.shape[1]) for i, s in enumerate(seqs)]
 
 
-class _ChainOperations:
+class ChainOperations:
     """`operations` of a chain family: the base set, plus "embed" on instances whose `extras` hold
-    `state_vectors` (Z, d) (DenseHMM, neural blocked HMM)."""
+    `state_vectors` (Z, d) (DenseHMM, neural blocked HMM). A family adds to it in its declaration, e.g.
+    `operations = ChainOperations(ChainFamily.operations | {"constraint"})`."""
 
     def __init__(self, base: frozenset[str]):
         self.base = base
@@ -138,6 +143,13 @@ class _ChainOperations:
         if obj is not None and "state_vectors" in getattr(obj, "extras", {}):
             return self.base | {"embed"}
         return self.base
+
+
+def tempered_rows(w: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """Each row of non-negative weights w (n, C) raised to 1 / temperature and renormalised (in float64, without
+    overflow: `sampling.tempered`), in `dtype`: a tempered factor of a chain family (`ChainFamily.tempered`)."""
+    t = tempered_weights(w.to(torch.float64).clamp_min(0), temperature)
+    return (t / t.sum(1, keepdim=True)).to(dtype)
 
 
 def check_continuable(first: Tensor, prefix: list[int] | None) -> None:
@@ -152,7 +164,7 @@ def check_continuable(first: Tensor, prefix: list[int] | None) -> None:
 class ChainFamily(ChainOps, Family):
     """Shared operations of HMM-like families over the chain engine."""
 
-    operations = _ChainOperations(frozenset({"score", "posterior", "decode", "sample"}))  # type: ignore[assignment]
+    operations = ChainOperations(frozenset({"score", "posterior", "decode", "sample"}))  # type: ignore[assignment]
     decode_methods = frozenset({"viterbi", "mbr"})
     default_method = "viterbi"
     device: torch.device
@@ -197,8 +209,11 @@ class ChainFamily(ChainOps, Family):
 
     def cost(self, work: Work) -> int:
         """tokens x width^2 per pass (score one, posterior/MBR two), plus what the response lists; sampling:
-        max_tokens steps of n rows (filtering K (Z + V) per step when drawn from the next-token distribution)."""
+        max_tokens steps of n rows (filtering K (Z + V) per step when drawn from the next-token distribution);
+        constraint: the product recursion over `constraint_sizes` (`cost.product_cost`)."""
         w, K = self.step_width, int(self.states_per_token)
+        if work.op == "constraint":  # the product recursion of `models.constrained` over this chain's sizes
+            return product_cost(*self.constraint_sizes(), work)
         if work.op == "sample":
             step = w * (self.num_states + work.vocab_size) if work.predictive else w * w
             return int(work.max_tokens * (SAMPLE_STEP_COST + work.n * (step + TOKEN_COST))
@@ -244,6 +259,36 @@ class ChainFamily(ChainOps, Family):
 
     def start_probs(self) -> Tensor:
         return self.start
+
+    # -- constrained inference (`models.constrained`) ---------------------------------------------------
+    def constraint_view(self) -> ChainView:
+        """This model as the product recursions of `models.constrained` read it: S states with a start, a
+        transition (S, S) and emissions (S, V) (`models.chain_view`). A family that lists `constraint` in its
+        `operations` supplies it."""
+        raise NotImplementedError(f"family {self.family!r} supplies no constraint view")
+
+    def constraint_sizes(self) -> tuple[int, int, int]:
+        """(S: states of the chain the product recursion runs, the width of its filter step, the states one word's
+        emission touches), known before any work; here (Z, step_width, step_width): dense (Z, Z, Z), blocked
+        (Z, k, k). A family whose view runs another chain (rank_hmm: its r rank variables) says so."""
+        return int(self.num_states), self.step_width, self.step_width
+
+    def tempered(self, temperature: float) -> ChainFamily:
+        """The model with each factor tempered: its start, each transition row and each state's emission
+        distribution raised to 1 / temperature and renormalised (`tempered_rows`), so that draws from the
+        constrained distribution are exact draws of a well-defined HMM (not p(y | x)^(1/T), which does not factor
+        over states). The model itself at temperature 1; InputError naming `temperature` unless it is positive and
+        finite. O(size of the model's tensors)."""
+        if temperature == 1.0:
+            return self
+        if not (temperature > 0 and math.isfinite(temperature)):
+            raise InputError(f"temperature: must be a positive number, got {temperature}", param="temperature")
+        return self.tempered_copy(temperature)
+
+    def tempered_copy(self, temperature: float) -> ChainFamily:
+        """`tempered` at a temperature other than 1 (checked): a new instance over tempered tensors. A family
+        that lists `constraint` in its `operations` supplies it."""
+        raise NotImplementedError(f"family {self.family!r} supplies no tempered copy")
 
     def score_fused(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """`score` on the fused CUDA path (`models.triton_chain`), in `storage_dtype`; families with

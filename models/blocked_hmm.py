@@ -9,10 +9,15 @@ Artifact tensors: `start` (Z,), `trans` (Z, Z) rows sum to 1 (the cached matrix,
 `emit` (V, k): emit[w, i] = p(w | state cluster(w)*k + i) (for each state, its words' column sums to 1),
 `word_cluster` (V,) int64 in [0, M). Optional `state_vectors` (Z, d) for embeddings.
 Config: `num_states` Z, `num_clusters` M, `states_per_cluster` k.
+
+Its length (over 600 lines) is earned: the family, its exact EM statistics (`expected_counts`) and its view for
+constrained inference (`BlockedView`) all read the same cluster layout of `trans` and `emit` (a word's k states,
+a block per cluster pair), and keeping them beside the class keeps that layout's one definition in one place.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,8 +29,9 @@ from torch import Tensor
 from latentlm.models import backend as dispatch
 from latentlm.models import chain, triton_chain
 from latentlm.models.backend import Backend
-from latentlm.models.base import Batch, ChainFamily
+from latentlm.models.base import Batch, ChainFamily, ChainOperations, tempered_rows
 from latentlm.models.chain import Emit, RowLookup, Trans
+from latentlm.models.chain_view import SLAB_ENTRIES, ChainView, normalised
 from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, InputError
 from latentlm.models.family import Recipe
@@ -35,6 +41,7 @@ from latentlm.models.sampling import CategoricalTable, tables_at
 
 class BlockedHMM(ChainFamily):
     family = "blocked_hmm"
+    operations = ChainOperations(ChainFamily.operations | {"constraint"})  # type: ignore[assignment]
     has_fused_score = True  # on CUDA `score` runs `triton_chain.blocked_forward_cuda` (see `models.backend.score`)
     recipes = (Recipe("blocked_hmm", {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64,
                                       "lr": 1e-2, "checkpoint_every": 200},
@@ -330,6 +337,87 @@ class BlockedHMM(ChainFamily):
     def _tables(self, temperature: float):
         per_state, slot_token = self._emission_slots
         return CategoricalTable(self.trans, temperature), CategoricalTable(per_state, temperature), slot_token
+
+    # -- constrained inference: k-sparse emissions over the stored Z x Z matrix --------------------------
+    def constraint_view(self) -> BlockedView:
+        return BlockedView(self)
+
+    def tempered_copy(self, temperature: float) -> BlockedHMM:
+        """start and transition rows tempered; each state's emission distribution over its cluster's words."""
+        emit = self.emit.to(torch.float64)
+        logs = torch.where(emit > 0, emit.log(), -math.inf) / temperature
+        top = torch.full((self.M, self.k), -math.inf, dtype=torch.float64, device=self.device)
+        top = top.scatter_reduce(0, self.word_cluster[:, None].expand(-1, self.k), logs, "amax")
+        w = (logs - top[self.word_cluster]).exp()
+        sums = torch.zeros_like(top).index_add_(0, self.word_cluster, w)
+        emit_t = (w / sums[self.word_cluster]).to(self.dtype)
+        return BlockedHMM(tempered_rows(self.start[None], temperature, self.dtype)[0],
+                          tempered_rows(self.trans, temperature, self.dtype), emit_t, self.word_cluster, self.M)
+
+
+class BlockedView(ChainView):
+    """blocked_hmm: Z = M k states; B(z, v) = emit[v, i] for z = cluster(v) k + i, else 0. The backward multiplies by
+    the stored Z x Z matrix where it lies (row slabs widened only when it is stored in bfloat16); emissions touch
+    one cluster's k states; the filter after a word is O(k Z) (the family's own `_condition` / `_propagate`)."""
+
+    def __init__(self, model: BlockedHMM):
+        self.model = model
+        self.S, self.dtype, self.device = model.num_states, model.dtype, model.device
+        self.k = model.k
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.word_cluster.shape[0])
+
+    def start(self) -> Tensor:
+        return self.model.start
+
+    def trans_apply(self, X: Tensor) -> Tensor:
+        trans = self.model.trans
+        if trans.dtype == self.dtype:
+            return trans @ X
+        out = torch.empty(self.S, X.shape[1], dtype=self.dtype, device=self.device)
+        step = max(self.k, SLAB_ENTRIES // self.S)  # rows widened a slab at a time (bfloat16 storage)
+        for lo in range(0, self.S, step):
+            out[lo: lo + step] = trans[lo: lo + step].to(self.dtype) @ X
+        return out
+
+    def _states(self, words: Tensor) -> Tensor:
+        """(R, k) state ids of each word's cluster."""
+        return self.model.word_cluster[words][:, None] * self.k + torch.arange(self.k, device=self.device)
+
+    def emission(self, word: int) -> Tensor:
+        col = torch.zeros(self.S, dtype=self.dtype, device=self.device)
+        c = int(self.model.word_cluster[word])
+        col[c * self.k: (c + 1) * self.k] = self.model.emit[word]
+        return col
+
+    def masked_mass(self, mask: Tensor) -> Tensor:
+        m = self.model
+        mass = torch.zeros(m.M, self.k, dtype=torch.float64, device=self.device)  # float64 sums
+        mass.index_add_(0, m.word_cluster[mask], m.emit[mask].double())
+        return mass.view(-1).to(self.dtype)
+
+    def class_mass(self, cls: Tensor, C: int) -> Tensor:
+        keep = (cls >= 0).nonzero().squeeze(1)
+        flat = (self._states(keep) * C + cls[keep][:, None]).reshape(-1)  # B(z, v) != 0 only on v's cluster
+        mass = torch.zeros(self.S * C, dtype=torch.float64, device=self.device)
+        mass.index_add_(0, flat, self.model.emit[keep].double().reshape(-1))
+        return mass.view(self.S, C).to(self.dtype)
+
+    def token_probs(self, a: Tensor) -> Tensor:
+        return self.model._token_probs(a)
+
+    def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
+        idx = self._states(words)
+        return (a.gather(1, idx) * self.model.emit[words].to(self.dtype) * M[idx, cols[:, None]]).sum(-1)
+
+    def condition(self, a: Tensor, words: Tensor) -> Tensor:
+        alpha, ids = self.model._condition(a, words)
+        return self.model._propagate(normalised(alpha), ids)
+
+    def trans_rows(self, z: Tensor) -> Tensor:
+        return self.model.trans[z].to(self.dtype)
 
 
 @dataclass(frozen=True)

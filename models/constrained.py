@@ -1,17 +1,17 @@
-"""Exact inference on the product of a chain family (hmm, blocked_hmm, rank_hmm, tagging_hmm) and a constraint's
-automaton (`models.constraint.WordDFA`): the probability that a continuation satisfies the constraint, exact
-conditional sampling, a guide for neural LMs, and a constrained beam search.
+"""Exact inference on the product of a chain family and a constraint's automaton (`models.constraint.WordDFA`): the
+probability that a continuation satisfies the constraint, a guide for neural LMs, a constrained beam search, and the
+messages exact conditional sampling draws from (`models.constrained_sampling`).
 
-Its length (over 600 lines) is earned: the four uses share one set of backward messages and one view of each
-family's step, and keeping the recursion, its two samplers, the guide and the beam search beside the messages they
-read keeps their exactness argument (below) in one place.
+A family takes part by listing `constraint` in its operations and supplying its step as a view
+(`ChainFamily.constraint_view`: a `models.chain_view.ChainView`), a tempered copy (`ChainFamily.tempered`) and its
+sizes (`ChainFamily.constraint_sizes`, read by its `cost`); nothing here names a family.
 
 Semantics. With prefix x, a continuation y = y_1 .. y_L is complete when it emits `<eos>` (y_L, the first one);
     P(C | x) = sum over complete y with min_tokens <= L <= max_tokens that satisfy C of p(y | x).
 The automaton reads the content words y_1 .. y_{L-1}; `<eos>` is its acceptance test.
 
-Recursion (float64 log-scales; S = the chain's states: Z for hmm / tagging_hmm / blocked_hmm, the rank r for
-rank_hmm, which runs as the r-state HMM of its rank variables; Lmax = max_tokens):
+Recursion (float64 log-scales; S = the states of the view's chain: Z for hmm / tagging_hmm / blocked_hmm, the rank r
+for rank_hmm, which runs as the r-state HMM of its rank variables; Lmax = max_tokens):
     W_j(z, q) = [Lmin <= j+1 <= Lmax] [q accepting] B(z, eos)
                 + [j+1 < Lmax] sum_{q' successor of q} e_{q,q'}(z) M_{j+1}(z, q'),     M_{j+1} = A W_{j+1},
 where e_{q,q'}(z) = sum of B(z, v) over the words v taking q to q' (the named words one by one, every other word
@@ -21,13 +21,13 @@ the continuation completes validly given state z emits token j+1 and the automat
 Every column is kept as W = What exp(sigma): What's column maximum is 1 (in the model's dtype), sigma float64
 (values for different automaton states differ by many orders of magnitude: one scale per step is not enough
 in float32); only (j, q) pairs that are reachable and can still accept in the window (`WordDFA.live`) are
-computed. A blocked HMM multiplies by its stored Z x Z matrix where it lies (row slabs widened only when it is
-stored in bfloat16); its emissions are k-sparse (`e` columns and `B(., word)` touch one cluster's k states) and
-its filter after a word is O(k Z) (its own `_condition` / `_propagate`); token scores read each word's k states.
-The messages (`Messages`: What_j, sigma_j and M_j over the live states) depend on neither the prefix nor the
-samples: computed once per (model, constraint, temperature) and reused by every call below. The stored Z x Z matrix
-is read in full at every backward step (the next word is unknown, so no k x k block suffices there): the backward
-of a blocked HMM costs what a dense one does; its savings are in the emissions, the filter and the sampler.
+computed. A blocked HMM's view (`blocked_hmm.BlockedView`) multiplies by its stored Z x Z matrix where it lies;
+its emissions are k-sparse (`e` columns and `B(., word)` touch one cluster's k states) and its filter after a word
+is O(k Z); token scores read each word's k states. The messages (`Messages`: What_j, sigma_j and M_j over the live
+states) depend on neither the prefix nor the samples: computed once per (model, constraint, temperature) and reused
+by every call below. The stored Z x Z matrix is read in full at every backward step (the next word is unknown, so no
+k x k block suffices there): the backward of a blocked HMM costs what a dense one does; its savings are in the
+emissions, the filter and the sampler.
 
 With a_j(z) = p(z_{n+j+1} = z | x, y_<=j) (the plain predictive filter: the constraint lives only in W):
     s_j(v)   = P(y_{j+1} = v, C | x, y_<=j) = sum_z a_j(z) B(z, v) M_{j+1}(z, delta(q_j, v))   (v content)
@@ -43,25 +43,26 @@ within OTHER.
 Usage:
     dfa = constraint.compile_constraint(constraint.parse_constraint(spec, vocab), vocab)   # 422 / 413 cases
     msgs = constrained.prepare(model, dfa, temperature=1.0)
-    msgs.log_prob(prefix_ids); constrained.sample(msgs, n, generator, prefix=prefix_ids)
+    msgs.log_prob(prefix_ids); constrained_sampling.sample(msgs, n, generator, prefix=prefix_ids)
     guide = constrained.Guide(msgs, [prefix_ids]); guide.weights(); guide.advance([token])
 
 Entry points (all on the model's device, in its dtype, with float64 where results are reported):
 - `prepare(model, dfa, temperature=1.0) -> Messages`: the backward messages. O(Lmax (Q_live S^2 + E S) + S V).
 - `Messages.log_prob(prefix) -> float | None`: log P(C | prefix) (None for probability 0). O(prefix S^2).
-- `sample(messages, n, generator, prefix, method)`: n continuations drawn exactly from p(y | prefix, y complete,
-  y satisfies C); InputError naming `constraint` when P(C | prefix) = 0. "states" (default): state then token,
-  O(S + D) per token and sample; "tokens": each token from its marginal s_j, O(S V + S^2) (blocked O(k V + k Z)).
+- `constrained_sampling.sample(messages, n, generator, prefix, method)`: n continuations drawn exactly from
+  p(y | prefix, y complete, y satisfies C); InputError naming `constraint` when P(C | prefix) = 0. "states"
+  (default): state then token, O(S + D) per token and sample; "tokens": each token from its marginal s_j,
+  O(S V + S^2) (blocked O(k V + k Z)).
 - `Guide(messages, prefixes)`: incremental handle for n sequences: `weights()` -> (n, V) g_j(v), `advance(tokens)`
   one filter step each (no rescan of the tokens so far).
 - `beam_search(messages, prefix, beam, n_best)`: hypotheses ranked by p(h | x) P(C | x, h) (model x exact
   lookahead), which bounds every completion's log p(y | x) from above; `certified` when the best found
   completions are provably the most probable constrained strings.
-- `estimate_cost(model, dfa, ...)`: the work of a request in multiply-adds, and `table_bytes(model, dfa)` the
-  memory of its messages, known before any work.
-Temperature tempers the model before conditioning (`tempered`: start, transition rows and emission rows each
-raised to 1/T and renormalised; rank_hmm: its rank-space start, step and emissions), so draws are exact from the
-constrained distribution of a well-defined HMM. This is not p(y | x)^(1/T), which does not factor over states.
+- `estimate_cost(model, dfa, ...)`: the work of a request in multiply-adds (the family's `cost` of a "constraint"
+  `Work`), and `table_bytes(model, dfa)` the memory of its messages, known before any work.
+Temperature tempers the model before conditioning (`ChainFamily.tempered`: start, transition rows and emission rows
+each raised to 1/T and renormalised; rank_hmm: its rank-space start, step and emissions), so draws are exact from
+the constrained distribution of a well-defined HMM. This is not p(y | x)^(1/T), which does not factor over states.
 """
 
 from __future__ import annotations
@@ -75,270 +76,24 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from latentlm.models.base import Batch, ChainFamily, check_continuable
-from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.base import ChainFamily, check_continuable
+from latentlm.models.chain_view import ChainView
 from latentlm.models.constraint import WordDFA
+from latentlm.models.cost import ProductWork, Work
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
-from latentlm.models.hmm import DenseHMM
-from latentlm.models.rank_hmm import RankHMM
-from latentlm.models.sampling import draw_rows, slot_to_token, tables_at
-from latentlm.models.sampling import tempered as tempered_rows
 
-FAMILIES = ("hmm", "blocked_hmm", "rank_hmm", "tagging_hmm")
-SLAB_ENTRIES = 1 << 22  # entries of a temporary (rows x S) product before it is cut into slabs
 DEFAULT_MAX_TABLE_BYTES = 4 << 30  # messages of one request (a setting of the service)
-STEP_OVERHEAD = 3_000_000  # cost units per interpreter-level step (the service's per-step sampling overhead)
-
-
-# -- each family as the recursions see it ---------------------------------------------------------------
-class ChainView:
-    """A chain family as S states with a start, a transition (S, S) and emissions B (S, V); subclasses read each
-    family's own tensors and hooks. `a` arguments are predictive distributions (n, S)."""
-
-    model: ChainFamily
-    S: int
-    dtype: torch.dtype
-    device: torch.device
-
-    def start(self) -> Tensor:
-        """p(z_1) (S,)."""
-        raise NotImplementedError
-
-    def predictive(self, prefix: list[int]) -> Tensor:
-        """p(z_{n+1} | prefix) (S,), unnormalised (the chain engine's filter)."""
-        raise NotImplementedError
-
-    def trans_apply(self, X: Tensor) -> Tensor:
-        """A @ X: (S, n) -> (S, n). O(S^2 n)."""
-        raise NotImplementedError
-
-    def emission(self, word: int) -> Tensor:
-        """B(., word) (S,)."""
-        raise NotImplementedError
-
-    def masked_mass(self, mask: Tensor) -> Tensor:
-        """sum of B(., v) over the words v with mask[v] (V,) bool, by a masked row sum (S,)."""
-        raise NotImplementedError
-
-    def class_mass(self, cls: Tensor, C: int) -> Tensor:
-        """(S, C): column c = sum of B(., v) over the words v of class c (cls (V,), -1 = in no class), accumulated
-        in float64 in one pass over B (a scatter-add of its columns by class, never 1 - a sum)."""
-        raise NotImplementedError
-
-    def token_probs(self, a: Tensor) -> Tensor:
-        """(n, S) -> (n, V): sum_z a(z) B(z, v)."""
-        raise NotImplementedError
-
-    def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
-        """sum_z a[i, z] B(z, words[i]) M[z, cols[i]] (R,) for a (R, S), words (R,), M (S, C), cols (R,)."""
-        raise NotImplementedError
-
-    def condition(self, a: Tensor, words: Tensor) -> Tensor:
-        """The next predictive after each row reads its word: (a * B(., w)) A, normalised (n, S); a row whose
-        word has probability 0 comes back as zeros."""
-        raise NotImplementedError
-
-    def trans_rows(self, z: Tensor) -> Tensor:
-        """A[z, :] (n, S) in the view's dtype (read where they lie)."""
-        raise NotImplementedError
-
-    def draw_words(self, z: Tensor, generator: torch.Generator) -> Tensor:
-        """One word per state z (n,) from B(z, .), by the family's sampling tables (built once per model)."""
-        raise NotImplementedError
-
-
-class DenseView(ChainView):
-    """hmm and tagging_hmm (the tag factor sums to 1 for word constraints): start, trans (Z, Z), emit (Z, V);
-    rank_hmm in rank space: rank_start, rank_trans (r, r), emissions emit.T (r, V)."""
-
-    def __init__(self, model: ChainFamily):
-        self.model = model
-        if isinstance(model, RankHMM):
-            self.init, self.trans, self.emit_by_word = model.rank_start, model.rank_trans, model.emit  # (V, r)
-            self.emit = model.emit.T  # (r, V)
-        else:
-            assert isinstance(model, DenseHMM)
-            self.init, self.trans, self.emit, self.emit_by_word = model.start, model.trans, model.emit, \
-                model.emit_by_word
-        self.S, self.dtype, self.device = self.trans.shape[0], self.trans.dtype, self.trans.device
-
-    def start(self) -> Tensor:
-        return self.init
-
-    def predictive(self, prefix: list[int]) -> Tensor:
-        if isinstance(self.model, RankHMM):  # the chain engine runs rank_hmm in rank space
-            return self.model.filtered_last(Batch.from_lists([prefix], self.device))[0] @ self.trans
-        return self.model.predictive(prefix)
-
-    def trans_apply(self, X: Tensor) -> Tensor:
-        return self.trans @ X
-
-    def emission(self, word: int) -> Tensor:
-        return self.emit[:, word]
-
-    def masked_mass(self, mask: Tensor) -> Tensor:
-        """Accumulated in float64 a slab of rows at a time (a float32 sum of 10^4 terms loses ~1e-5)."""
-        out = torch.empty(self.S, dtype=torch.float64, device=self.device)
-        m = mask.to(torch.float64)
-        step = max(1, SLAB_ENTRIES // self.emit.shape[1])
-        for lo in range(0, self.S, step):
-            out[lo: lo + step] = self.emit[lo: lo + step].double() @ m
-        return out.to(self.dtype)
-
-    def class_mass(self, cls: Tensor, C: int) -> Tensor:
-        keep = (cls >= 0).nonzero().squeeze(1)
-        idx = cls[keep]
-        out = torch.empty(self.S, C, dtype=torch.float64, device=self.device)
-        step = max(1, SLAB_ENTRIES // self.emit.shape[1])
-        for lo in range(0, self.S, step):
-            rows = self.emit[lo: lo + step][:, keep].double()
-            out[lo: lo + step] = torch.zeros(len(rows), C, dtype=torch.float64, device=self.device).index_add_(
-                1, idx, rows)
-        return out.to(self.dtype)
-
-    def token_probs(self, a: Tensor) -> Tensor:
-        return a @ self.emit
-
-    def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
-        out = torch.empty(len(a), dtype=self.dtype, device=self.device)
-        step = max(1, SLAB_ENTRIES // self.S)
-        for lo in range(0, len(a), step):
-            sl = slice(lo, lo + step)
-            out[sl] = (a[sl] * self.emit_by_word[words[sl]] * M[:, cols[sl]].T).sum(-1)
-        return out
-
-    def condition(self, a: Tensor, words: Tensor) -> Tensor:
-        alpha = a * self.emit_by_word[words]
-        return _normalised(alpha) @ self.trans
-
-    def trans_rows(self, z: Tensor) -> Tensor:
-        return self.trans[z]
-
-    def draw_words(self, z: Tensor, generator: torch.Generator) -> Tensor:
-        if isinstance(self.model, RankHMM):  # the rank variables' word table (rank_hmm's own sampler's)
-            words = tables_at(self.model, 1.0, self.model._tables)[0]
-            return words.draw(z, generator)
-        _, emit_table, slot_token = self.model.sampling_tables(1.0)
-        return slot_to_token(emit_table.draw(z, generator), z, slot_token)
-
-
-class BlockedView(ChainView):
-    """blocked_hmm: Z = M k states; B(z, v) = emit[v, i] for z = cluster(v) k + i, else 0."""
-
-    def __init__(self, model: BlockedHMM):
-        self.model = model
-        self.S, self.dtype, self.device = model.num_states, model.dtype, model.device
-        self.k = model.k
-
-    def start(self) -> Tensor:
-        return self.model.start
-
-    def predictive(self, prefix: list[int]) -> Tensor:
-        return self.model.predictive(prefix)
-
-    def trans_apply(self, X: Tensor) -> Tensor:
-        trans = self.model.trans
-        if trans.dtype == self.dtype:
-            return trans @ X
-        out = torch.empty(self.S, X.shape[1], dtype=self.dtype, device=self.device)
-        step = max(self.k, SLAB_ENTRIES // self.S)  # rows widened a slab at a time (bfloat16 storage)
-        for lo in range(0, self.S, step):
-            out[lo: lo + step] = trans[lo: lo + step].to(self.dtype) @ X
-        return out
-
-    def _states(self, words: Tensor) -> Tensor:
-        """(R, k) state ids of each word's cluster."""
-        return self.model.word_cluster[words][:, None] * self.k + torch.arange(self.k, device=self.device)
-
-    def emission(self, word: int) -> Tensor:
-        col = torch.zeros(self.S, dtype=self.dtype, device=self.device)
-        c = int(self.model.word_cluster[word])
-        col[c * self.k: (c + 1) * self.k] = self.model.emit[word]
-        return col
-
-    def masked_mass(self, mask: Tensor) -> Tensor:
-        m = self.model
-        mass = torch.zeros(m.M, self.k, dtype=torch.float64, device=self.device)  # float64 sums
-        mass.index_add_(0, m.word_cluster[mask], m.emit[mask].double())
-        return mass.view(-1).to(self.dtype)
-
-    def class_mass(self, cls: Tensor, C: int) -> Tensor:
-        m = self.model
-        keep = (cls >= 0).nonzero().squeeze(1)
-        states = self._states(keep)  # (n, k): B(z, v) != 0 only on v's cluster
-        flat = (states * C + cls[keep][:, None]).reshape(-1)
-        mass = torch.zeros(self.S * C, dtype=torch.float64, device=self.device)
-        mass.index_add_(0, flat, m.emit[keep].double().reshape(-1))
-        return mass.view(self.S, C).to(self.dtype)
-
-    def token_probs(self, a: Tensor) -> Tensor:
-        return self.model._token_probs(a)
-
-    def scores_at(self, a: Tensor, words: Tensor, M: Tensor, cols: Tensor) -> Tensor:
-        idx = self._states(words)
-        return (a.gather(1, idx) * self.model.emit[words].to(self.dtype) * M[idx, cols[:, None]]).sum(-1)
-
-    def condition(self, a: Tensor, words: Tensor) -> Tensor:
-        alpha, ids = self.model._condition(a, words)
-        return self.model._propagate(_normalised(alpha), ids)
-
-    def trans_rows(self, z: Tensor) -> Tensor:
-        return self.model.trans[z].to(self.dtype)
-
-    def draw_words(self, z: Tensor, generator: torch.Generator) -> Tensor:
-        _, emit_table, slot_token = self.model.sampling_tables(1.0)
-        return slot_to_token(emit_table.draw(z, generator), z, slot_token)
-
-
-def _normalised(alpha: Tensor) -> Tensor:
-    total = alpha.sum(1, keepdim=True)
-    return torch.where(total > 0, alpha / torch.where(total > 0, total, 1), 0)
 
 
 def view_of(model: Any) -> ChainView:
-    """The `ChainView` of a chain family; UnsupportedOperation naming the family otherwise."""
-    if isinstance(model, BlockedHMM):
-        return BlockedView(model)
-    if isinstance(model, (DenseHMM, RankHMM)):
-        return DenseView(model)
+    """The family's `ChainView` (`ChainFamily.constraint_view`) where its declaration lists `constraint`;
+    UnsupportedOperation naming the family otherwise."""
+    if "constraint" in getattr(model, "operations", ()):
+        return model.constraint_view()
     family = getattr(model, "family", type(model).__name__)
-    raise UnsupportedOperation(f"constraints are answered by the chain families ({', '.join(FAMILIES)}), not by "
-                               f"{family!r}", param="constraint")
+    raise UnsupportedOperation(f"constraints are answered by the families whose operations list 'constraint', not "
+                               f"by {family!r}", param="constraint")
 
-
-# -- temperature: a tempered copy of the model ---------------------------------------------------------------
-def tempered(model: ChainFamily, temperature: float) -> ChainFamily:
-    """The model with each factor tempered: start, each transition row and each state's emission distribution
-    raised to 1 / temperature and renormalised (blocked: a state's distribution over its cluster's words;
-    rank_hmm: the rank-space start, step and emissions, which define the HMM its chain runs). The model itself
-    at temperature 1. O(size of the model's tensors)."""
-    if temperature == 1.0:
-        return model
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise InputError(f"temperature: must be a positive number, got {temperature}", param="temperature")
-    dtype = model.dtype
-
-    def rows(w: Tensor) -> Tensor:
-        t = tempered_rows(w.to(torch.float64).clamp_min(0), temperature)
-        return (t / t.sum(1, keepdim=True)).to(dtype)
-
-    if isinstance(model, BlockedHMM):
-        emit = model.emit.to(torch.float64)
-        logs = torch.where(emit > 0, emit.log(), -math.inf) / temperature
-        top = torch.full((model.M, model.k), -math.inf, dtype=torch.float64, device=model.device)
-        top = top.scatter_reduce(0, model.word_cluster[:, None].expand(-1, model.k), logs, "amax")
-        w = (logs - top[model.word_cluster]).exp()
-        sums = torch.zeros_like(top).index_add_(0, model.word_cluster, w)
-        emit_t = (w / sums[model.word_cluster]).to(dtype)
-        return BlockedHMM(rows(model.start[None])[0], rows(model.trans), emit_t, model.word_cluster, model.M)
-    if isinstance(model, RankHMM):
-        t = {"start": model.start, "state_in": model.state_in, "state_out": model.state_out,
-             "rank_start": rows(model.rank_start[None])[0], "rank_trans": rows(model.rank_trans),
-             "emit": rows(model.emit.T).T.contiguous()}
-        return RankHMM(t)
-    if isinstance(model, DenseHMM):
-        return DenseHMM(rows(model.start[None])[0], rows(model.trans), rows(model.emit))
-    return model
 
 
 def class_layout(dfa: WordDFA) -> tuple[np.ndarray, bool]:
@@ -459,10 +214,10 @@ def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0,
         raise LimitExceeded(f"constraint: its messages would hold {need / 2**20:,.0f} MiB for this model, above the "
                             f"limit of {max_bytes / 2**20:,.0f} MiB (fewer automaton states or max_tokens)",
                             param="constraint")
-    view = view_of(tempered(model, temperature))
-    if dfa.cls.shape[0] != _vocab_size(view):
+    view = view_of(model.tempered(temperature))
+    if dfa.cls.shape[0] != view.vocab_size:
         raise InputError(f"constraint: compiled for a vocabulary of {dfa.cls.shape[0]} words, the model has "
-                         f"{_vocab_size(view)}", param="constraint")
+                         f"{view.vocab_size}", param="constraint")
     S, dtype, dev = view.S, view.dtype, view.device
     lo, hi = dfa.min_tokens, dfa.max_tokens
     K = dfa.num_classes - 1
@@ -531,13 +286,6 @@ def prepare(model: ChainFamily, dfa: WordDFA, *, temperature: float = 1.0,
     # live[0] holds the start state (checked when the constraint was compiled)
     return Messages(view, dfa, temperature, M, Ws, cols, sigmas, eos, Bc, edge_emit, pairs[:, 0].copy(),
                     pairs[:, 1].copy())
-
-
-def _vocab_size(view: ChainView) -> int:
-    m = view.model
-    if isinstance(m, BlockedHMM):
-        return int(m.word_cluster.shape[0])
-    return int(view.emit.shape[1])  # type: ignore[attr-defined]
 
 
 # -- next-token scores ---------------------------------------------------------------------------------------
@@ -722,136 +470,6 @@ class Guide:
         self.j += 1
 
 
-# -- exact conditional sampling ---------------------------------------------------------------------------------
-SAMPLING_METHODS = ("states", "tokens")
-REJECTION_ROUNDS = 32  # draws of an OTHER word from B(z, .) before the rest are drawn by a masked row (O(V))
-
-
-def sample(msgs: Messages, n: int, generator: torch.Generator, *, prefix: Sequence[int] | None = None,
-           method: str = "states") -> list[list[int]]:
-    """n continuations (token ids, each ending with `<eos>`) drawn exactly from p(y | prefix, y complete, y
-    satisfies C) under the (tempered) model of `msgs`. InputError naming `constraint` when P(C | prefix) = 0 (and
-    `prefix` when the prefix has probability 0).
-
-    method "states" (default; CONSTRAINED.md 2.4, state then token): z_1 ~ a_0(z) W_0(z, q_0); then per token,
-    the successor q' (or `<eos>`) with weight e_{q,q'}(z) M_{j+1}(z, q') (eos: B(z, eos)), the word within the
-    chosen classes from B(z, .) (an OTHER word by drawing from the state's emission table until it is one), and
-    z' ~ A(z, z') W_{j+1}(z', q'). O(S + D + V/expected) per token and sample (D: successors of q): no S x V
-    product. method "tokens": each token from its exact marginal s_j (the guide's scores with the model as the
-    LM), O(S V + S^2) per token and sample (blocked: O(k V + k Z))."""
-    if method not in SAMPLING_METHODS:
-        raise InputError(f"method: expected one of {', '.join(SAMPLING_METHODS)}, got {method!r}", param="method")
-    if msgs.log_prob(prefix) is None:
-        raise InputError("constraint: has probability 0 under this model after this prefix: no continuation "
-                         "satisfies it", param="constraint")
-    if method == "tokens":
-        return _sample_tokens(msgs, n, generator, prefix)
-    return _sample_states(msgs, n, generator, prefix)
-
-
-def _sample_tokens(msgs: Messages, n: int, generator: torch.Generator, prefix: Sequence[int] | None
-                   ) -> list[list[int]]:
-    a = msgs.initial(prefix).expand(n, -1).clone()
-    q = torch.zeros(n, dtype=torch.long, device=a.device)
-    out: list[list[int]] = [[] for _ in range(n)]
-    rows = torch.arange(n, device=a.device)
-    eos = msgs.dfa.eos_id
-    for j in range(msgs.dfa.max_tokens):
-        if not len(rows):
-            break
-        log_s = next_log_scores(msgs, a, q, j)
-        top = log_s.amax(1, keepdim=True)
-        v = draw_rows((log_s - top).exp(), generator)
-        for i, tok in zip(rows.tolist(), v.tolist(), strict=True):
-            out[i].append(tok)
-        go = (v != eos).nonzero().squeeze(1)
-        a, q = _advance(msgs, a[go], q[go], v[go])
-        rows = rows[go]
-    return out
-
-
-def _sample_states(msgs: Messages, n: int, generator: torch.Generator, prefix: Sequence[int] | None
-                   ) -> list[list[int]]:
-    view, dfa = msgs.view, msgs.dfa
-    dev = view.device
-    lo, hi = dfa.min_tokens, dfa.max_tokens
-    eos = dfa.eos_id
-    pair_dst = msgs.pair_dst_t
-    a0 = msgs.initial(prefix)
-    z = draw_rows((a0 * msgs.W0).double().expand(n, -1), generator)
-    q = torch.zeros(n, dtype=torch.long, device=dev)
-    rows = torch.arange(n, device=dev)
-    out: list[list[int]] = [[] for _ in range(n)]
-    for j in range(hi):
-        if not len(rows):
-            break
-        # the successor (or <eos>): weights e_{q,q'}(z) M_{j+1}(z, q') exp(sigma) and B(z, eos), scaled per row
-        pid = msgs.out_pairs[q]  # (r, D)
-        logw = torch.full((len(rows), pid.shape[1] + 1), -math.inf, dtype=torch.float64, device=dev)
-        Mj = msgs.M[j + 1] if j + 1 < hi else None
-        if Mj is not None:
-            col, sig = msgs.col_t[j + 1], msgs.sigma_t[j + 1]
-            dst = torch.where(pid >= 0, pair_dst[pid.clamp_min(0)], 0)
-            c = col[dst]
-            ok = (pid >= 0) & (c >= 0)
-            term = msgs.edge_emit[z[:, None], pid.clamp_min(0)] * Mj[z[:, None], c.clamp_min(0)]
-            logw[:, :-1] = torch.where(ok, _log(term) + sig[dst], -math.inf)
-        if eos is not None and eos_allowed(j, lo, hi):
-            logw[:, -1] = torch.where(msgs.accept[q], _log(msgs.eos[z]), -math.inf)
-        pick = draw_rows((logw - logw.amax(1, keepdim=True)).exp(), generator)
-        ends = pick == pid.shape[1]
-        words = torch.full_like(z, -1)
-        if eos is not None:
-            words[ends] = eos
-        go = (~ends).nonzero().squeeze(1)
-        if len(go):
-            q_next = pair_dst[pid[go, pick[go]]]
-            # the word: a class taking q to q' by its emission weight, then (OTHER) a word of that class
-            allowed = msgs.delta[q[go]] == q_next[:, None]  # (g, K+1)
-            cw = torch.where(allowed, msgs.Bc[z[go]], 0).double()
-            c = draw_rows(cw, generator)
-            special = msgs.class_words[c] >= 0  # one-word classes (word-level: c < K)
-            words[go[special]] = msgs.class_words[c[special]]
-            other = go[~special]
-            if len(other):
-                if not msgs.general:  # word-level: every such class is OTHER
-                    words[other] = _draw_other(msgs, z[other], generator)
-                else:
-                    words[other] = _draw_other(msgs, z[other], generator, c[~special])
-            z_next = draw_rows((view.trans_rows(z[go]) * msgs.W[j + 1][:, msgs.col_t[j + 1][q_next]].T).double(),
-                               generator)
-        for i, tok in zip(rows.tolist(), words.tolist(), strict=True):
-            out[i].append(tok)
-        if len(go):
-            rows, z, q = rows[go], z_next, q_next
-        else:
-            rows = rows[:0]
-    return out
-
-
-def _draw_other(msgs: Messages, z: Tensor, generator: torch.Generator, classes: Tensor | None = None) -> Tensor:
-    """One word per state z (n,) of its class (n,) (a class of several words; None: OTHER, K, for every row), from
-    B(z, .) restricted to that class: draws from the state's emission table until one is (its acceptance is the
-    class's mass in the state), then a masked row for the rest."""
-    if classes is None:
-        classes = torch.full_like(z, msgs.dfa.num_classes - 1)
-    words = torch.full_like(z, -1)
-    todo = torch.arange(len(z), device=z.device)
-    for _ in range(REJECTION_ROUNDS):
-        if not len(todo):
-            return words
-        v = msgs.view.draw_words(z[todo], generator)
-        hit = msgs.cls[v] == classes[todo]
-        words[todo[hit]] = v[hit]
-        todo = todo[~hit]
-    if len(todo):
-        onehot = torch.zeros(len(todo), msgs.view.S, dtype=msgs.view.dtype, device=z.device)
-        onehot[torch.arange(len(todo), device=z.device), z[todo]] = 1
-        probs = msgs.view.token_probs(onehot)  # (t, V): B(z, .)
-        words[todo] = draw_rows(torch.where(msgs.cls[None] == classes[todo, None], probs, 0).double(), generator)
-    return words
-
-
 # -- constrained beam search ----------------------------------------------------------------------------------
 @dataclass
 class BeamResult:
@@ -919,49 +537,35 @@ def beam_search(msgs: Messages, *, prefix: Sequence[int] | None = None, beam: in
 
 
 # -- cost, before any work --------------------------------------------------------------------------------------
-def _sizes(model: ChainFamily) -> tuple[int, int, int]:
-    """(S: states of the chain the recursion runs, the width of its filter step, the states one word's emission
-    touches): dense (Z, Z, Z), blocked (Z, k, k), rank (r, r, r)."""
-    if isinstance(model, RankHMM):
-        return model.rank, model.rank, model.rank
-    if isinstance(model, BlockedHMM):
-        return model.num_states, model.k, model.k
-    return model.num_states, model.num_states, model.num_states
-
-
 def table_bytes(model: ChainFamily, dfa: WordDFA) -> int:
     """Memory of the messages `prepare` keeps (M and What over the live states, the edges' emissions), known
     before any work."""
-    S = _sizes(model)[0]
+    S = model.constraint_sizes()[0]
     live = sum(int(m.sum()) for m in dfa.live())
     item = torch.finfo(model.dtype).bits // 8
     return (2 * live + dfa.num_states * dfa.num_classes + dfa.num_classes) * S * item
+
+
+def product_work(dfa: WordDFA, *, n_samples: int = 0, method: str = "states", guide_rows: int = 0, beam: int = 0
+                 ) -> ProductWork:
+    """What the cost of the product recursion reads of the automaton (live states per step, live edges, classes,
+    the successor rows of a token-class automaton) and of the request. O(max_tokens Q (K+1))."""
+    succ_rows = 0
+    if class_layout(dfa)[1]:  # classes of any token ids: a row per distinct live successor in the token product
+        succ_rows = max(1, int(max((len(set(r[r >= 0].tolist())) for r in dfa.delta), default=1)))
+    return ProductWork(tuple(int(m.sum()) for m in dfa.live()), int((dfa.delta >= 0).sum()), dfa.num_classes,
+                       succ_rows, n_samples, method, guide_rows, beam)
 
 
 def estimate_cost(model: ChainFamily, dfa: WordDFA, *, n_samples: int = 0, method: str = "states",
                   guide_rows: int = 0, beam: int = 0, prefix_tokens: int = 0) -> int:
     """Multiply-adds (the units of the service's cost model) of preparing the messages and then drawing
     `n_samples` (by `method`), guiding `guide_rows` sequences over max_tokens steps, or a beam search of width
-    `beam`, after a prefix of `prefix_tokens` tokens; from the automaton's live states and edges, known before
-    any inference (compiling the automaton is the only work before it). Raises UnsupportedOperation for a family
-    without constraints."""
+    `beam`, after a prefix of `prefix_tokens` tokens, as the family states it (`Family.cost` of a "constraint"
+    `Work`: `cost.product_cost` over its `constraint_sizes`); from the automaton's live states and edges, known
+    before any inference (compiling the automaton is the only work before it). Raises UnsupportedOperation for a
+    family without constraints."""
     view_of(model)  # the family check
-    V = int(dfa.cls.shape[0])
-    S, width, emit_width = _sizes(model)
-    live_counts = [int(m.sum()) for m in dfa.live()]
-    edges = int((dfa.delta >= 0).sum())
-    # products A What over the live columns, the edges' terms, the emission columns (OTHER: a masked row sum)
-    backward = sum(live_counts[1:]) * S * S + dfa.max_tokens * edges * S + emit_width * V + dfa.num_classes * S
-    filt = width * S  # the filter after a word: (a * B(., w)) A over the states that can emit it
-    scores = 2 * emit_width * V + filt + dfa.num_classes * emit_width  # guide / token-marginal step (two rows)
-    draw = S + dfa.num_classes + 64  # state-then-token step: a row of A, the successors, the word
-    if class_layout(dfa)[1]:  # classes of any token ids: a row per distinct live successor in the token product
-        succ_rows = max(1, int(max((len(set(r[r >= 0].tolist())) for r in dfa.delta), default=1)))
-        scores += (succ_rows - 1) * emit_width * V + 4 * V
-    per_sample = draw if method == "states" else scores
-    steps = dfa.max_tokens
-    total = backward + STEP_OVERHEAD * steps + prefix_tokens * (width * width + 5_000)
-    work = n_samples * per_sample + (guide_rows + beam) * scores
-    if work:
-        total += steps * (work + STEP_OVERHEAD)
-    return int(total)
+    work = product_work(dfa, n_samples=n_samples, method=method, guide_rows=guide_rows, beam=beam)
+    return int(model.cost(Work("constraint", prefix_tokens=prefix_tokens, vocab_size=int(dfa.cls.shape[0]),
+                               product=work)))

@@ -24,8 +24,9 @@ from torch import Tensor
 from latentlm.models.cost import Work
 from latentlm.models.vocab import Vocabulary
 
-OPERATIONS: tuple[str, ...] = ("score", "posterior", "decode", "sample", "embed")
-"""Every operation a family may offer, in the order the CLI and the API list them."""
+OPERATIONS: tuple[str, ...] = ("score", "posterior", "decode", "sample", "embed", "constraint")
+"""Every operation a family may offer, in the order the CLI and the API list them (`constraint`: a chain family
+that supplies its product view, `ChainFamily.constraint_view`)."""
 
 DECODE_METHODS: tuple[str, ...] = ("viterbi", "mbr")
 

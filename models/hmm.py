@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from latentlm.models.base import Batch, ChainFamily
+from latentlm.models.base import Batch, ChainFamily, ChainOperations, tempered_rows
 from latentlm.models.chain import Emit, RowLookup, Trans
+from latentlm.models.chain_view import DenseView
 from latentlm.models.checks import check_config, check_distribution, check_shape
 from latentlm.models.ctrlg import read_ctrlg
 from latentlm.models.errors import InputError
@@ -27,6 +28,7 @@ from latentlm.models.vocab import Preprocessing, Vocabulary
 
 class DenseHMM(ChainFamily):
     family = "hmm"
+    operations = ChainOperations(ChainFamily.operations | {"constraint"})  # type: ignore[assignment]
     recipes = (
         Recipe("hmm", {"states": 256, "epochs": 10, "batch": 256, "checkpoint_every": 0},
                positive=("states", "epochs", "batch"), shape=("states",), trainer="latentlm.training.baum_welch"),
@@ -104,6 +106,17 @@ class DenseHMM(ChainFamily):
 
     def sampling_tables(self, temperature: float):
         return tables_at(self, temperature, self._tables)
+
+    # -- constrained inference: the dense tensors as they are -------------------------------------------
+    def constraint_view(self) -> DenseView:
+        return DenseView(self, self.start, self.trans, self.emit, self.emit_by_word)
+
+    def tempered_copy(self, temperature: float) -> DenseHMM:
+        """A DenseHMM over the tempered start, transition rows and emission rows (a tagging_hmm's tags, which
+        word constraints sum out, are left behind)."""
+        start, trans, emit = (tempered_rows(w, temperature, self.dtype)
+                              for w in (self.start[None], self.trans, self.emit))
+        return DenseHMM(start[0], trans, emit)
 
     def _tables(self, temperature: float):
         return CategoricalTable(self.trans, temperature), CategoricalTable(self.emit, temperature), None

@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from latentlm.models import chain, triton_chain
-from latentlm.models.base import Batch, ChainFamily, NextTokenFilter, check_continuable
+from latentlm.models.base import Batch, ChainFamily, ChainOperations, NextTokenFilter, check_continuable, tempered_rows
 from latentlm.models.chain import Emit, RowLookup, Trans
+from latentlm.models.chain_view import DenseView
 from latentlm.models.checks import CHECK_CHUNK, check_distribution, check_shape
 from latentlm.models.errors import ArtifactError, LimitExceeded
 from latentlm.models.family import Recipe
@@ -37,6 +38,7 @@ VITERBI_MAX_ELEMENTS = 1 << 26  # m * m entries of the per-token state-space mat
 
 class RankHMM(ChainFamily):
     family = "rank_hmm"
+    operations = ChainOperations(ChainFamily.operations | {"constraint"})  # type: ignore[assignment]
     recipes = (Recipe("rank_hmm", {"states": 1024, "rank": 256, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
                                    "dropout": 0.1, "checkpoint_every": 200},
                       positive=("states", "epochs", "batch", "rank", "hidden"), shape=("states", "rank", "hidden"),
@@ -200,8 +202,42 @@ class RankHMM(ChainFamily):
                             nxt=lambda q: rank_t.draw(cur["z"], generator), state_of=lambda q: cur["z"],
                             stop_seqs=stop_seqs)
 
+    # -- constrained inference: the HMM of the r rank variables ---------------------------------------------
+    def constraint_view(self) -> RankView:
+        return RankView(self)
+
+    def constraint_sizes(self) -> tuple[int, int, int]:
+        """The product recursion runs the r-state chain of the rank variables: (r, r, r)."""
+        return self.rank, self.rank, self.rank
+
+    def tempered_copy(self, temperature: float) -> RankHMM:
+        """The rank-space start, step and emissions tempered (they define the HMM its chain runs); the state-space
+        factors kept."""
+        def rows(w: Tensor) -> Tensor:
+            return tempered_rows(w, temperature, self.dtype)
+
+        return RankHMM({"start": self.start, "state_in": self.state_in, "state_out": self.state_out,
+                        "rank_start": rows(self.rank_start[None])[0], "rank_trans": rows(self.rank_trans),
+                        "emit": rows(self.emit.T).T.contiguous()})
+
 
 _CORE = ("start", "state_in", "state_out", "emit", "rank_start", "rank_trans")
+
+
+class RankView(DenseView):
+    """rank_hmm as the r-state HMM of its rank variables: rank_start, rank_trans (r, r), emissions emit.T (r, V);
+    the prefix filtered by the chain engine in rank space, words drawn from the rank variables' word tables."""
+
+    model: RankHMM
+
+    def __init__(self, model: RankHMM):
+        super().__init__(model, model.rank_start, model.rank_trans, model.emit.T, model.emit)
+
+    def predictive(self, prefix: list[int]) -> Tensor:
+        return self.model.filtered_last(Batch.from_lists([prefix], self.device))[0] @ self.trans
+
+    def draw_words(self, z: Tensor, generator: torch.Generator) -> Tensor:
+        return tables_at(self.model, 1.0, self.model._tables)[0].draw(z, generator)
 
 
 def _product64(a: Tensor, b: Tensor) -> Tensor:

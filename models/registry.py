@@ -2,13 +2,15 @@
 
 This module sits at the top of `latentlm.models`: it imports every family module, and nothing inside
 `latentlm.models` imports it. Adding a family means adding its class to `FAMILIES` (see the README,
-"Adding a family").
+"Adding a family"), or `register(cls)` from the family's own module (a plugin, a test). Every list of families
+elsewhere (the families with constraints, the chain families completions serve, the CLI's choices) is read from
+`FAMILIES` when it is asked for (`families_with`, `families`), so a family registered later is in it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -28,6 +30,29 @@ from latentlm.models.vocab import Vocabulary
 
 FAMILIES: dict[str, type[Family]] = {f.family: f for f in (
     DenseHMM, BlockedHMM, RankHMM, TaggingHMM, RankPCFG, DensePCFG, LDS, NGramLM)}
+
+F = TypeVar("F", bound=type[Family])
+
+
+def register(cls: F) -> F:
+    """Add a family class under its `family` name (replacing one of the same name); returns it (a decorator)."""
+    FAMILIES[cls.family] = cls
+    return cls
+
+
+def unregister(name: str) -> None:
+    FAMILIES.pop(name, None)
+
+
+def families_with(operation: str) -> list[str]:
+    """The registered families whose declaration lists `operation` (the class's `operations`; what an instance adds,
+    such as `embed` with state vectors, is not counted), in registration order."""
+    return [name for name, cls in FAMILIES.items() if operation in cls.operations]
+
+
+def families(kind: type[Family] = Family) -> list[str]:
+    """The registered families whose class derives from `kind` (e.g. `base.ChainFamily`), in registration order."""
+    return [name for name, cls in FAMILIES.items() if issubclass(cls, kind)]
 
 
 def get_family(name: str) -> type[Family]:

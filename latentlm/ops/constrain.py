@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from latentlm.models import constrained, text_constraint
+from latentlm.models import constrained, constrained_sampling, registry, text_constraint
 from latentlm.models import constraint as automata
 from latentlm.models.errors import InputError, UnsupportedOperation
 from latentlm.ops import format
@@ -79,9 +79,11 @@ MESSAGES = MessageCache()
 
 
 def check_family(model: LoadedModel, param: str = "constraint") -> None:
-    if model.family not in constrained.FAMILIES:
+    """UnsupportedOperation naming `param` unless the model's family lists `constraint` among its operations."""
+    if "constraint" not in model.impl.operations:
         raise UnsupportedOperation(f"{param}: model {model.name!r} (family {model.family}) has no constrained "
-                                   f"inference; families with it: {', '.join(constrained.FAMILIES)}", param=param)
+                                   f"inference; families with it: {', '.join(registry.families_with('constraint'))}",
+                                   param=param)
 
 
 def compile_for(model: LoadedModel, spec: Any, limits: Limits, *, default_max_tokens: int | None = None
@@ -207,7 +209,7 @@ def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, pref
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         msgs = MESSAGES.get(model, dfa, temperature, limits)
-        draws = constrained.sample(msgs, n, gen, prefix=prefix)
+        draws = constrained_sampling.sample(msgs, n, gen, prefix=prefix)
     return [{"index": i, **spelled(model, ids, prefix), "ids": ids, "finish_reason": "eos"}
             for i, ids in enumerate(draws)]
 

@@ -394,5 +394,4 @@ register(Operation("embed", "per-token embeddings", EmbedRequest))
 register(Operation("constraint", "the probability that a continuation of --prefix satisfies a constraint "
                    "[, and each next token's weight P(C | prefix, v)]", ConstraintRequest, prepare=_prepare_constraint,
                    run=_run_constraint, merge=False, cache=False, input_field="prefix", body=_constraint_body,
-                   supports=lambda model: model.family in constrain.constrained.FAMILIES,
                    advice="ask for fewer automaton states (a smaller constraint) or a shorter max_tokens"))

@@ -21,7 +21,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from latentlm.models import constrained as cn
+from latentlm.models import constrained_sampling as cs
 from latentlm.models.blocked_hmm import BlockedHMM
+from latentlm.models.chain_view import DenseView
 from latentlm.models.constraint import WordDFA, compile_constraint, parse_constraint
 from latentlm.models.errors import InputError, LimitExceeded, UnsupportedOperation
 from latentlm.models.hmm import DenseHMM
@@ -403,7 +405,7 @@ def sample_pvalue(family: str, spec: dict, prefix: tuple[int, ...], n: int = 200
     """p-value of the chi-square between n constrained samples and the exact conditional; every sample must
     satisfy the constraint."""
     msgs = cn.prepare(model(family), compiled(spec), temperature=temperature)
-    draws = cn.sample(msgs, n, torch.Generator().manual_seed(seed), prefix=list(prefix), method=method)
+    draws = cs.sample(msgs, n, torch.Generator().manual_seed(seed), prefix=list(prefix), method=method)
     assert all(naive_satisfies(spec, tuple(y)) for y in draws)
     table = continuations(family, prefix) if temperature == 1.0 else tempered_continuations(family, prefix,
                                                                                            temperature)
@@ -416,7 +418,7 @@ def sample_pvalue(family: str, spec: dict, prefix: tuple[int, ...], n: int = 200
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("method", cn.SAMPLING_METHODS)
+@pytest.mark.parametrize("method", cs.SAMPLING_METHODS)
 def test_samples_satisfy_and_follow_the_exact_conditional(family, method):
     assert sample_pvalue(family, SAMPLE_SPEC, (1,), method=method) > 1e-3
     assert sample_pvalue(family, OTHER_SPEC, (), method=method, seed=1) > 1e-3
@@ -430,7 +432,7 @@ def test_sampling_a_constraint_of_probability_zero_names_constraint():
     msgs = cn.prepare(m, compiled({"include": [["d"]]}))
     assert msgs.log_prob() is None
     with pytest.raises(InputError) as e:
-        cn.sample(msgs, 3, torch.Generator().manual_seed(0))
+        cs.sample(msgs, 3, torch.Generator().manual_seed(0))
     assert e.value.param == "constraint"
     with pytest.raises(UnsupportedOperation):
         cn.view_of(object())
@@ -505,7 +507,7 @@ def test_mutation_window_off_by_one_fails_the_probability_check(monkeypatch):
 
 
 def test_mutation_filter_not_updated_fails_the_guide_check(monkeypatch):
-    monkeypatch.setattr(cn.DenseView, "condition", lambda self, a, words: a)
+    monkeypatch.setattr(DenseView, "condition", lambda self, a, words: a)
     assert guide_mismatch("hmm", GUIDE_SPEC, (2,), depth=2)[0] > 1e-3
 
 
@@ -525,7 +527,7 @@ def test_mutation_masking_instead_of_conditioning_fails_the_chi_square(monkeypat
 
 def test_mutation_words_not_restricted_to_the_chosen_successor_fails_satisfaction(monkeypatch):
     """The state sampler draws an OTHER word by rejection; accepting any word breaks the constraint."""
-    monkeypatch.setattr(cn, "_draw_other", lambda msgs, z, generator: msgs.view.draw_words(z, generator))
+    monkeypatch.setattr(cs, "_draw_other", lambda msgs, z, generator: msgs.view.draw_words(z, generator))
     with pytest.raises(AssertionError):
         sample_pvalue("hmm", OTHER_SPEC, (1,), n=2000)
 
@@ -568,7 +570,7 @@ def test_blocked_model_stored_in_bfloat16_reads_its_matrix_in_slabs():
     lp16 = cn.prepare(stored16, dfa).log_prob([1])
     lp32 = cn.prepare(exact32, dfa).log_prob([1])
     assert lp16 is not None and lp32 is not None and abs(lp16 - lp32) < 1e-5
-    draws = cn.sample(cn.prepare(stored16, dfa), 200, torch.Generator().manual_seed(0), prefix=[1])
+    draws = cs.sample(cn.prepare(stored16, dfa), 200, torch.Generator().manual_seed(0), prefix=[1])
     assert all(naive_satisfies(SAMPLE_SPEC, tuple(y)) for y in draws)
 
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from latentlm.models import constrained as cn
+from latentlm.models import constrained_sampling as cs
 from latentlm.models import text_constraint as tc
 from latentlm.models.automata import Budget
 from latentlm.models.blocked_hmm import BlockedHMM
@@ -351,7 +352,7 @@ def test_samples_satisfy_and_follow_the_exact_conditional(family, method):
     good = {y: p for y, p in conts.items() if satisfies(spec, text_of(y), len(y))}
     total = sum(good.values())
     n = 3000
-    draws = cn.sample(msgs, n, torch.Generator().manual_seed(3), prefix=list(prefix), method=method)
+    draws = cs.sample(msgs, n, torch.Generator().manual_seed(3), prefix=list(prefix), method=method)
     counts: dict[tuple[int, ...], int] = {}
     for d in draws:
         assert satisfies(spec, text_of(d), len(d)), text_of(d)
