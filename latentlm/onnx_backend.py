@@ -27,10 +27,14 @@ DEFAULT_MAX_BATCH_TOKENS = 16384
 
 
 def export_model(loaded: Any, path: str | Path, *, opset: int | None = None) -> Path:
-    """Export a `latentlm.ops.LoadedModel` (family hmm, blocked_hmm or rank_hmm) with its name, content hash,
-    vocabulary and preprocessing in the metadata. Raises ValueError for other families."""
-    from latentlm.models import onnx_graph
+    """Export a `latentlm.ops.LoadedModel` (a family with an `onnx_layout`: hmm, blocked_hmm, rank_hmm) with its
+    name, content hash, vocabulary and preprocessing in the metadata. Raises ValueError naming those families for
+    any other."""
+    from latentlm.models import onnx_graph, registry
 
+    if getattr(loaded.impl, "onnx_layout", None) not in onnx_graph.LAYOUTS:
+        names = [n for n, cls in registry.FAMILIES.items() if getattr(cls, "onnx_layout", None) in onnx_graph.LAYOUTS]
+        raise ValueError(f"ONNX export supports the families {', '.join(names)}, not {loaded.family!r}")
     return onnx_graph.export_onnx(
         loaded.impl, path, name=loaded.name, content_hash=loaded.content_hash, vocab=list(loaded.vocab.tokens),
         preprocessing=loaded.vocab.preprocessing.to_dict(), opset=opset or onnx_graph.OPSET)

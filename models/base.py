@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -172,6 +172,7 @@ class ChainFamily(ChainOps, Family):
     has_fused_score: bool = False  # `score_fused` exists (`triton_chain`; rank_hmm, blocked_hmm)
     storage_dtype: torch.dtype = torch.float32  # of the matrices on the fused scoring path only (`set_storage_dtype`)
     allow_tf32: bool = False  # fused scoring path: matrix products on TF32 tensor cores (`set_storage_dtype`)
+    onnx_layout: ClassVar[str | None] = None  # the ONNX scoring graph of its chain (`onnx_tensors`), None: none
 
     # -- what a family supplies ---------------------------------------------------------------------
     def chain(self, batch: Batch) -> tuple[Tensor, Emit, Trans]:
@@ -259,6 +260,13 @@ class ChainFamily(ChainOps, Family):
 
     def start_probs(self) -> Tensor:
         return self.start
+
+    def onnx_tensors(self) -> dict[str, Tensor]:
+        """The tensors `models.onnx_graph` builds this model's scoring graph from, by `onnx_layout`: "shared" (one
+        step for every position) `start` (K,), `step` (K, K), `emit_by_word` (V, K); "blocked" (a k x k block per
+        cluster pair) `start` (Z,), `trans_blocks` (M, k, M, k) [c_prev, i, c_next, j], `emit` (V, k),
+        `word_cluster` (V,) int64. A family that declares an `onnx_layout` supplies them."""
+        raise NotImplementedError(f"family {self.family!r} has no ONNX scoring graph")
 
     # -- constrained inference (`models.constrained`) ---------------------------------------------------
     def constraint_view(self) -> ChainView:

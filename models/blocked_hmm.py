@@ -42,6 +42,7 @@ from latentlm.models.sampling import CategoricalTable, tables_at
 class BlockedHMM(ChainFamily):
     family = "blocked_hmm"
     operations = ChainOperations(ChainFamily.operations | {"constraint"})  # type: ignore[assignment]
+    onnx_layout = "blocked"
     has_fused_score = True  # on CUDA `score` runs `triton_chain.blocked_forward_cuda` (see `models.backend.score`)
     recipes = (Recipe("blocked_hmm", {"states": 1024, "clusters": 128, "hidden": 256, "epochs": 10, "batch": 64,
                                       "lr": 1e-2, "checkpoint_every": 200},
@@ -337,6 +338,10 @@ class BlockedHMM(ChainFamily):
     def _tables(self, temperature: float):
         per_state, slot_token = self._emission_slots
         return CategoricalTable(self.trans, temperature), CategoricalTable(per_state, temperature), slot_token
+
+    def onnx_tensors(self) -> dict[str, Tensor]:
+        return {"start": self.start, "trans_blocks": self.trans_blocks, "emit": self.emit,
+                "word_cluster": self.word_cluster}
 
     # -- constrained inference: k-sparse emissions over the stored Z x Z matrix --------------------------
     def constraint_view(self) -> BlockedView:

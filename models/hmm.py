@@ -29,6 +29,7 @@ from latentlm.models.vocab import Preprocessing, Vocabulary
 class DenseHMM(ChainFamily):
     family = "hmm"
     operations = ChainOperations(ChainFamily.operations | {"constraint"})  # type: ignore[assignment]
+    onnx_layout = "shared"
     recipes = (
         Recipe("hmm", {"states": 256, "epochs": 10, "batch": 256, "checkpoint_every": 0},
                positive=("states", "epochs", "batch"), shape=("states",), trainer="latentlm.training.baum_welch"),
@@ -106,6 +107,9 @@ class DenseHMM(ChainFamily):
 
     def sampling_tables(self, temperature: float):
         return tables_at(self, temperature, self._tables)
+
+    def onnx_tensors(self) -> dict[str, Tensor]:
+        return {"start": self.start, "step": self.trans, "emit_by_word": self.emit_by_word}
 
     # -- constrained inference: the dense tensors as they are -------------------------------------------
     def constraint_view(self) -> DenseView:

@@ -1,4 +1,5 @@
-"""ONNX scoring graphs for the HMM families (`hmm`, `blocked_hmm`, `rank_hmm`), built with onnx.helper.
+"""ONNX scoring graphs for the chain families that declare one (`ChainFamily.onnx_layout`: `hmm`, `blocked_hmm`,
+`rank_hmm`), built with onnx.helper from the tensors the family gives (`ChainFamily.onnx_tensors`).
 
 The graph is the scaled forward recursion of `models.chain.forward`, as one ONNX `Scan` over time:
 
@@ -13,7 +14,8 @@ The graph is the scaled forward recursion of `models.chain.forward`, as one ONNX
     padding: padded ids are replaced by an extra all-ones emission row V and their token_logprob is set
              to 0 (Where on the mask); their alpha is not held, but no real step ever follows a padded one.
 
-`step_t` and the state space K are the family's reduced ones, so the graph has the papers' costs:
+`step_t` and the state space K are the family's reduced ones, so the graph has the papers' costs (by layout:
+"shared" hmm and rank_hmm, "blocked" blocked_hmm):
   hmm          K = Z: init = start, step = trans (Z x Z), emit = trans-posed emissions (V, Z)    O(T Z^2)
   blocked_hmm  K = k: init = start block of cluster(x_0); step = the k x k block
                trans[cluster(x_{t-1}) states, cluster(x_t) states], gathered per sequence and step from
@@ -44,7 +46,7 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 17
 IR_VERSION = 8
 GRAPH_VERSION = "1"  # bump when the inputs/outputs/metadata contract changes
-FAMILIES = ("hmm", "blocked_hmm", "rank_hmm")
+LAYOUTS = ("shared", "blocked")  # what a family's `onnx_layout` may name
 META_PREFIX = "latentlm."
 _EXTERNAL_DATA_BYTES = 1_500_000_000  # protobuf caps a file at 2 GiB: larger weights go to a side file
 
@@ -63,24 +65,22 @@ def _np64i(t: Any) -> np.ndarray:
 
 
 def family_tensors(impl: Any) -> tuple[str, dict[str, np.ndarray]]:
-    """The family name and the float32/int64 arrays the scoring graph needs, from the family instance's
-    public attributes (DenseHMM: start, trans, emit; BlockedHMM: start, trans, emit, word_cluster, M, k;
-    RankHMM: rank_start, rank_trans, emit)."""
+    """The family name and the float32/int64 arrays the scoring graph needs, from the tensors the family instance
+    gives for its `onnx_layout` (`ChainFamily.onnx_tensors`): "shared" start, step, emit_by_word; "blocked" start,
+    trans_blocks (M, k, M, k), emit, word_cluster, laid out here as (M, k) start blocks and (M*M, k, k) blocks."""
     family = getattr(impl, "family", None)
-    if family == "hmm":
-        return family, {"start": _np32(impl.start), "step": _np32(impl.trans),
-                        "emit_by_word": np.ascontiguousarray(_np32(impl.emit).T)}
-    if family == "blocked_hmm":
-        M, k = int(impl.M), int(impl.k)
-        trans = _np32(impl.trans).reshape(M, k, M, k)  # [c_prev, i, c_next, j]
-        blocks = np.ascontiguousarray(trans.transpose(0, 2, 1, 3).reshape(M * M, k, k))  # [c_prev*M + c_next]
-        return family, {"start_blocks": _np32(impl.start).reshape(M, k), "blocks": blocks,
-                        "emit_by_word": _np32(impl.emit), "word_cluster": _np64i(impl.word_cluster),
-                        "num_clusters": np.array(M, dtype=np.int64)}
-    if family == "rank_hmm":
-        return family, {"start": _np32(impl.rank_start), "step": _np32(impl.rank_trans),
-                        "emit_by_word": _np32(impl.emit)}
-    raise ValueError(f"ONNX export supports the families {', '.join(FAMILIES)}, not {family!r}")
+    layout = getattr(impl, "onnx_layout", None)
+    if layout not in LAYOUTS:
+        raise ValueError(f"ONNX export supports the families that declare an ONNX layout, not {family!r}")
+    t = impl.onnx_tensors()
+    if layout == "shared":
+        return family, {"start": _np32(t["start"]), "step": _np32(t["step"]), "emit_by_word": _np32(t["emit_by_word"])}
+    M, k = int(t["trans_blocks"].shape[0]), int(t["trans_blocks"].shape[1])
+    trans = _np32(t["trans_blocks"])  # [c_prev, i, c_next, j]
+    blocks = np.ascontiguousarray(trans.transpose(0, 2, 1, 3).reshape(M * M, k, k))  # [c_prev*M + c_next]
+    return family, {"start_blocks": _np32(t["start"]).reshape(M, k), "blocks": blocks,
+                    "emit_by_word": _np32(t["emit"]), "word_cluster": _np64i(t["word_cluster"]),
+                    "num_clusters": np.array(M, dtype=np.int64)}
 
 
 def _const(name: str, value: Any, dtype=np.int64) -> TensorProto:
@@ -101,14 +101,14 @@ def _emit_normalise(p: str, pred: str, ids: str, mask: str, alpha: str, logc: st
             h("Where", [mask, p + "logc_raw", "f_zero"], [logc])]                # (B, 1)
 
 
-def _step_body(family: str) -> onnx.GraphProto:
+def _step_body(blocked: bool) -> onnx.GraphProto:
     """The Scan body for positions 1 .. T-1. State: alpha (B, K) float32. Scan inputs per step: ids_t (B,)
     (padding replaced by the all-ones emission row V, so a padded step needs no mask on alpha: its alpha is
-    never read by a real step), mask_t (B, 1) bool and, for blocked_hmm, blk_t (B,) = the block index
+    never read by a real step), mask_t (B, 1) bool and, `blocked`, blk_t (B,) = the block index
     cluster(x_{t-1}) * M + cluster(x_t). Scan output: logc (B, 1)."""
     F, I, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
     h = helper.make_node
-    if family == "blocked_hmm":
+    if blocked:
         n = [h("Gather", ["blocks", "blk_t"], ["blk"]),                      # (B, k, k)
              h("Unsqueeze", ["alpha_in", "axes1"], ["alpha3"]),               # (B, 1, k)
              h("MatMul", ["alpha3", "blk"], ["moved3"]),                      # (B, 1, k)
@@ -119,7 +119,7 @@ def _step_body(family: str) -> onnx.GraphProto:
     inputs = [helper.make_tensor_value_info("alpha_in", F, ["B", "K"]),
               helper.make_tensor_value_info("ids_t", I, ["B"]),
               helper.make_tensor_value_info("mask_t", BOOL, ["B", 1])]
-    if family == "blocked_hmm":
+    if blocked:
         inputs.append(helper.make_tensor_value_info("blk_t", I, ["B"]))
     outputs = [helper.make_tensor_value_info("alpha_out", F, ["B", "K"]),
                helper.make_tensor_value_info("logc", F, ["B", 1])]
@@ -128,9 +128,11 @@ def _step_body(family: str) -> onnx.GraphProto:
 
 def build_scoring_model(family: str, arrays: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
                         opset: int = OPSET) -> onnx.ModelProto:
-    """The scoring ModelProto for `family` from `family_tensors`' arrays."""
-    if family not in FAMILIES:
-        raise ValueError(f"ONNX export supports the families {', '.join(FAMILIES)}, not {family!r}")
+    """The scoring ModelProto named for `family` from `family_tensors`' arrays (their keys say the layout)."""
+    blocked = "blocks" in arrays
+    need = {"start_blocks", "blocks", "word_cluster", "num_clusters"} if blocked else {"start", "step"}
+    if not need | {"emit_by_word"} <= set(arrays):
+        raise ValueError(f"the arrays of family {family!r} lack {sorted(need | {'emit_by_word'} - set(arrays))}")
     F, I = TensorProto.FLOAT, TensorProto.INT64
     h = helper.make_node
     arrays = dict(arrays)
@@ -141,7 +143,7 @@ def build_scoring_model(family: str, arrays: dict[str, np.ndarray], metadata: di
              _const("V_id", V), _const("c_0", 0), _const("c_1", 1), _const("axes0", [0]), _const("axes1", [1]),
              _const("axes2", [2]), _const("one_vec", [1]), _const("big_vec", [1 << 62]),
              _const("f_zero", 0.0, np.float32), _const("flt_min", np.finfo(np.float32).tiny, np.float32)]
-    if family == "blocked_hmm":
+    if blocked:
         wc = arrays.pop("word_cluster")
         inits.append(numpy_helper.from_array(np.concatenate([wc, np.zeros(1, np.int64)]), "word_cluster_ext"))
     inits += [numpy_helper.from_array(v, k) for k, v in arrays.items()]
@@ -165,7 +167,7 @@ def build_scoring_model(family: str, arrays: dict[str, np.ndarray], metadata: di
         h("Slice", ["mask_tb1", "one_vec", "big_vec", "axes0"], ["mask_rest"]),
     ]
     scan_in = ["ids_rest", "mask_rest"]
-    if family == "blocked_hmm":
+    if blocked:
         n += [h("Gather", ["word_cluster_ext", "ids_tb"], ["cl_tb"]),         # (T, B)
               h("Gather", ["cl_tb", "c_0"], ["cl_0"]),
               h("Gather", ["start_blocks", "cl_0"], ["pred_0"]),               # (B, k)
@@ -180,7 +182,7 @@ def build_scoring_model(family: str, arrays: dict[str, np.ndarray], metadata: di
     else:
         n += [h("Identity", ["start"], ["pred_0"])]                            # (K,) broadcasts
     n += _emit_normalise("i_", "pred_0", "ids_0", "mask_0", "alpha_0", "logc_0")
-    n += [h("Scan", ["alpha_0", *scan_in], ["alpha_T", "logc_rest"], body=_step_body(family),
+    n += [h("Scan", ["alpha_0", *scan_in], ["alpha_T", "logc_rest"], body=_step_body(blocked),
             num_scan_inputs=len(scan_in)),                                      # logc_rest (T-1, B, 1)
           h("Unsqueeze", ["logc_0", "axes0"], ["logc_0t"]),                   # (1, B, 1)
           h("Concat", ["logc_0t", "logc_rest"], ["logc_tb1"], axis=0),
@@ -205,7 +207,8 @@ def build_scoring_model(family: str, arrays: dict[str, np.ndarray], metadata: di
 def export_onnx(impl: Any, path: str | Path, *, name: str = "", content_hash: str = "",
                 vocab: list[str] | None = None, preprocessing: dict | None = None,
                 opset: int = OPSET, check: bool = True) -> Path:
-    """Write the scoring graph of a loaded `hmm`, `blocked_hmm` or `rank_hmm` family instance to `path`.
+    """Write the scoring graph of a loaded chain family instance with an `onnx_layout` (`hmm`, `blocked_hmm`,
+    `rank_hmm`) to `path`.
 
     `name` and `content_hash` (the artifact's, `LoadedModel.content_hash`) go into metadata_props, as do
     the family, opset, vocabulary size and state count; `vocab` (token strings by id) and

@@ -39,6 +39,7 @@ VITERBI_MAX_ELEMENTS = 1 << 26  # m * m entries of the per-token state-space mat
 class RankHMM(ChainFamily):
     family = "rank_hmm"
     operations = ChainOperations(ChainFamily.operations | {"constraint"})  # type: ignore[assignment]
+    onnx_layout = "shared"  # in rank space
     recipes = (Recipe("rank_hmm", {"states": 1024, "rank": 256, "hidden": 256, "epochs": 10, "batch": 64, "lr": 1e-2,
                                    "dropout": 0.1, "checkpoint_every": 200},
                       positive=("states", "epochs", "batch", "rank", "hidden"), shape=("states", "rank", "hidden"),
@@ -201,6 +202,9 @@ class RankHMM(ChainFamily):
         return run_sampler(n, max_tokens, generator, q, stop_id, emit=emit_fn,
                             nxt=lambda q: rank_t.draw(cur["z"], generator), state_of=lambda q: cur["z"],
                             stop_seqs=stop_seqs)
+
+    def onnx_tensors(self) -> dict[str, Tensor]:
+        return {"start": self.rank_start, "step": self.rank_trans, "emit_by_word": self.emit}
 
     # -- constrained inference: the HMM of the r rank variables ---------------------------------------------
     def constraint_view(self) -> RankView:

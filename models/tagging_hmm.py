@@ -31,6 +31,7 @@ from latentlm.models.results import Decoded, Path
 
 class TaggingHMM(DenseHMM):
     family = "tagging_hmm"
+    onnx_layout = None  # scored by torch: no ONNX graph is exported for it (its words-only graph would be hmm's)
     recipes = ()  # trained by `latentlm train-tagger` (latentlm.training.tagging)
     importers = ()
 

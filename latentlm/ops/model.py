@@ -47,7 +47,7 @@ class LoadedModel:
         from latentlm import onnx_backend
         from latentlm.models import onnx_graph
 
-        if self.family not in onnx_graph.FAMILIES:
+        if getattr(self.impl, "onnx_layout", None) not in onnx_graph.LAYOUTS:
             self.backend_notes["score"] = f"no ONNX graph for family {self.family}"
             return
         path = Path(cache_dir) / f"{self.name}-{self.content_hash[:16]}.onnx"

@@ -1,5 +1,6 @@
-"""POST /v1/completions: the OpenAI completions API over the chain families (hmm, blocked_hmm, rank_hmm,
-tagging_hmm), so the `openai` client, LangChain and curl scripts written for LM servers work unchanged.
+"""POST /v1/completions: the OpenAI completions API over the chain families (`base.ChainFamily`: hmm, blocked_hmm,
+rank_hmm, tagging_hmm and any registered later), so the `openai` client, LangChain and curl scripts written for LM
+servers work unchanged.
 
 Generation is `/v1/sample`'s: each prompt's choices are `ops.sample(n, max_tokens, seed, prefix=prompt, ...)`
 through the same checks (`execute.check_sample`: sample-token limit, prompt limit, cost budget) and the same
@@ -36,6 +37,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from latentlm import ops
+from latentlm.models import registry
 from latentlm.models.base import ChainFamily, NextTokenFilter
 from latentlm.models.errors import InputError, LatentLMError
 from latentlm.ops import constrain, spec
@@ -52,7 +54,6 @@ MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's completions allow 
 MAX_PROMPTS = 1024  # prompts in one request
 MAX_N = 128  # choices per prompt
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's completions
-CHAIN_FAMILIES = ("hmm", "blocked_hmm", "rank_hmm", "tagging_hmm")
 
 NonEmptyIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | NonEmptyIds
@@ -184,8 +185,8 @@ def prepare(model: ops.LoadedModel, req: CompletionRequest, settings: Settings, 
     `/v1/sample` settings (a constraint compiled within `limits`, default the settings')."""
     if not isinstance(model.impl, ChainFamily):
         raise APIError(400, f"model {model.name!r} (family {model.family}) does not generate text token by token; "
-                            f"completions serve the chain families ({', '.join(CHAIN_FAMILIES)})", param="model",
-                       code="unsupported_model")
+                            f"completions serve the chain families ({', '.join(registry.families(ChainFamily))})",
+                       param="model", code="unsupported_model")
     ops.check_supported(model, "sample")
     refuse_unsupported(req)
     s = settings
