@@ -440,7 +440,7 @@ def test_sampling_a_constraint_of_probability_zero_names_constraint():
 
 @cache
 def tempered_continuations(family: str, prefix: tuple[int, ...], temperature: float):
-    """Enumeration under the dense model with each factor tempered by hand (not by `constrained.tempered`)."""
+    """Enumeration under the dense model with each factor tempered by hand (not by `ChainFamily.tempered`)."""
     assert family == "hmm"
     m = model(family)
 
