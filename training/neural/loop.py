@@ -1,6 +1,8 @@
 """`latentlm train --family blocked_hmm|rank_hmm`: the training loop, as small steps over one `Run`:
 `setup` (data, model, resume), `step` (one clipped AdamW step), `check` (evaluate what would be exported,
-plateau decay, early stopping), `checkpoint` (everything a resume needs) and `export` (the artifact).
+plateau decay, early stopping), `checkpoint` (everything a resume needs) and `export` (the artifact); `fit` runs
+the epochs. `latentlm distill --family blocked_hmm` calls `fit` and `export` itself, with its samples as the data
+(`data.Sequences`), its own checkpoint directory and its provenance and files added to the artifact.
 
 The validation perplexity is computed by the exported family's own scoring code. On the CPU a step's float32
 GEMMs run on the faster of torch's BLAS and oneDNN for the model's shapes (`kernels.gemm`, `gemm_for_run`,
