@@ -1,6 +1,6 @@
-"""Request models of the operations (pydantic; unknown fields are rejected, naming the field). Integer fields take
-JSON integers only (`n: 312.0` and `true` are rejected 422 naming the field, as token ids are); number fields take
-integers and floats, never booleans.
+"""Request models of the operations (pydantic; unknown fields are rejected, naming the field). Integer fields (and
+token ids) take what JSON Schema's `integer` admits: integers and numbers with a zero fractional part (`n: 2.0` is 2);
+`312.5`, `true` and `"3"` are rejected 422 naming the field. Number fields take integers and floats, never booleans.
 
 These models are the operations' one declaration of their options: the REST bodies, the OpenAPI document, batch-job
 lines and the CLI flags (`Cli` marks a flag spelled otherwise than `--field-name`) all come from them. The schema
@@ -21,14 +21,23 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     StrictBool,
-    StrictInt,
     WithJsonSchema,
     field_validator,
 )
 
 from latentlm.models.family import DECODE_METHODS
 from latentlm.ops.inputs import MAX_STOP_SEQUENCES
+
+
+def integral(v: Any) -> Any:
+    """A number with a zero fractional part (`2.0`, which JSON Schema's `integer` admits) -> that integer; anything
+    else unchanged (the strict integer check then rejects floats, booleans and strings)."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+JSONInt = Annotated[int, BeforeValidator(integral), Strict()]
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ def check_input(v: Any) -> Any:
             continue
         if not isinstance(item, list):
             raise ValueError(f"item {i} is {type(item).__name__}; expected a string or a list of token ids")
+        item[:] = [integral(t) for t in item]
         for j, t in enumerate(item):
             if isinstance(t, bool) or not isinstance(t, int):
                 raise ValueError(f"item {i}, position {j}: token id {t!r} is not an integer")
@@ -128,6 +138,7 @@ class PosteriorRequest(InputRequest):
     def _k(cls, v):
         if v is None or v == "all":
             return v
+        v = integral(v)
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"expected a positive integer, 'all' or null, got {v!r}")
         if v < 1:
@@ -186,17 +197,17 @@ class ConstraintSpec(BaseModel):
                           "case-sensitive); every group must appear at least once")
     ordered: StrictBool = Field(False, description="the groups' first occurrences end in the given order")
     exclude: list[str] | None = Field(None, description="words or phrases that must not appear")
-    min_tokens: StrictInt | None = Field(None, ge=1, description="shortest continuation, counting <eos> (default 1)")
-    max_tokens: StrictInt | None = Field(None, ge=1, description="longest continuation, counting <eos> (default: "
+    min_tokens: JSONInt | None = Field(None, ge=1, description="shortest continuation, counting <eos> (default 1)")
+    max_tokens: JSONInt | None = Field(None, ge=1, description="longest continuation, counting <eos> (default: "
                                                                 "the request's max_tokens, else 32)")
     regex: str | None = Field(None, description="a regular expression over words: vocabulary words, `.` (any word), "
                                                 "`[w1 w2]`, `[^w1 w2]`, `( ) | * + ? {m,n}`, separated by spaces; for "
                                                 "a model over an LM's tokenizer, a Python-style regex the decoded "
                                                 "text matches in full")
     suffix: str | None = Field(None, description="the continuation ends with this phrase (before <eos>)")
-    min_words: StrictInt | None = Field(None, ge=0, description="fewest words of the decoded text (runs of "
+    min_words: JSONInt | None = Field(None, ge=0, description="fewest words of the decoded text (runs of "
                                         "characters other than ASCII white space); models over an LM's tokenizer")
-    max_words: StrictInt | None = Field(None, ge=0, description="most words of the decoded text; models over an "
+    max_words: JSONInt | None = Field(None, ge=0, description="most words of the decoded text; models over an "
                                         "LM's tokenizer (a word-level model's words are its tokens: max_tokens)")
 
 
@@ -204,20 +215,20 @@ ConstraintField = Annotated[ConstraintSpec, Cli(parse=json_arg, metavar="FILE.js
 
 
 class SampleRequest(OperationRequest):
-    n: StrictInt = Field(1, ge=1, description="number of samples")
-    max_tokens: StrictInt = Field(32, ge=1, description="tokens per sample at most")
-    seed: StrictInt = Field(0, ge=0, lt=1 << 63, description="random seed in [0, 2^63) (same seed, same samples)")
-    prefix: str | list[StrictInt] | None = Field(None, description="text or token ids to continue")
+    n: JSONInt = Field(1, ge=1, description="number of samples")
+    max_tokens: JSONInt = Field(32, ge=1, description="tokens per sample at most")
+    seed: JSONInt = Field(0, ge=0, lt=1 << 63, description="random seed in [0, 2^63) (same seed, same samples)")
+    prefix: str | list[JSONInt] | None = Field(None, description="text or token ids to continue")
     temperature: Temperature = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},
                                description="> 0; below 1 sharpens, above 1 flattens")
     stop_at_eos: Annotated[StrictBool, Cli(flag="--no-stop")] = Field(
         True, description="end a sample after <eos> (CLI: --no-stop sets it false)")
-    top_k: StrictInt | None = Field(None, ge=1, description="draw each token from the next-token distribution cut to "
+    top_k: JSONInt | None = Field(None, ge=1, description="draw each token from the next-token distribution cut to "
                                                            "its k most probable tokens (hmm, tagging_hmm, blocked_hmm)")
     top_p: Probability | None = Field(None, description="draw each token from the fewest most probable next "
                                                              "tokens whose mass reaches p (hmm, tagging_hmm, "
                                                              "blocked_hmm)")
-    stop: Annotated[str | list[str | list[StrictInt]] | None, Cli(metavar="TEXT")] = Field(
+    stop: Annotated[str | list[str | list[JSONInt]] | None, Cli(metavar="TEXT")] = Field(
         None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids): a sample ends before the "
                           "first it spells, which is left out; chain families (each sample then says its "
                           "`finish_reason`: stop, eos or length for all of them)")
@@ -231,20 +242,20 @@ class SampleRequest(OperationRequest):
 class ConstraintRequest(OperationRequest):
     """P(C | prefix): the probability that a continuation of `prefix` satisfies the constraint."""
 
-    prefix: str | list[StrictInt] | None = Field(None, description="text or token ids the continuation follows")
+    prefix: str | list[JSONInt] | None = Field(None, description="text or token ids the continuation follows")
     constraint: ConstraintField = Field(description="what the continuation must satisfy")
     temperature: Temperature = Field(1.0, json_schema_extra={"exclusiveMinimum": 0},
                                      description="> 0: the model tempered (start, transition and emission rows) before "
                                            "conditioning")
     weights: StrictBool = Field(False, description="add `weights`: for every token v (by id) P(C | prefix, v), the "
                                                    "factor that steers a neural LM's next-token distribution")
-    beam: StrictInt | None = Field(None, ge=1, le=256, description="add `completions`: the most probable "
+    beam: JSONInt | None = Field(None, ge=1, le=256, description="add `completions`: the most probable "
                                    "continuations satisfying the constraint, by a beam search of this width ranked by "
                                    "model probability x the exact lookahead P(C | prefix, h) (Ctrl-G's ranking), with "
                                    "`certified` when they are provably the most probable (not what Viterbi gives: "
                                    "that is a best state path)")
-    n_best: StrictInt = Field(1, ge=1, le=256, description="how many completions the beam search returns")
-    generated: Annotated[list[StrictInt] | None, Cli(hidden=True)] = Field(
+    n_best: JSONInt = Field(1, ge=1, le=256, description="how many completions the beam search returns")
+    generated: Annotated[list[JSONInt] | None, Cli(hidden=True)] = Field(
         None, description="token ids of the continuation generated so far (no <eos>): counted in the constraint's "
                           "window and read by its automaton; `log_prob` and `weights` are then P(C | prefix, "
                           "generated[, v]) (a guide that asks each step)")

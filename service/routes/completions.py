@@ -34,7 +34,7 @@ from typing import Annotated, Any
 import torch
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from latentlm import ops
 from latentlm.models import registry
@@ -42,7 +42,7 @@ from latentlm.models.base import ChainFamily, NextTokenFilter
 from latentlm.models.errors import InputError, LatentLMError
 from latentlm.ops import constrain, spec
 from latentlm.ops.constrain import Limits
-from latentlm.ops.requests import ConstraintSpec, SampleRequest
+from latentlm.ops.requests import ConstraintSpec, JSONInt, SampleRequest
 from latentlm.service import execute
 from latentlm.service.batcher import QueueFull
 from latentlm.service.errors import APIError
@@ -55,7 +55,7 @@ MAX_PROMPTS = 1024  # prompts in one request
 MAX_N = 128  # choices per prompt
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's completions
 
-NonEmptyIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+NonEmptyIds = Annotated[list[Annotated[JSONInt, Field(ge=0)]], Field(min_length=1)]
 Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | NonEmptyIds
           | Annotated[list[NonEmptyIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 
@@ -82,26 +82,26 @@ class CompletionRequest(BaseModel):
     model: str = Field(description="model id (see GET /v1/models); a chain family", min_length=1)
     prompt: Prompt = Field(description="a string, a list of strings, a token-id list, or a list of token-id lists "
                                        f"(at most {MAX_PROMPTS} prompts); \"\" samples from the start")
-    max_tokens: StrictInt | None = Field(None, ge=0, description=f"tokens per choice at most (default "
+    max_tokens: JSONInt | None = Field(None, ge=0, description=f"tokens per choice at most (default "
                                                                  f"{DEFAULT_MAX_TOKENS}); 0 with echo scores the "
                                                                  "prompt only")
     temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy (top_k 1); applied to the "
                                                               "model's tables (ancestral) or next-token distribution")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling from the next-token distribution "
                                                               "(hmm, tagging_hmm, blocked_hmm); 1 = none")
-    n: StrictInt | None = Field(None, ge=1, le=MAX_N, description="choices per prompt (default 1)")
+    n: JSONInt | None = Field(None, ge=1, le=MAX_N, description="choices per prompt (default 1)")
     stop: str | Annotated[list[str | NonEmptyIds], Field(max_length=ops.MAX_STOP_SEQUENCES)] | None = Field(
         None, description=f"up to {ops.MAX_STOP_SEQUENCES} stop sequences (text or token ids); left out of the text")
-    seed: StrictInt | None = Field(None, ge=0, lt=ops.MAX_SEED, description="same seed, same choices (as "
+    seed: JSONInt | None = Field(None, ge=0, lt=ops.MAX_SEED, description="same seed, same choices (as "
                                                                             "/v1/sample's); default: a fresh one")
     stream: StrictBool | None = Field(None, description="server-sent `text_completion` chunks, ending "
                                                         "'data: [DONE]'")
     stream_options: StreamOptions | None = None
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log p of each token and of the "
+    logprobs: JSONInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log p of each token and of the "
                                                                                "this many most probable next tokens")
     echo: StrictBool | None = Field(None, description="the prompt before the completion, with its log-probabilities")
     suffix: str | None = Field(None, description="infilling: not supported (400) unless empty")
-    best_of: StrictInt | None = Field(None, ge=1, description="only 1 or n (the choices are the samples drawn)")
+    best_of: JSONInt | None = Field(None, ge=1, description="only 1 or n (the choices are the samples drawn)")
     logit_bias: dict[str, float] | None = Field(None, description="not supported (400) unless empty")
     presence_penalty: float | None = Field(None, description="not supported (400) unless 0")
     frequency_penalty: float | None = Field(None, description="not supported (400) unless 0")

@@ -29,8 +29,8 @@ values = ["tiny"]
 # temperature 0, whitespace-only input) are gone. Expected besides: 400 for an operation the model's family does not
 # have (`unsupported_operation`, e.g. embed on an HMM); the statuses the service documents for state (404 no such
 # model/file/batch, 409, 413 limits and budgets, 429); and 422 for what no JSON Schema can say: a token id at or
-# above the model's vocabulary size (per model, see /v1/models) and a float such as 312.0 where an integer is due
-# (JSON Schema's "integer" admits it; the service takes JSON integers only, by design and documented).
+# above the model's vocabulary size (per model, see /v1/models). A number with a zero fractional part (312.0) where
+# an integer is due is accepted as JSON Schema's "integer" says.
 [checks.positive_data_acceptance]
 expected-statuses = ["2XX", 400, 404, 409, 413, 422, 429]
 

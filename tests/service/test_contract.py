@@ -1,7 +1,7 @@
 """The contract the service declares is the one it keeps (issue 16, item 8), against a real uvicorn server: the
 OpenAPI document lists every error status of each operation with the JSON error body, the bearer scheme when keys
 are set, `/metrics` as text/plain and SSE as text/event-stream; 405 and OPTIONS answer a correct `Allow`; booleans
-do not slip into number fields; integer fields take JSON integers only."""
+do not slip into number fields; integer fields take what JSON Schema's `integer` admits (2.0 is 2), nothing else."""
 
 from __future__ import annotations
 
@@ -92,9 +92,10 @@ def test_405_and_options_answer_allow(server):
 @pytest.mark.parametrize("body,param,contains", [
     ({"temperature": True}, "temperature", "got bool"),
     ({"temperature": "1"}, "temperature", "expected a number"),
-    ({"n": 312.0}, "n", "valid integer"),
+    ({"n": 312.5}, "n", "valid integer"),
+    ({"n": "3"}, "n", "valid integer"),
     ({"n": True}, "n", "valid integer"),
-    ({"max_tokens": 3.0}, "max_tokens", "valid integer"),
+    ({"max_tokens": 3.5}, "max_tokens", "valid integer"),
     ({"seed": False}, "seed", "valid integer"),
     ({"stream": 1}, "stream", "valid boolean"),
 ])
@@ -106,7 +107,15 @@ def test_numbers_accepted(server):
     r = server.client.post("/v1/sample", json={"model": "tiny", "temperature": 1, "n": 2, "max_tokens": 3},
                            headers=AUTH)
     assert r.status_code == 200, r.text
-    err(server.client.post("/v1/posterior", json={"model": "tiny", "input": "w1", "top_k": 2.0}, headers=AUTH),
+    integral = {"model": "tiny", "temperature": 1, "n": 2.0, "max_tokens": 3.0, "seed": 5.0}
+    same = {"model": "tiny", "temperature": 1, "n": 2, "max_tokens": 3, "seed": 5}
+    assert server.client.post("/v1/sample", json=integral, headers=AUTH).json() == server.client.post(
+        "/v1/sample", json=same, headers=AUTH).json()  # JSON Schema's integer admits 2.0: taken as 2
+    r = server.client.post("/v1/posterior", json={"model": "tiny", "input": [[1.0, 2]], "top_k": 2.0}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert r.json() == server.client.post("/v1/posterior", json={"model": "tiny", "input": [[1, 2]], "top_k": 2},
+                                          headers=AUTH).json()
+    err(server.client.post("/v1/posterior", json={"model": "tiny", "input": "w1", "top_k": 2.5}, headers=AUTH),
         422, "top_k")
     err(server.client.post("/v1/score", json={"model": "tiny", "input": "w1", "token_logprobs": 1}, headers=AUTH),
         422, "token_logprobs")
