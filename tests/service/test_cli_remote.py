@@ -12,14 +12,20 @@ from .conftest import Server, clean_env
 LINES = "w1 w2 w3\nw4 w5\nw6 w7 w8 w9 w10\n"
 
 
+# Both sides run uncalibrated, with the same engine: two processes that each calibrate may pick different CPU GEMM
+# engines under load, whose float32 sums differ in the last bit (a flake seen in CI), and the lines are compared
+# byte for byte.
+UNCALIBRATED = {"LATENTLM_CALIBRATE": "0"}
+
+
 def cli(*args: str, stdin: str = "", env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "latentlm.cli", *args], input=stdin, capture_output=True, text=True,
-                          env=clean_env(**(env or {})), timeout=300)
+                          env=clean_env(**{**UNCALIBRATED, **(env or {})}), timeout=300)
 
 
 @pytest.fixture(scope="module")
 def server(store, tmp_path_factory):
-    s = Server(store, tmp_path_factory.mktemp("remote"), env={"LATENTLM_API_KEYS": "k1"})
+    s = Server(store, tmp_path_factory.mktemp("remote"), env={"LATENTLM_API_KEYS": "k1", **UNCALIBRATED})
     yield s
     s.stop()
 
