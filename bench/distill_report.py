@@ -140,8 +140,12 @@ def distill_section(di: dict, lm: dict | None, work: Path) -> list[str]:
         limit = flops / (g * 1e9) if g else None
         curve = p.get("curve") or []
         init_ppl = next((c["valid_ppl"] for c in curve if c.get("iteration") == 0), None)
+        fastest = min((c["step_seconds"] for c in curve if c.get("step_seconds")), default=None)
+        best = min((c for c in curve if c.get("iteration")), key=lambda c: c["valid_ppl"], default=None)
         rows.append([r["name"], r["rc"], r["wall_seconds"], (p.get("lvd") or {}).get("seconds"), steps, step_s,
-                     flops / 1e12, g, limit, (step_s / limit) if (step_s and limit) else None, init_ppl,
+                     fastest, flops / 1e12, g, limit, (step_s / limit) if (step_s and limit) else None,
+                     (fastest / limit) if (fastest and limit) else None, init_ppl,
+                     f"{best['valid_ppl']:.2f} (step {best['iteration']})" if best else None,
                      p.get("final_valid_ppl")])
         smp = p.get("sampling") or {}
         if smp.get("shards_drawn"):
@@ -159,8 +163,9 @@ def distill_section(di: dict, lm: dict | None, work: Path) -> list[str]:
             "measured in the bench's process (one thread, the same loaded VM). The step also scores the valid "
             "samples (a tenth of the training tokens, forward only) and does the M-step, inside its time. Valid "
             "ppl: the CLI's own held-out LM samples, before EM (the initialisation) and after the last step.", ""]
-    out += table(["HMM", "exit", "wall s", "LVD s", "EM steps", "s / EM step", "TFLOP / step", "GEMM GFLOP/s",
-                  "limit s", "step / limit", "valid ppl at init", "valid ppl after EM"], rows)
+    out += table(["HMM", "exit", "wall s", "LVD s", "EM steps", "s / EM step (mean)", "fastest step s",
+                  "TFLOP / step", "GEMM GFLOP/s", "limit s", "mean / limit", "fastest / limit", "valid ppl at init",
+                  "best valid ppl", "valid ppl after EM (exported)"], rows)
     ev = di["eval"]
     out += [f"Perplexity per token on {ev['sequences']:,} fresh LM samples ({ev['tokens']:,} tokens, a seed the "
             "distillation never used; eos counted where a sample ends; a sample cut at the length limit scored as "
