@@ -54,6 +54,7 @@ def report(work: Path) -> str:
     lm = json.loads((work / "lm.json").read_text()) if (work / "lm.json").exists() else None
     di = json.loads((work / "distill.json").read_text()) if (work / "distill.json").exists() else None
     tk = json.loads((work / "task.json").read_text()) if (work / "task.json").exists() else None
+    tk1 = json.loads((work / "task1.json").read_text()) if (work / "task1.json").exists() else None
     runs = [json.loads(x) for x in (work / "runs.jsonl").read_text().splitlines()] \
         if (work / "runs.jsonl").exists() else []
     dates = sorted({r["started"][:10] for r in runs if r.get("started")})
@@ -104,6 +105,8 @@ def report(work: Path) -> str:
         out += distill_section(di, lm, work)
     if tk:
         out += task_section(tk)
+    if tk1:
+        out += task_section(tk1)
     out += paper_section(lm, di)
     return "\n".join(out) + "\n"
 
@@ -184,8 +187,13 @@ def distill_section(di: dict, lm: dict | None, work: Path) -> list[str]:
 def task_section(tk: dict) -> list[str]:
     cfg, s = tk["settings"], tk["summary"]
     hmms, first = cfg["hmms"], cfg["hmms"][0]
-    out = ["## Stage 3: CommonGen-style keywords", "",
-           f"{len(tk['sets'])} sets of 3-4 content words (alternating), each from one held-out PTB test sentence "
+    one = cfg.get("one_keyword", False)
+    intro = ("The sets of stage 3 cut to their first keyword: a constraint that rejection meets within its "
+             "budget, so that the guide's fluency is set against exact samples from the LM given the constraint. "
+             "Stage 3's description: ") if one else ""
+    out = ["## Stage 3b (`task1`): one keyword per set" if one else "## Stage 3: CommonGen-style keywords", "",
+           intro + f"{len(tk['sets'])} sets of 3-4 content words (alternating), each from one held-out PTB test "
+           "sentence "
            f"(alphabetic, 3+ letters, not a stop word, among the {cfg['top_words']:,} most frequent training "
            f"words). Generation starts at `<|endoftext|>`; an output is a complete text (ended by `<|endoftext|>`) "
            f"of at most {cfg['max_tokens']} tokens, the event the constraint `{{\"include\": [[w1], [w2], ...], "

@@ -99,7 +99,13 @@ def generate_one(model, eos: int, T: int, gen_kw: dict, seed: int, procs: list |
     return (ids[: ids.index(eos) + 1] if eos in ids else ids), sec
 
 
-def stage_task(work: Path, tiny: bool, seed: int) -> dict:
+def stage_task1(work: Path, tiny: bool, seed: int) -> dict:
+    """The same sets cut to their first keyword: a constraint rejection can meet within its budget, so the
+    guide's fluency is set against exact samples from the LM given the constraint."""
+    return stage_task(work, tiny, seed, one_keyword=True)
+
+
+def stage_task(work: Path, tiny: bool, seed: int, one_keyword: bool = False) -> dict:
     import torch
     from tokenizers import Tokenizer
 
@@ -108,6 +114,8 @@ def stage_task(work: Path, tiny: bool, seed: int) -> dict:
     from latentlm.ops.guide import ConstraintLogitsProcessor
 
     cfg = dict(TASK_TINY if tiny else TASK_FULL)
+    if one_keyword:
+        cfg.update(one_keyword=True, budget=cfg["budget"] // 4)
     lm_dir = work / "lm"
     model, eos = load_lm(lm_dir)
     tok = Tokenizer.from_file(str(lm_dir / "tokenizer.json"))
@@ -122,6 +130,8 @@ def stage_task(work: Path, tiny: bool, seed: int) -> dict:
 
     hmms = {name: ops.load_model(work / "store", name, dtype="float64") for name in cfg["hmms"]}
     sets = keyword_sets(cfg["sets"], seed, cfg["top_words"])
+    if one_keyword:
+        sets = [s[:1] for s in sets]
     T = cfg["max_tokens"]
     rows: dict[str, list[dict]] = {"lm": [], "reject": [], **{f"{k}:{n}": [] for n in hmms for k in ("guide", "hmm")}}
     steps = {n: {"seconds": 0.0, "calls": 0} for n in hmms}
