@@ -2,7 +2,7 @@
 tokenizer on Penn Treebank text, distil dense HMMs from it with `latentlm distill`, and run a CommonGen-style
 keyword task (LM alone with rejection sampling, LM + the HMM guide, the HMM alone, constrained).
 
-    python bench/distill.py lm|distill|task|task1|report|all [--work DIR] [--tiny] [--out FILE]
+    python bench/distill.py lm|distill|task|task1|steps|report|all [--work DIR] [--tiny] [--out FILE]
 
 Each stage caches its output under --work (default ~/.cache/latentlm/bench-distill/, `--tiny`:
 .../bench-distill-tiny/), so a rerun skips finished stages (`--force STAGE` reruns one). The stages run with one
@@ -461,7 +461,7 @@ def stage_distill(work: Path, tiny: bool, seed: int, runs: str | None = None) ->
 
 
 # ---------------------------------------------------------------- driver
-STAGES = ("lm", "distill", "task", "task1")
+STAGES = ("lm", "distill", "task", "task1", "steps")
 
 
 def run_stage(name: str, work: Path, args) -> dict:
@@ -471,10 +471,10 @@ def run_stage(name: str, work: Path, args) -> dict:
         return json.loads(path.read_text())
     log(f"{name}: running")
     t0 = time.perf_counter()
-    if name in ("task", "task1"):
-        from distill_task import stage_task, stage_task1
+    if name in ("task", "task1", "steps"):
+        import distill_task
 
-        fn = stage_task if name == "task" else stage_task1
+        fn = getattr(distill_task, f"stage_{name}")
     else:
         fn = {"lm": stage_lm, "distill": stage_distill}[name]
     command = " ".join(["python", *sys.argv])

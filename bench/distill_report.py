@@ -55,6 +55,7 @@ def report(work: Path) -> str:
     di = json.loads((work / "distill.json").read_text()) if (work / "distill.json").exists() else None
     tk = json.loads((work / "task.json").read_text()) if (work / "task.json").exists() else None
     tk1 = json.loads((work / "task1.json").read_text()) if (work / "task1.json").exists() else None
+    tks = json.loads((work / "steps.json").read_text()) if (work / "steps.json").exists() else None
     runs = [json.loads(x) for x in (work / "runs.jsonl").read_text().splitlines()] \
         if (work / "runs.jsonl").exists() else []
     dates = sorted({r["started"][:10] for r in runs if r.get("started")})
@@ -107,6 +108,8 @@ def report(work: Path) -> str:
         out += task_section(tk)
     if tk1:
         out += task_section(tk1)
+    if tks:
+        out += task_section(tks)
     out += paper_section(lm, di)
     return "\n".join(out) + "\n"
 
@@ -187,11 +190,17 @@ def distill_section(di: dict, lm: dict | None, work: Path) -> list[str]:
 def task_section(tk: dict) -> list[str]:
     cfg, s = tk["settings"], tk["summary"]
     hmms, first = cfg["hmms"], cfg["hmms"][0]
-    one = cfg.get("one_keyword", False)
+    one, steps = cfg.get("one_keyword", False), cfg.get("steps", False)
     intro = ("The sets of stage 3 cut to their first keyword: a constraint that rejection meets within its "
              "budget, so that the guide's fluency is set against exact samples from the LM given the constraint. "
              "Stage 3's description: ") if one else ""
-    out = ["## Stage 3b (`task1`): one keyword per set" if one else "## Stage 3: CommonGen-style keywords", "",
+    if steps:
+        intro = ("The guide's step by HMM size and precision: stage 3's sets and generation, each HMM loaded in "
+                 "float64 and in float32, no rejection. Stage 3's description: ")
+    title = ("## Stage 3b (`task1`): one keyword per set" if one else
+             "## Stage 3c (`steps`): the guide's step by HMM size and precision" if steps else
+             "## Stage 3: CommonGen-style keywords")
+    out = [title, "",
            intro + f"{len(tk['sets'])} sets of 3-4 content words (alternating), each from one held-out PTB test "
            "sentence "
            f"(alphabetic, 3+ letters, not a stop word, among the {cfg['top_words']:,} most frequent training "
@@ -200,7 +209,8 @@ def task_section(tk: dict) -> list[str]:
            f"\"max_tokens\": {cfg['max_tokens']}}}` describes; success = every keyword occurs in its decoded text "
            "as a whole word (an independent regex check `(?<!\\w)word(?!\\w)`, not the automaton). "
            f"The task's HMM is `{first}`; " + ", ".join(f"`{n}` ({tk['hmm_states'][n]:,} states)" for n in hmms)
-           + ", loaded in float64. Fluency = the LM's log-likelihood per token of the outputs (eos counted), under "
+           + (" (name@precision)" if steps else ", loaded in float64")
+           + ". Fluency = the LM's log-likelihood per token of the outputs (eos counted), under "
            "the plain LM: rejection's accepted samples are exact draws from the LM given the constraint, the "
            "target. ms per token: wall time of generation over the tokens generated (rejection: all its draws, "
            "batched); setup: compiling the constraint and the HMM's backward messages, once per set, not in ms "
@@ -210,20 +220,23 @@ def task_section(tk: dict) -> list[str]:
     for n in hmms:
         names[f"guide:{n}"] = f"(b) LM + guide `{n}` (alpha {cfg['alpha']}, batch 1)"
         names[f"hmm:{n}"] = f"(c) `{n}` alone, exact constrained sampling"
-    keys = ["lm", "reject", *[f"guide:{n}" for n in hmms], *[f"hmm:{n}" for n in hmms]]
+    keys = ["lm", *(["reject"] if cfg["budget"] else []), *[f"guide:{n}" for n in hmms],
+            *[f"hmm:{n}" for n in hmms]]
     out += table(["method", "success", "outputs", "LM log-lik / token", "on the sets (a) solved", "ms / token",
                   "setup s / set"],
                  [[names[k], s[k]["success"], s[k]["outputs"], s[k]["ll_per_token"],
                    s[k].get("ll_per_token_on_rejection_sets"), s[k]["ms_per_token"], s[k].get("setup_s_per_set")]
                   for k in keys])
-    out += [f"Rejection accepted {s['reject']['outputs']:,} of {cfg['budget'] * len(tk['sets']):,} draws "
-            f"({s['reject']['accept_rate']:.2e}: about the LM's average P(C) over these sets).", "",
-            "Goals (issue 56), for each HMM (the task's first):", ""]
+    if cfg["budget"]:
+        out += [f"Rejection accepted {s['reject']['outputs']:,} of {cfg['budget'] * len(tk['sets']):,} draws "
+                f"({s['reject']['accept_rate']:.2e}: about the LM's average P(C) over these sets).", ""]
+    out += ["Goals (issue 56), for each HMM (the task's first):", ""]
     for n in hmms:
         g, gs = tk["goals"][n], s[f"guide:{n}"]
         out += [f"- `{n}`: (b) succeeds on every set: {'PASS' if g['guide_success_100'] else 'FAIL'} "
                 f"({gs['success']:.0%}); (b)'s log-likelihood per token within 10% of (a)'s accepted samples: "
-                + ("not measurable (rejection accepted nothing)" if g["ll_gap"] is None else
+                + ("not measurable (" + ("no rejection in this stage" if steps else "rejection accepted nothing")
+                   + ")" if g["ll_gap"] is None else
                    f"{'PASS' if g['ll_within_10pct'] else 'FAIL'} ({fmt(gs['ll_per_token'], 3)} against "
                    f"{fmt(s['reject']['ll_per_token'], 3)}: {g['ll_gap']:+.1%})")
                 + f"; the guided step at most 2x a plain LM step: {'PASS' if g['step_within_2x'] else 'FAIL'} "

@@ -105,7 +105,14 @@ def stage_task1(work: Path, tiny: bool, seed: int) -> dict:
     return stage_task(work, tiny, seed, one_keyword=True)
 
 
-def stage_task(work: Path, tiny: bool, seed: int, one_keyword: bool = False) -> dict:
+def stage_steps(work: Path, tiny: bool, seed: int) -> dict:
+    """The guide's step by HMM size and precision (each HMM in float64 and float32), on stage task's sets, without
+    rejection: the guide's step reads the HMM's Z x V emissions once per token, so its cost against the LM's step
+    is set by their sizes in bytes."""
+    return stage_task(work, tiny, seed, steps=True)
+
+
+def stage_task(work: Path, tiny: bool, seed: int, one_keyword: bool = False, steps: bool = False) -> dict:
     import torch
     from tokenizers import Tokenizer
 
@@ -116,6 +123,8 @@ def stage_task(work: Path, tiny: bool, seed: int, one_keyword: bool = False) -> 
     cfg = dict(TASK_TINY if tiny else TASK_FULL)
     if one_keyword:
         cfg.update(one_keyword=True, budget=cfg["budget"] // 4)
+    if steps:  # name@dtype: each HMM in both precisions
+        cfg.update(steps=True, budget=0, hmms=[f"{n}@{d}" for n in cfg["hmms"] for d in ("float64", "float32")])
     lm_dir = work / "lm"
     model, eos = load_lm(lm_dir)
     tok = Tokenizer.from_file(str(lm_dir / "tokenizer.json"))
@@ -128,7 +137,8 @@ def stage_task(work: Path, tiny: bool, seed: int, one_keyword: bool = False) -> 
         return {"set": i, "ids": ids, "text": t, "ok": has_words(t, words), "tokens": len(ids), "seconds": sec,
                 "lm_ll": lm_logprobs(model, eos, [ids])[0], **more}
 
-    hmms = {name: ops.load_model(work / "store", name, dtype="float64") for name in cfg["hmms"]}
+    hmms = {spec: ops.load_model(work / "store", spec.partition("@")[0], dtype=spec.partition("@")[2] or "float64")
+            for spec in cfg["hmms"]}
     sets = keyword_sets(cfg["sets"], seed, cfg["top_words"])
     if one_keyword:
         sets = [s[:1] for s in sets]
@@ -146,14 +156,17 @@ def stage_task(work: Path, tiny: bool, seed: int, one_keyword: bool = False) -> 
             rows["lm"].append({**row(i, ids, sec, words), "ok": True})
             # (a) rejection: `budget` LM samples in batches; accepted: complete (ended by eos, as the constraint's
             # event) and every keyword a whole word
-            samples, sec = lm_sample(model, eos, cfg["budget"], T, cfg["batch"], seed * 1000 + i)
-            acc = [s for s in samples if s[-1] == eos and has_words(text(s), words)]
-            gen_tok = sum(map(len, samples))
-            for k, s in enumerate(acc):
-                rows["reject"].append({**row(i, s, sec if k == 0 else 0.0, words),
-                                       "generated_tokens": gen_tok if k == 0 else 0})
-            if not acc:
-                rows["reject"].append({"set": i, "ok": False, "tokens": 0, "seconds": sec, "generated_tokens": gen_tok})
+            acc = []
+            if cfg["budget"]:
+                samples, sec = lm_sample(model, eos, cfg["budget"], T, cfg["batch"], seed * 1000 + i)
+                acc = [s for s in samples if s[-1] == eos and has_words(text(s), words)]
+                gen_tok = sum(map(len, samples))
+                for k, s in enumerate(acc):
+                    rows["reject"].append({**row(i, s, sec if k == 0 else 0.0, words),
+                                           "generated_tokens": gen_tok if k == 0 else 0})
+                if not acc:
+                    rows["reject"].append({"set": i, "ok": False, "tokens": 0, "seconds": sec,
+                                           "generated_tokens": gen_tok})
             for name, hmm in hmms.items():
                 # (b) the LM + the guide
                 t0 = time.perf_counter()
@@ -178,7 +191,7 @@ def stage_task(work: Path, tiny: bool, seed: int, one_keyword: bool = False) -> 
             f"{rows[first][-1]['text']!r}, hmm {rows['hmm:' + cfg['hmms'][0]][-1]['ok']}")
     summary = {k: summarize(v, len(sets)) for k, v in rows.items()}
     draws = cfg["budget"] * len(sets)
-    summary["reject"]["accept_rate"] = sum(1 for r in rows["reject"] if r["ok"]) / draws
+    summary["reject"]["accept_rate"] = sum(1 for r in rows["reject"] if r["ok"]) / draws if draws else None
     accepted = {r["set"] for r in rows["reject"] if r["ok"]}  # the sets rejection solved: (b), (c) on them alone
     for k in rows:
         if k.startswith(("guide:", "hmm:")):
