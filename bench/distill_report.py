@@ -111,6 +111,7 @@ def report(work: Path) -> str:
     if tks:
         out += task_section(tks)
     out += paper_section(lm, di)
+    out += summary_section(lm, di, tk, tk1, tks)
     return "\n".join(out) + "\n"
 
 
@@ -276,3 +277,92 @@ def paper_section(lm: dict | None, di: dict | None) -> list[str]:
             "behaves at this scale, not what the papers' models reach. The task's keywords come from PTB sentences, "
             "not CommonGen's concept sets, and there is no BLEU: no reference sentences are scored.", ""]
     return out
+
+
+def _goal(tk: dict | None, name: str) -> dict | None:
+    return None if tk is None else tk["goals"].get(name)
+
+
+def summary_section(lm: dict | None, di: dict | None, tk: dict | None, tk1: dict | None,
+                    tks: dict | None) -> list[str]:
+    """The headline figures of the stages above, in one list (numbers read from the same caches)."""
+    out = ["## Summary of these runs", ""]
+    if lm:
+        out.append(f"- **LM**: {lm['parameters']:,}-parameter GPT-2 ({lm['settings']['layers']} layers x "
+                   f"{lm['settings']['width']}), {lm['vocab_size']:,}-token byte-level BPE, {lm['steps']} AdamW steps "
+                   f"({lm['epochs']:.2f} epochs of PTB) in {lm['train_seconds'] / 60:.1f} min on one thread: valid "
+                   f"perplexity {lm['valid_ppl_token']:.1f} per token ({lm['valid_ppl_word']:.0f} per word).")
+    if di:
+        smp = [((r.get("provenance") or {}).get("sampling") or {}) for r in di["runs"]]
+        drawn = next((x for x in smp if x.get("shards_drawn")), None)
+        rates = [x["tokens_per_s"] for x in di["sampling"]]
+        if drawn:
+            out.append(f"- **Sampling**: {drawn['tokens_per_s']:,.0f} tokens/s inside `latentlm distill` (batch "
+                       f"{drawn['batch']}, one thread; {drawn['tokens_drawn']:,} tokens); the bench's own "
+                       f"`generate` {min(rates):,.0f}-{max(rates):,.0f} tokens/s by batch size.")
+        ev = di["eval"]
+        parts = []
+        for r in di["runs"]:
+            p = r.get("provenance") or {}
+            curve = [c for c in p.get("curve") or [] if c.get("step_seconds")]
+            g = di["gemm_gflops"].get(str(r["states"]))
+            if curve and g:
+                fastest = min(c["step_seconds"] for c in curve)
+                limit = FB_FLOPS_PER_TOKEN * p["train_tokens"] * r["states"] ** 2 / (g * 1e9)
+                parts.append(f"{r['name']} {fastest:.1f} s ({fastest / limit:.2f}x its {limit:.1f} s limit)")
+        if parts:
+            out.append("- **EM step** (fastest, against 6 T Z^2 flops at the measured GEMM rate): "
+                       + "; ".join(parts) + ".")
+        ppl = ", ".join(f"{n} {e['ppl']:.1f}" for n, e in ev["hmm"].items())
+        line = (f"- **Perplexity on fresh LM samples** (per token): the LM {ev['lm_ppl']:.1f}, unigram "
+                f"{ev['unigram_ppl']:.1f}; HMMs {ppl}. "
+                + ("Every HMM beats the unigram. " if all(e["ppl"] < ev["unigram_ppl"] for e in ev["hmm"].values())
+                   else ""))
+        pairs = [(z, ev["hmm"].get(f"gpt-{z}-lvd"), ev["hmm"].get(f"gpt-{z}-random")) for z in
+                 sorted({r["states"] for r in di["runs"]})]
+        line += "".join(f"LVD against random at {z} states, same EM steps: {a_['ppl']:.1f} against {b_['ppl']:.1f}. "
+                        for z, a_, b_ in pairs if a_ and b_)
+        for r in di["runs"]:
+            p = r.get("provenance") or {}
+            curve = [c for c in p.get("curve") or [] if c.get("iteration")]
+            if len(curve) >= 3:
+                best = min(curve, key=lambda c: c["valid_ppl"])
+                if best["iteration"] < curve[-1]["iteration"]:
+                    line += (f"{r['name']}: its valid perplexity was best after EM step {best['iteration']} "
+                             f"({best['valid_ppl']:.1f}) and rose to {curve[-1]['valid_ppl']:.1f} by step "
+                             f"{curve[-1]['iteration']} while its train perplexity kept falling "
+                             f"({curve[-1]['train_ppl']:.1f}): {p.get('train_tokens', 0) / 1e6:.2f}M training "
+                             f"tokens are too few for its {r['states'] * (lm['vocab_size'] if lm else 0) / 1e6:.1f}M "
+                             "emission parameters. ")
+        out.append(line.rstrip())
+    for label, t in (("3-4 keywords", tk), ("one keyword", tk1)):
+        if not t:
+            continue
+        first = t["settings"]["hmms"][0]
+        g, s = t["goals"][first], t["summary"]
+        line = (f"- **Task, {label}** ({len(t['sets'])} sets, `{first}`): the guide met every constraint "
+                f"({s[f'guide:{first}']['success']:.0%}); rejection with {t['settings']['budget']:,} draws per set "
+                f"solved {s['reject']['success']:.0%} of the sets ({s['reject']['outputs']} accepted texts). Fluency "
+                f"(LM log-lik / token): guide {fmt(s[f'guide:{first}']['ll_per_token'], 2)}, HMM alone "
+                f"{fmt(s[f'hmm:{first}']['ll_per_token'], 2)}, rejection's accepted "
+                f"{fmt(s['reject']['ll_per_token'], 2)}, the LM unconstrained {fmt(s['lm']['ll_per_token'], 2)}")
+        if g["ll_gap"] is None:
+            line += "; the 10% goal cannot be judged (nothing accepted)."
+        elif s["reject"]["outputs"] < 10:
+            line += (f"; against {s['reject']['outputs']} accepted text(s) the 10% goal reads "
+                     f"{'PASS' if g['ll_within_10pct'] else 'FAIL'} ({g['ll_gap']:+.0%}), too few to judge by.")
+        else:
+            line += f"; the 10% goal: {'PASS' if g['ll_within_10pct'] else 'FAIL'} ({g['ll_gap']:+.1%})."
+        out.append(line)
+    src = tks or tk1 or tk
+    if src:
+        ratios = "; ".join(f"`{n}` {g['guided_over_plain_step']:.2f}x ({'PASS' if g['step_within_2x'] else 'FAIL'}, "
+                           f"guide call {g['guide_step_ms']:.1f} ms)" for n, g in src["goals"].items())
+        out.append(f"- **Guided step against a plain LM step** (batch 1, the LM's step "
+                   f"{src['summary']['lm']['ms_per_token']:.2f} ms per token): {ratios}. The guide's call reads the "
+                   "HMM's Z x V emission table once per token (the next-token weights), so its cost against the "
+                   "LM's step follows the HMM's size against the LM's: here the 1,024-state HMM's "
+                   f"{1024 * (lm['vocab_size'] if lm else 0) / 1e6:.1f}M emission entries outweigh the "
+                   f"{(lm['parameters'] if lm else 0) / 1e6:.1f}M-parameter LM; at the papers' scale (GPT2-large, "
+                   "774M parameters, against 4,096 x 50,257 = 206M emission entries) the table is the smaller.")
+    return out + [""]
