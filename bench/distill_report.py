@@ -38,9 +38,9 @@ def fmt(x: Any, digits: int = 2) -> str:
 
 def table(head: list[str], rows: list[list[Any]]) -> list[str]:
     """A markdown table; the home directory written as ~ in every cell."""
-    home = str(Path.home())
+    home, root = str(Path.home()), str(Path(__file__).resolve().parent.parent) + "/"
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(fmt(c).replace(home, "~") for c in r) + " |" for r in rows]
+    out += ["| " + " | ".join(fmt(c).replace(root, "").replace(home, "~") for c in r) + " |" for r in rows]
     return out + [""]
 
 
@@ -58,23 +58,26 @@ def report(work: Path) -> str:
     tks = json.loads((work / "steps.json").read_text()) if (work / "steps.json").exists() else None
     runs = [json.loads(x) for x in (work / "runs.jsonl").read_text().splitlines()] \
         if (work / "runs.jsonl").exists() else []
+    runs.sort(key=lambda r: r.get("started") or "")
     dates = sorted({r["started"][:10] for r in runs if r.get("started")})
     out = ["# Distilling HMMs from a small GPT-2 on a CPU (`bench/distill.py`)", "",
            f"Date: {', '.join(dates) or '–'}. CPU: {cpu_name()} (lscpu model name), a 2-core VM shared with other "
            "jobs (four other helpers building and testing in the same checkout) while these ran: every stage ran "
            "on one torch thread (OMP_NUM_THREADS=1), the `latentlm distill` subprocesses too. Timings are of that "
            "loaded machine; read them against each other within a run, not as the CPU's best.", "",
-           "Reproduce: `python bench/distill.py all` (stages `lm`, `distill`, `task`, each cached under "
-           "`~/.cache/latentlm/bench-distill/`, then `python bench/distill.py report`). `--tiny` runs every stage "
-           "with toy settings in about a minute (tests/bench/test_distill_bench.py).", "",
+           "Reproduce: `python bench/distill.py all` runs the stages `lm`, `distill`, `task`, `task1` and `steps` "
+           "in turn, each cached under `~/.cache/latentlm/bench-distill/` (a rerun skips what is done; "
+           "`--force STAGE` redoes one; `distill --runs Z:init[:minutes[:em_steps]],...` adds HMMs, as the table "
+           "below shows for the ones made that way), then writes this file (`python bench/distill.py report` "
+           "alone rewrites it from the caches). `--tiny` runs every stage with toy settings in a few minutes "
+           "under `~/.cache/latentlm/bench-distill-tiny/`; tests/test_bench_distill.py checks the bench's own "
+           "measurements (HMM forward against enumeration, LM log-likelihoods, the keyword check).", "",
            "## Every run", ""]
     out += table(["started", "stage", "command", "ok", "seconds", "note"],
                  [[r.get("started"), r["stage"], f"`{r['command']}`", r.get("ok"), r.get("seconds"),
                    r.get("error") or r.get("note") or ""] for r in runs])
-    if di:
-        out += ["`latentlm distill` subprocesses (one per HMM; log tails in the work directory's `<name>.log`):", ""]
-        out += table(["name", "command", "exit", "wall s"],
-                     [[r["name"], f"`{r['command']}`", r["rc"], r["wall_seconds"]] for r in di["runs"]])
+    out += ["The `distill <name>` rows are the `latentlm distill` subprocesses (their output in the work "
+            "directory's `<name>.log`); the `distill` rows the stage around them.", ""]
     if lm:
         s = lm["settings"]
         out += ["## Stage 1: the LM", "",
@@ -100,7 +103,7 @@ def report(work: Path) -> str:
                 f"{s['eval_tokens']:,} valid tokens during training, train loss averaged since the previous row):",
                 ""]
         out += table(["step", "seconds", "train loss", "valid loss (subset)", "lr"],
-                     [[c["step"], c["seconds"], c["train_loss"], c["valid_loss_subset"], c["lr"]]
+                     [[c["step"], c["seconds"], c["train_loss"], c["valid_loss_subset"], f"{c['lr']:.2e}"]
                       for c in lm["curve"]])
     if di:
         out += distill_section(di, lm, work)
