@@ -165,7 +165,8 @@ def distill_section(di: dict, lm: dict | None, work: Path) -> list[str]:
         out += ["Sampling inside `latentlm distill` (the first run draws the shards, train and valid; the others "
                 "reuse them):", ""]
         out += table(["run", "tokens drawn", "seconds", "tokens/s", "batch"], sampling)
-    out += ["Each run: wall time of the subprocess, LVD (hidden states of 10,000 samples and k-means), EM steps "
+    out += ["Each run: wall time of the subprocess, LVD (the LM's hidden states at every position of the first "
+            "10,000 training samples, `--lvd-samples`'s default, clustered by k-means), EM steps "
             "and their time. EM step time against its flop limit: an EM step costs about "
             f"{FB_FLOPS_PER_TOKEN} Z^2 flops per training token (forward, backward: a (B, Z) x (Z, Z) GEMM per "
             "position each; transition counts: one (Z, B T) x (B T, Z) GEMM; 2 flops per multiply-add; emissions "
@@ -276,7 +277,11 @@ def paper_section(lm: dict | None, di: dict | None) -> list[str]:
                  f"states, {8e6 / n:,.0f}-{1e7 / n:,.0f}x fewer samples")
     out += ["The method is theirs (samples from the LM, LVD initialisation by k-means of the LM's hidden states, "
             "EM with a pseudocount, the guide as the HMM's probability of the constraint); what differs is scale"
-            f"{scale}. So the HMM's perplexity gap to its LM and the guide's fluency here say how the method "
+            f"{scale}. The recipe differs in details too: full-batch EM for 10-20 steps over one set of samples "
+            "(Ctrl-G: 28 EM steps over 200 chunk passes), pseudocount 0.1 as GeLaTo's, no token dropout (GeLaTo's "
+            "0.01 MISSING token), k-means by Lloyd iterations in torch on the CPU (theirs: faiss on a GPU), samples "
+            "cut at the length limit trained on as prefixes (Ctrl-G pads them with EOS). So the HMM's perplexity "
+            "gap to its LM and the guide's fluency here say how the method "
             "behaves at this scale, not what the papers' models reach. The task's keywords come from PTB sentences, "
             "not CommonGen's concept sets, and there is no BLEU: no reference sentences are scored.", ""]
     return out
@@ -345,7 +350,7 @@ def summary_section(lm: dict | None, di: dict | None, tk: dict | None, tk1: dict
         g, s = t["goals"][first], t["summary"]
         line = (f"- **Task, {label}** ({len(t['sets'])} sets, `{first}`): the guide met every constraint "
                 f"({s[f'guide:{first}']['success']:.0%}); rejection with {t['settings']['budget']:,} draws per set "
-                f"solved {s['reject']['success']:.0%} of the sets ({s['reject']['outputs']} accepted texts). Fluency "
+                f"solved {s['reject']['success']:.0%} of the sets ({s['reject']['outputs']} accepted text(s)). Fluency "
                 f"(LM log-lik / token): guide {fmt(s[f'guide:{first}']['ll_per_token'], 2)}, HMM alone "
                 f"{fmt(s[f'hmm:{first}']['ll_per_token'], 2)}, rejection's accepted "
                 f"{fmt(s['reject']['ll_per_token'], 2)}, the LM unconstrained {fmt(s['lm']['ll_per_token'], 2)}")
