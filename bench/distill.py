@@ -3,6 +3,13 @@ tokenizer on Penn Treebank text, distil dense HMMs from it with `latentlm distil
 keyword task (LM alone with rejection sampling, LM + the HMM guide, the HMM alone, constrained).
 
     python bench/distill.py lm|distill|task|task1|steps|report|all [--work DIR] [--tiny] [--out FILE]
+                            [--runs Z:lvd|random[:minutes[:em_steps]],...] [--force STAGE] [--seed S]
+
+Stages: `lm` trains the LM (time-limited) and saves it with its tokenizer (save_pretrained); `distill` measures
+the LM's sampling speed, runs `latentlm distill` once per HMM (subprocesses sharing one set of sample shards) and
+scores fresh LM samples by the LM, each HMM and a unigram; `task` is the keyword task (bench/distill_task.py),
+`task1` the same sets cut to one keyword, `steps` the guide's step by HMM size and precision; `report` writes the
+results (bench/distill_report.py).
 
 Each stage caches its output under --work (default ~/.cache/latentlm/bench-distill/, `--tiny`:
 .../bench-distill-tiny/), so a rerun skips finished stages (`--force STAGE` reruns one). The stages run with one

@@ -69,7 +69,7 @@ def report(work: Path) -> str:
            "in turn, each cached under `~/.cache/latentlm/bench-distill/` (a rerun skips what is done; "
            "`--force STAGE` redoes one; `distill --runs Z:init[:minutes[:em_steps]],...` adds HMMs, as the table "
            "below shows for the ones made that way), then writes this file (`python bench/distill.py report` "
-           "alone rewrites it from the caches). `--tiny` runs every stage with toy settings in a few minutes "
+           "alone rewrites it from the caches). `--tiny` runs every stage with toy settings in about 30 s "
            "under `~/.cache/latentlm/bench-distill-tiny/`; tests/test_bench_distill.py checks the bench's own "
            "measurements (HMM forward against enumeration, LM log-likelihoods, the keyword check).", "",
            "## Every run", ""]
