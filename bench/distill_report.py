@@ -115,6 +115,10 @@ def report(work: Path) -> str:
         out += task_section(tks)
     out += paper_section(lm, di)
     out += summary_section(lm, di, tk, tk1, tks)
+    unfinished = [r for r in runs if r.get("ok") is False and r["stage"].startswith("distill gpt-")
+                  and not any(x["stage"] == r["stage"] and x.get("ok") for x in runs)]
+    for r in unfinished:
+        out.insert(-1, f"- **Not made**: {r['stage'].removeprefix('distill ')}: {r.get('note') or r.get('error')}")
     return "\n".join(out) + "\n"
 
 
