@@ -28,16 +28,21 @@ if TYPE_CHECKING:
 Trainer = Callable[["TrainSettings"], Path]
 TRAINERS: dict[str, Trainer] = {}
 """Recipe name -> its training loop, filled by `trainer` as each trainer module is imported."""
+DATA_PARALLEL: set[str] = set()
+"""The recipes whose loop trains data-parallel under `torchrun` (`training.distributed`)."""
 
 
-def trainer(*names: str) -> Callable[[Trainer], Trainer]:
+def trainer(*names: str, data_parallel: bool = False) -> Callable[[Trainer], Trainer]:
     """Register the decorated function as the training loop of the recipes `names` (it takes the run's validated
-    `TrainSettings` and returns the artifact directory it wrote)."""
+    `TrainSettings` and returns the artifact directory it wrote). `data_parallel`: the loop splits its work over
+    the ranks `torchrun` starts (others refuse to run under more than one)."""
     def register(fn: Trainer) -> Trainer:
         for name in names:
             if TRAINERS.get(name, fn) is not fn:
                 raise ValueError(f"recipe {name!r} already has a trainer ({TRAINERS[name].__module__})")
             TRAINERS[name] = fn
+            if data_parallel:
+                DATA_PARALLEL.add(name)
         return fn
 
     return register

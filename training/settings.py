@@ -214,12 +214,22 @@ def required_modules(ns: TrainSettings) -> list[str]:
 
 
 def train(ns: TrainSettings) -> Path:
-    """Run the recipe's training loop (`recipes.trainer_for`) on validated settings; returns the artifact
-    directory. The process keeps freed memory for the next step's tensors (`common.reuse_freed_memory`)."""
+    """Run the recipe's training loop (`recipes.trainer_for`) on validated settings, on every rank `torchrun`
+    started when the recipe trains data-parallel; returns the artifact directory. The process keeps freed memory for
+    the next step's tensors (`common.reuse_freed_memory`)."""
+    from latentlm.training import distributed
     from latentlm.training.common import reuse_freed_memory
+    from latentlm.training.recipes import DATA_PARALLEL
 
     reuse_freed_memory()
-    return trainer_for(ns.family)(ns)
+    loop = trainer_for(ns.family)
+    size = distributed.launched_size()
+    if size > 1 and ns.family not in DATA_PARALLEL:
+        raise InputError(f"--family {ns.family}: its trainer runs in one process; torchrun started {size} (train "
+                         f"data-parallel: {', '.join(sorted(DATA_PARALLEL))})", param="family")
+    path = loop(ns)
+    distributed.close()  # every rank leaves together; after an error torchrun stops the others
+    return path
 
 
 def corpus_perplexity(store: Path, name: str, data: str, *, device: str = "cpu", dtype: str = "float32",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from latentlm import ops
 from latentlm.cli.common import add_backend, add_store, require_extra
-from latentlm.training import settings, tagging
+from latentlm.training import distributed, settings, tagging
 from latentlm.training.recipes import recipes
 from latentlm.training.settings import OPTIONS, corpus_perplexity, required_modules, resolve_settings
 
@@ -21,7 +21,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     ns = resolve_settings(args)
     require_extra("train", required_modules(ns), f"training {ns.family}" + (" on PTB" if ns.data == ("ptb",) else ""))
     path = settings.train(ns)
-    print(f"wrote {ns.name} to {path}", file=sys.stderr)
+    if distributed.launched_rank() == 0:  # under torchrun rank 0 wrote it
+        print(f"wrote {ns.name} to {path}", file=sys.stderr)
 
 
 def cmd_eval(args: argparse.Namespace) -> None:

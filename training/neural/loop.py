@@ -4,6 +4,11 @@ plateau decay, early stopping), `checkpoint` (everything a resume needs) and `ex
 the epochs. `latentlm distill --family blocked_hmm` calls `fit` and `export` itself, with its samples as the data
 (`data.Sequences`), its own checkpoint directory and its provenance and files added to the artifact.
 
+Under `torchrun` the run is data-parallel (`training.distributed`): every rank builds the same batches and takes
+its rows of each (BPTT: its streams), the gradients are summed, rank 0 alone evaluates and writes; the
+trajectory is the one-process trajectory up to float summation order, and a checkpoint (the BPTT carry of every
+stream gathered into it) resumes on any number of ranks.
+
 The validation perplexity is computed by the exported family's own scoring code. On the CPU a step's float32
 GEMMs run on the faster of torch's BLAS and oneDNN for the model's shapes (`kernels.gemm`, `gemm_for_run`,
 `--gemm`).
@@ -14,7 +19,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +33,7 @@ from latentlm.models.kernels import gemm
 from latentlm.models.rank_hmm import RankHMM
 from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
-from latentlm.training import common
+from latentlm.training import common, distributed
 from latentlm.training.data import Sequences, load_training_split
 from latentlm.training.neural import bptt, losses
 from latentlm.training.neural.growth import checkpoint_states, split_model, split_state_dict, splits_done
@@ -163,6 +168,7 @@ class Run:
     check_seconds: float = 0.0  # cumulative wall time of evaluations and checkpoint writes
     stop: bool = False  # early stopping (or a run with nothing left to do)
     bar: common.Progress | None = None
+    world: distributed.World = field(default_factory=distributed.World)
 
     @property
     def blocked(self) -> bool:
@@ -191,8 +197,14 @@ def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Pa
     `sequences` when given (ids over their own vocabulary; `latentlm distill`); checkpoints go to `checkpoints`
     (default `<store>/.train/<name>/`)."""
     common.check_resume(ns)
+    world = distributed.world(ns.device)
+    if not world.main:
+        ns = replace(ns, progress=False)  # rank 0 alone reports
+    if world.size > 1 and ns.family == "blocked_hmm" and ns.bptt and ns.batch % world.size:
+        raise InputError(f"--batch {ns.batch}: BPTT's {ns.batch} streams must split evenly over the {world.size} "
+                         f"ranks", param="batch")
     gen = common.seed_all(ns.seed)
-    device = common.resolve_device(ns.device)
+    device = world.device
     if sequences is None:
         vocab, train_seqs, valid_seqs = load_training_split(ns)
     else:
@@ -205,7 +217,8 @@ def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Pa
     while blocked and ns.resume and model.M * model.k < checkpoint_states(model, tensors):
         model = split_model(model)[0]  # splits done before the checkpoint (its parameters follow)
     opt = make_optimizer(model, ns.lr, blocked, ns.weight_decay)
-    gemm_name, gemm_rates = gemm_for_run(ns, model, device, state.get("gemm"))
+    gemm_name, gemm_rates = gemm_for_run(ns, model, device, state.get("gemm")) if world.main else ("torch", {})
+    gemm_name = world.broadcast_choice(gemm_name, gemm.BACKENDS)  # every rank rounds alike
     gemm.set_backend(gemm_name)
     if ns.progress and gemm_rates:
         rates = ", ".join(f"{k} {v:.0f}" for k, v in gemm_rates.items())
@@ -214,10 +227,11 @@ def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Pa
     # (minutes on a busy machine) are not training time (they once left a busy machine's default build 1 step)
     t0 = time.perf_counter()
     run = Run(ns, vocab, train_seqs, [], device, gen, model, opt, extra_files, common.split_plan(ns), ckdir, t0,
-              decay=1.0 / (ns.lr_decay or (4.0 if blocked else 2.0)), gemm_name=gemm_name, gemm_rates=gemm_rates)
+              decay=1.0 / (ns.lr_decay or (4.0 if blocked else 2.0)), gemm_name=gemm_name, gemm_rates=gemm_rates,
+              world=world)
     if ns.resume:
         _restore(run, tensors, state)
-    run.valid_batches = common.bucket_batches(valid_seqs, 256, device=device)
+    run.valid_batches = common.bucket_batches(valid_seqs, 256, device=device) if world.main else []
     k = model.k if blocked else 0
     run.keep = k - round(k * ns.state_dropout) if blocked else 0
     N = common.num_tokens(train_seqs)
@@ -249,6 +263,9 @@ def _restore(run: Run, tensors: dict[str, Tensor], state: dict) -> None:
     run.history = common.History.from_json(state["history"])
     run.pos = Position.from_json(state, run.history)
     run.carry = bptt.carry_from_checkpoint(tensors, run.device)
+    if run.carry is not None:  # every stream's carry: this rank keeps its streams'
+        part = run.world.share(run.carry.state.shape[0])
+        run.carry = Carried(run.carry.state[part], run.carry.cluster[part])
     if ns.weight_average:
         run.average = {n[4:]: v.to(run.device) for n, v in tensors.items() if n.startswith("avg.")} or None
     run.t0 -= state.get("seconds", 0.0)
@@ -257,7 +274,14 @@ def _restore(run: Run, tensors: dict[str, Tensor], state: dict) -> None:
 
 
 def evaluate(run: Run) -> float:
-    """The validation perplexity of exactly what would be exported now (the moving average, if any)."""
+    """The validation perplexity of exactly what would be exported now (the moving average, if any), computed by
+    rank 0 and known to every rank."""
+    if run.world.distributed:
+        return run.world.broadcast_floats([_evaluate(run) if run.world.main else 0.0])[0]
+    return _evaluate(run)
+
+
+def _evaluate(run: Run) -> float:
     model, ns = run.model, run.ns
     model.eval()
     with parameters_swapped(model, run.average):
@@ -284,6 +308,8 @@ def grow_if_due(run: Run, epoch: int) -> None:
     if not run.blocked:
         return
     used = budget_used(run.ns, run.pos.step, epoch, run.seconds())
+    if run.splits.by_budget:  # wall time may count: rank 0's clock decides for every rank
+        used = run.world.broadcast_floats([used])[0]
     if not run.splits.due(splits_done(run.ns.states, run.model, run.splits), epoch, used):
         return
     if run.average is not None:
@@ -295,20 +321,32 @@ def grow_if_due(run: Run, epoch: int) -> None:
 
 def step(run: Run, batch: Batch, ntok: int, epochs_done: float) -> float:
     """One optimisation step on `batch` (`ntok` tokens; `epochs_done` epochs into the run); returns the loss per
-    token. Raises TrainingDiverged (naming --lr) at a non-finite loss or gradient, before the update."""
-    ns, model, opt = run.ns, run.model, run.opt
+    token. Raises TrainingDiverged (naming --lr) at a non-finite loss or gradient, before the update. On W ranks
+    each back-propagates its rows' loss over the global `ntok` and the gradients are summed before clipping.
+    A rank with no rows (a last bucket smaller than W) runs one row at weight 0, so that every rank draws the
+    same random numbers (dropout) and sends gradients."""
+    ns, model, opt, world = run.ns, run.model, run.opt, run.world
+    mine = world.rows(batch)
+    weight = 1.0
+    if mine.ids.shape[0] == 0:
+        mine, weight = Batch(batch.ids[:1, : int(batch.lengths[0])], batch.lengths[:1]), 0.0
     if run.blocked:
         active = sample_state_dropout(model.M, model.k, run.keep, run.gen).to(run.device)
-        nll, run.carry = losses.blocked_loss(model, batch, active, run.carry, want_last=bool(ns.bptt),
+        nll, run.carry = losses.blocked_loss(model, mine, active, run.carry, want_last=bool(ns.bptt),
                                              eos=run.vocab.eos_id if ns.reset_eos else None)
     else:
-        nll = losses.rank_loss(model, batch)  # dropout draws from torch's global generator (checkpointed)
-    loss = nll / ntok
+        nll = losses.rank_loss(model, mine)  # dropout draws from torch's global generator (checkpointed)
+    loss = nll * (weight / ntok)
     if ns.lr_anneal:
-        set_lr(opt, anneal_factor(budget_used(ns, run.pos.step, epochs_done, run.seconds()), ns.lr_anneal))
-    grad_norm = backward_clipped(model, opt, loss)
+        used = budget_used(ns, run.pos.step, epochs_done, run.seconds())
+        if ns.time_limit and world.distributed:  # wall time counts: rank 0's clock sets every rank's LR
+            used = world.broadcast_floats([used])[0]
+        set_lr(opt, anneal_factor(used, ns.lr_anneal))
+    grad_norm = backward_clipped(model, opt, loss, world.sum_gradients)
     # the step's one host sync: the loss and the gradient norm read together, before the update
     loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float().to(loss.device)]).tolist()
+    if world.distributed:
+        loss_value = world.sum_floats([loss_value])[0]
     if not math.isfinite(loss_value):
         raise TrainingDiverged(
             f"--lr: training diverged at step {run.pos.step + 1} (loss {loss_value}); nothing was "
@@ -353,25 +391,34 @@ def checkpoint(run: Run, with_carry: bool) -> None:
     carry (`with_carry`: mid-epoch), the parameters' moving average (--weight-average), the GEMM library in use
     and the run's shape settings. Its time counts in `check_seconds`."""
     tick = time.perf_counter()
+    carry = run.carry if with_carry else None
+    if carry is not None and run.world.distributed:  # every rank's streams, in rank order
+        carry = Carried(run.world.gather_rows(carry.state), run.world.gather_rows(carry.cluster))
+    if not run.world.main:
+        return
     ot, ometa = common.optimizer_tensors(run.opt)
     tensors = {**{f"model.{k}": v for k, v in run.model.state_dict().items()},
                **{f"best.{k}": v for k, v in run.best_state.items()}, **ot, **common.rng_tensors(run.gen)}
-    if with_carry and run.carry is not None:
-        tensors["carry"], tensors["carry_cluster"] = run.carry.state, run.carry.cluster
+    if carry is not None:
+        tensors["carry"], tensors["carry_cluster"] = carry.state, carry.cluster
     if run.average is not None:
         tensors.update({f"avg.{n}": v for n, v in run.average.items()})
     pos = run.pos
     common.save_checkpoint(run.ckdir, tensors, {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step,
                                                 "tokens": pos.tokens, "history": run.history.to_json(),
                                                 "optimizer": ometa, "seconds": run.seconds(),
-                                                "early_stopped": run.stop, "gemm": gemm.backend()}, run.ns)
+                                                "early_stopped": run.stop, "gemm": gemm.backend(),
+                                                "world_size": run.world.size}, run.ns)
     run.check_seconds += time.perf_counter() - tick
 
 
 def export(run: Run, provenance: dict[str, Any] | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
     """The best evaluation's parameters as the family's artifact (+ clusters.txt, curve.png); returns its
-    directory. `provenance` entries replace or add to the trainer's; `extra_files` are stored too."""
+    directory (rank 0 writes it; the other ranks return the same path). `provenance` entries replace or add to
+    the trainer's; `extra_files` are stored too."""
     ns, model = run.ns, run.model
+    if not run.world.main:
+        return Path(ns.store) / ns.name
     if run.blocked and splits_done(ns.states, model, run.splits) < len(run.splits):  # a share never reached
         print(f"--split-at: the budget ended before {len(run.splits) - splits_done(ns.states, model, run.splits)} "
               f"of the splits; the model has {model.M * model.k} states, not {ns.states}", file=sys.stderr)
@@ -384,7 +431,7 @@ def export(run: Run, provenance: dict[str, Any] | None = None, extra_files: dict
               {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout})
     prov = common.provenance(ns, run.history, run.seconds(),
                              {"method": "VL-HMM (Chiu & Rush 2020)" if blocked else "rank-space HMM (Yang et al. 2022)",
-                              "steps": run.pos.step, "gemm": run.gemm_name,
+                              "steps": run.pos.step, "gemm": run.gemm_name, "world_size": run.world.size,
                               "gemm_gflops": {k: round(v, 1) for k, v in run.gemm_rates.items()}})
     title = f"{ns.family} {ns.states} states" + (f", M={model.M}" if blocked else f", r={ns.rank}")
     files = {**run.extra_files, "curve.png": common.curve_png(run.history, title), **(extra_files or {})}
@@ -392,7 +439,7 @@ def export(run: Run, provenance: dict[str, Any] | None = None, extra_files: dict
                          provenance={**prov, **(provenance or {})}, extra_files=files)
 
 
-@trainer("blocked_hmm", "rank_hmm")
+@trainer("blocked_hmm", "rank_hmm", data_parallel=True)
 def train(ns: TrainSettings) -> Path:
     """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory. The GEMM library the run
     picks (`--gemm`, `gemm_for_run`) is the process's only while it trains."""
@@ -425,7 +472,9 @@ def fit(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Path
                 loss_value = step(run, batches[bi], ntoks[bi], epoch + bi / n)
                 last_batch = bi == n - 1
                 out_of_time = bool(ns.time_limit and run.seconds() >= ns.time_limit * 60)
-                at_limit = bool(ns.max_steps and run.pos.step >= ns.max_steps) or out_of_time or interrupt.requested
+                # every rank stops at the same step: one rank's clock or Ctrl-C stops them all
+                at_limit = run.world.any(out_of_time or interrupt.requested) or bool(
+                    ns.max_steps and run.pos.step >= ns.max_steps)
                 if ns.eval_every:
                     evaluating = run.pos.step % ns.eval_every == 0
                 else:

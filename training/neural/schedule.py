@@ -4,6 +4,7 @@ budget-aware learning-rate schedule (--lr-anneal) and the parameters' moving ave
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,13 +60,17 @@ def parameters_swapped(model: nn.Module, average: dict[str, Tensor] | None):
 MAX_GRAD_NORM = 5.0  # gradient clipping of the neural families (Chiu & Rush's and Yang et al.'s code alike)
 
 
-def backward_clipped(model: nn.Module, opt: torch.optim.Optimizer, loss: Tensor) -> Tensor:
+def backward_clipped(model: nn.Module, opt: torch.optim.Optimizer, loss: Tensor,
+                     reduce: Callable[[Iterable[nn.Parameter]], None] | None = None) -> Tensor:
     """A training step's gradients: zeroed, back-propagated from `loss`, zero-filled where a parameter was not
-    used (`fill_missing_grads`) and clipped to MAX_GRAD_NORM. Returns the total norm before clipping (a 0-dim
-    tensor on the gradients' device: reading it waits on the device). `opt.step()` is the caller's."""
+    used (`fill_missing_grads`), summed over the ranks by `reduce` (data-parallel: `World.sum_gradients`) and
+    clipped to MAX_GRAD_NORM. Returns the total norm before clipping (a 0-dim tensor on the gradients' device:
+    reading it waits on the device). `opt.step()` is the caller's."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
     fill_missing_grads(model)
+    if reduce is not None:
+        reduce(model.parameters())
     return common.clip_grad_norm(model.parameters(), MAX_GRAD_NORM)
 
 
