@@ -18,7 +18,7 @@ from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.registry import save_artifact
 from latentlm.models.vocab import Vocabulary
-from latentlm.training import common
+from latentlm.training import common, distributed
 from latentlm.training.data import load_training_split
 from latentlm.training.recipes import trainer
 
@@ -77,10 +77,14 @@ class Counts:
 
 
 def e_step(p: HMMParams, batches: list[Batch], on_batch=None, *, start: int = 0, partial: Counts | None = None,
-           every: int = 0, on_checkpoint: Callable[[int, Counts], None] | None = None) -> Counts:
+           every: int = 0, on_checkpoint: Callable[[int, Counts], None] | None = None,
+           world: distributed.World | None = None) -> Counts:
     """Accumulate expected start / transition / emission counts over `batches`. O(N Z^2).
     `start`, `partial`: continue a pass after its first `start` batches from their counts (a resume);
-    `on_checkpoint(done, counts so far)` is called after every `every` batches (not after the last)."""
+    `on_checkpoint(done, counts so far)` is called after every `every` batches (not after the last).
+    Data-parallel (`world` of W ranks): rank r takes batches r, r + W, ...; the counts handed to `on_checkpoint`
+    and returned are the sums over the ranks (`partial` is given on rank 0 only, the others start at zero)."""
+    world = world or distributed.World()
     Z, V = p.emit.shape
     cs = torch.zeros(Z, dtype=torch.float64)
     ct = torch.zeros(Z, Z, dtype=torch.float64)
@@ -92,6 +96,10 @@ def e_step(p: HMMParams, batches: list[Batch], on_batch=None, *, start: int = 0,
     emit_by_word = p.emit.T.contiguous()
     with torch.no_grad():
         for bi in range(start, len(batches)):
+            if on_checkpoint is not None and every and bi > start and bi % every == 0:
+                on_checkpoint(bi, _summed(world, Counts(cs, ct, ce.T, ll, n), copy=True))
+            if bi % world.size != world.rank:
+                continue
             b = batches[bi]
             init = p.start.expand(b.ids.shape[0], -1)
             gamma, s, xi, log_cond = chain.expected_counts(init, emit_by_word[b.ids], p.trans, b.lengths)
@@ -104,10 +112,18 @@ def e_step(p: HMMParams, batches: list[Batch], on_batch=None, *, start: int = 0,
             ntok = int(b.lengths.sum())
             n += ntok
             if on_batch is not None:
-                on_batch(ntok, -bl / ntok)
-            if on_checkpoint is not None and every and (bi + 1) % every == 0 and bi + 1 < len(batches):
-                on_checkpoint(bi + 1, Counts(cs, ct, ce.T, ll, n))
-    return Counts(cs, ct, ce.T.contiguous(), ll, n)
+                on_batch(ntok * world.size, -bl / ntok)
+    return _summed(world, Counts(cs, ct, ce.T.contiguous(), ll, n))
+
+
+def _summed(world: distributed.World, c: Counts, copy: bool = False) -> Counts:
+    """`c` summed over the ranks (in place unless `copy`; one process: `c` itself, or a copy)."""
+    if copy:
+        c = Counts(c.start.clone(), c.trans.clone(), c.emit.clone(), c.loglik, c.tokens)
+    world.sum_(c.start, c.trans, c.emit)
+    c.loglik, tokens = world.sum_floats([c.loglik, c.tokens])
+    c.tokens = int(tokens)
+    return c
 
 
 def _normalise(counts: Tensor, fallback: Tensor, smoothing: float) -> Tensor:
@@ -158,15 +174,17 @@ def load_partial(tensors: dict[str, Tensor], state: dict) -> tuple[Counts | None
                   float(state["partial_loglik"]), int(state["partial_tokens"])), int(state["batch"])
 
 
-@trainer("hmm")
+@trainer("hmm", data_parallel=True)
 def train(ns: TrainSettings) -> Path:
     """`latentlm train --family hmm`: EM for `--epochs` iterations (or `--max-steps`), early stopping on
     validation perplexity with `--patience`, checkpoint after every iteration (and every
-    `--checkpoint-every` E-step batches, with the partial counts), export of the best."""
+    `--checkpoint-every` E-step batches, with the partial counts), export of the best. Under torchrun the
+    E-step's batches are shared round-robin and the counts summed; rank 0 evaluates and writes."""
     common.check_resume(ns)
     t0 = time.perf_counter()
+    world = distributed.world(ns.device)
     gen = common.seed_all(ns.seed)
-    device = common.resolve_device(ns.device)
+    device = world.device
     vocab, train_seqs, valid_seqs = load_training_split(ns)
     batches = common.bucket_batches(train_seqs, ns.batch, device=device)
     vbatches = common.bucket_batches(valid_seqs, ns.batch, device=device)
@@ -179,36 +197,41 @@ def train(ns: TrainSettings) -> Path:
         best = HMMParams(tensors["best_start"], tensors["best_trans"], tensors["best_emit"])
         history, it0 = common.History.from_json(state["history"]), state["iteration"]
         partial, first = load_partial(tensors, state)
+        partial = partial if world.main else None  # the partial counts are already a sum over the ranks
         t0 -= state.get("seconds", 0.0)
     else:
         p = init_params(ns.states, unigram(train_seqs, len(vocab)), gen, noise=ns.init_noise)
         history, it0, best = common.History(), 0, p
     p = HMMParams(*(t.to(device) for t in (p.start, p.trans, p.emit)))
+    def evaluate(p: HMMParams) -> float:  # rank 0's, known to every rank
+        return world.broadcast_floats([common.evaluate(p.score, vbatches) if world.main else 0.0])[0]
+
     if not history.rows:
-        history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
-                    valid_ppl=common.evaluate(p.score, vbatches))
+        history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0, valid_ppl=evaluate(p))
     iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
     if ns.patience and history.bad_evals >= ns.patience:
         it0 = iters  # early-stopped before the checkpoint: export the best again
     N = common.num_tokens(train_seqs)
-    bar = common.Progress(N * max(iters - it0, 0), f"hmm Z={ns.states} EM", ns.progress)
+    bar = common.Progress(N * max(iters - it0, 0), f"hmm Z={ns.states} EM", ns.progress and world.main)
 
     def save(it: int, p: HMMParams, best: HMMParams, done: int = 0, counts: Counts | None = None) -> None:
         """Checkpoint after `it` iterations (+ `done` batches of the next one, whose counts are `counts`)."""
+        if not world.main:
+            return
         extra = {} if counts is None else {"partial_start": counts.start, "partial_trans": counts.trans,
                                            "partial_emit": counts.emit}
         common.save_checkpoint(ckdir, {**p.tensors(), **{f"best_{k}": v for k, v in best.tensors().items()}, **extra},
                                {"iteration": it, "batch": done, "history": history.to_json(),
-                                "seconds": time.perf_counter() - t0,
+                                "seconds": time.perf_counter() - t0, "world_size": world.size,
                                 **({} if counts is None else {"partial_loglik": counts.loglik,
                                                               "partial_tokens": counts.tokens})}, ns)
 
     for it in range(it0, iters):
         c = e_step(p, batches, on_batch=lambda n, loss: bar.update(n, loss), start=first, partial=partial,
-                   every=ns.checkpoint_every or 0, on_checkpoint=functools.partial(save, it, p, best))
+                   every=ns.checkpoint_every or 0, on_checkpoint=functools.partial(save, it, p, best), world=world)
         partial, first = None, 0
         p = m_step(c, p, smoothing)
-        vppl = common.evaluate(p.score, vbatches)
+        vppl = evaluate(p)
         bar.update(0, valid_ppl=vppl)
         if history.add(iteration=it + 1, tokens=N * (it + 1), seconds=time.perf_counter() - t0,
                        train_ppl=float(torch.tensor(-c.loglik / c.tokens).exp()), valid_ppl=vppl):
@@ -217,6 +240,9 @@ def train(ns: TrainSettings) -> Path:
         if ns.patience and history.bad_evals >= ns.patience:
             break
     bar.close()
-    prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": "baum-welch", "smoothing": smoothing})
+    prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": "baum-welch", "smoothing": smoothing,
+                                                                     "world_size": world.size})
+    if not world.main:
+        return Path(ns.store) / ns.name
     return export(ns.store, ns.name, best, vocab, provenance=prov,
                   extra_files={"curve.png": common.curve_png(history, f"hmm {ns.states} states, Baum-Welch")})

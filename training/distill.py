@@ -13,6 +13,11 @@
    `curve.json`, and provenance naming the LM (directory, config and tokenizer hashes) and the recipe. The model
    exported is the last EM step's.
 
+Under `torchrun` (`training.distributed`) every rank draws its own shards of samples (shard i on rank i mod W, each
+seeded by its index: the samples do not depend on W), each E-step reads its rank's shards and the counts are
+summed; rank 0 initialises (LVD), evaluates and writes. The work directory must be one every rank sees (a shared
+filesystem across machines).
+
 `--family blocked_hmm` replaces steps 3-5 by the neural trainer over Brown clusters of the token ids
 (`distill_blocked`); its memory estimate is its own.
 """
@@ -37,7 +42,7 @@ from latentlm.models.errors import InputError, LimitExceeded
 from latentlm.models.registry import save_artifact
 from latentlm.models.store import check_name
 from latentlm.models.tokenizer import TOKENIZER_FILE
-from latentlm.training import common
+from latentlm.training import common, distributed
 from latentlm.training import distill_blocked as blocked
 from latentlm.training import distill_sampling as sampling
 from latentlm.training.distill_em import (
@@ -206,7 +211,8 @@ def check_memory(s: DistillSettings, info: sampling.LMInfo, device: torch.device
 
 # -- the run ---------------------------------------------------------------------------------------------
 def _log(msg: str) -> None:
-    print(f"distill: {msg}", file=sys.stderr, flush=True)
+    if distributed.launched_rank() == 0:  # under torchrun rank 0 alone reports
+        print(f"distill: {msg}", file=sys.stderr, flush=True)
 
 
 def _key(what: dict[str, Any]) -> str:
@@ -224,7 +230,11 @@ class Run:
         self.s = s
         self.info = sampling.inspect_lm(s.lm)
         self.prompts, self.prompts_sha = sampling.read_prompts(s.prompts, self.info) if s.prompts else (None, None)
-        self.device = common.resolve_device(s.device)
+        self.world = distributed.world(s.device)
+        if self.world.size > 1 and s.family != "hmm":
+            raise InputError(f"--family {s.family}: under torchrun distill trains the dense hmm by EM; run "
+                             f"{s.family} in one process", param="family")
+        self.device = self.world.device
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise InputError("--device cuda: no CUDA device here", param="device")
         self.clusters = blocked.clusters_for(s, self.info) if s.family == "blocked_hmm" else 0
@@ -259,41 +269,62 @@ class Run:
 
     # 2. samples
     def sample(self) -> None:
-        s = self.s
+        """Draw the missing shards of both splits (this rank's: shard i on rank i mod W), then wait for every
+        rank's. The record sums the ranks' shards and tokens; tokens/s is their sum over the slowest rank's time."""
+        s, world = self.s, self.world
         from tqdm.auto import tqdm
 
-        total = s.samples + s.valid_count
-        bar = tqdm(total=total, desc="sampling", unit="seq", disable=not s.progress, dynamic_ncols=True,
-                   mininterval=0.5)
+        mine = sum(r for name in ("train", "valid")
+                   for r in world.mine(sampling.shard_rows(self.split(name)[1], s.shard_size)))
+        bar = tqdm(total=mine, desc="sampling" + (f" (rank 0 of {world.size})" if world.size > 1 else ""),
+                   unit="seq", disable=not (s.progress and world.main), dynamic_ncols=True, mininterval=0.5)
         stats = {}
         for name in ("train", "valid"):
             d, n = self.split(name)
             rows = sampling.shard_rows(n, s.shard_size)
-            if all(sampling.complete(sampling.shard_path(d, i), r, s.max_length) for i, r in enumerate(rows)):
-                stats[name] = sampling.SamplingStats(reused=len(rows))
-                bar.update(n)
+            if all(sampling.complete(sampling.shard_path(d, i), r, s.max_length)
+                   for i, r in world.mine(enumerate(rows))):
+                stats[name] = sampling.SamplingStats(reused=len(list(world.mine(rows))))
+                bar.update(sum(world.mine(rows)))
                 continue
             stats[name] = sampling.sample_split(self.lm(), self.info, d, name, count=n, shard_size=s.shard_size,
                                                 max_length=s.max_length, seed=s.seed, batch=s.sample_batch,
-                                                prompts=self.prompts, device=self.device, bar=bar)
+                                                prompts=self.prompts, device=self.device, bar=bar, world=world)
         bar.close()
-        tokens = sum(st.tokens for st in stats.values())
+        reused, drawn, tokens = world.sum_floats([sum(st.reused for st in stats.values()),
+                                                  sum(st.drawn for st in stats.values()),
+                                                  sum(st.tokens for st in stats.values())])
         seconds = sum(st.seconds for st in stats.values())
+        seconds = world.max_floats([seconds])[0]  # the ranks draw at once: the slowest one's time
+        world.barrier()  # every shard is on disk before any rank reads
+        tokens = int(tokens)
         self.record["sampling"] = {
-            "dir": str(self.sample_dir), "shards_reused": sum(st.reused for st in stats.values()),
-            "shards_drawn": sum(st.drawn for st in stats.values()), "tokens_drawn": tokens,
-            "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
-            "device": self.device.type, "batch": s.sample_batch}
+            "dir": str(self.sample_dir), "shards_reused": int(reused), "shards_drawn": int(drawn),
+            "tokens_drawn": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+            "device": self.device.type, "batch": s.sample_batch, "ranks": world.size}
         r = self.record["sampling"]
         _log(f"samples in {self.sample_dir}: {r['shards_reused']} shard(s) reused, {r['shards_drawn']} drawn"
              + (f" ({tokens} tokens in {seconds:.1f} s: {r['tokens_per_s']:,.0f} tokens/s)" if seconds else ""))
 
     # 3. initialisation
-    def initial(self, gen: torch.Generator) -> Params:
+    def valid_perplexity(self, p: Params, batches) -> float:
+        """Rank 0's validation perplexity, known to every rank."""
+        return self.world.broadcast_floats([perplexity(p, batches)[0] if self.world.main else 0.0])[0]
+
+    def initial(self, gen: torch.Generator, counts: np.ndarray) -> Params:
+        """Random (from the training samples' unigram `counts` (V,)) or LVD; LVD runs on rank 0 and its
+        parameters are broadcast."""
         s, V = self.s, self.info.vocab_size
         if s.init == "random":
-            uni = torch.from_numpy(unigram_counts(self.arrays("train"), V) + 1)
+            uni = torch.from_numpy(counts + 1)
             return random_params(s.states, uni / uni.sum(), gen).to(self.device)
+        if not self.world.main:
+            Z = s.states
+            p = Params(torch.empty(Z, device=self.device), torch.empty(Z, Z, device=self.device),
+                       torch.empty(V, Z, device=self.device))
+            self.world.broadcast_(p.start, p.trans, p.emit_by_word)
+            return p
         t = time.perf_counter()
         n = min(s.lvd_samples, s.samples)
         rows, got = [], 0
@@ -310,6 +341,8 @@ class Run:
         p, info = lvd_params(samples, vectors, s.states, V, pseudocount=s.pseudocount, iters=s.kmeans_iters,
                              generator=kgen)
         info["seconds"] = round(time.perf_counter() - t, 3)
+        p = p.to(self.device)
+        self.world.broadcast_(p.start, p.trans, p.emit_by_word)
         self.record["lvd"] = info
         _log(f"LVD: k-means of {len(vectors)} hidden states (d={vectors.shape[1]}) into {s.states} clusters "
              f"({info['clusters_used']} used, {info['kmeans_iterations']} iterations) in {info['seconds']:.1f} s")
@@ -354,25 +387,28 @@ class Run:
         """EM steps `done + 1 ..` up to --em-steps, a history row and a checkpoint after each."""
         s = self.s
         Z, V = s.states, self.info.vocab_size
-        valid = list(sample_batches(self.arrays("valid"), self.batch, self.device))
-        bar = common.Progress(self.train_tokens * max(s.em_steps - done, 0), f"EM Z={Z}", s.progress)
+        world = self.world
+        valid = list(sample_batches(self.arrays("valid"), self.batch, self.device)) if world.main else []
+        bar = common.Progress(self.train_tokens * max(s.em_steps - done, 0), f"EM Z={Z}", s.progress and world.main)
         with common.graceful_interrupt() as interrupt:
-            while done < s.em_steps and not interrupt.requested and not _past(deadline):
+            while done < s.em_steps and not world.any(interrupt.requested or _past(deadline)):
                 t = time.perf_counter()
                 c = Counts.zeros(Z, V, self.device)
-                cut = False
                 with torch.no_grad():
-                    for b in sample_batches(self.arrays("train"), self.batch, self.device):
+                    for b in sample_batches(world.mine(self.arrays("train")), self.batch, self.device):
                         accumulate(p, b, c)
-                        bar.update(int(b.lengths.sum()), loss=-c.loglik / c.tokens)
+                        bar.update(int(b.lengths.sum()) * world.size, loss=-c.loglik / c.tokens)
                         if interrupt.requested or _past(deadline):
-                            cut = c.sequences < s.samples
                             break
+                world.sum_(c.start, c.trans, c.emit)  # a rank cut short by the clock sums what it read
+                c.loglik, tokens, sequences = world.sum_floats([c.loglik, c.tokens, c.sequences])
+                c.tokens, c.sequences = int(tokens), int(sequences)
+                cut = c.sequences < s.samples
                 objective = (c.loglik + p.log_prior(s.pseudocount)) / c.tokens
                 train_ppl, tokens = math.exp(-c.loglik / c.tokens), c.tokens
                 p = m_step(c, s.pseudocount, old=p)
                 del c
-                vppl = perplexity(p, valid)[0]
+                vppl = self.valid_perplexity(p, valid)
                 done += 1
                 step_s = time.perf_counter() - t
                 prev = history.rows[-1]
@@ -381,8 +417,9 @@ class Run:
                        "valid_ppl": vppl, **({"cut_short": 1.0} if cut else {})}
                 history.add(**row)
                 bar.update(0, valid_ppl=vppl)
-                self.checkpoint(p, {"key": self.em_key(), "done": done, "history": history.to_json(),
-                                    "lvd": self.record.get("lvd")})
+                if world.main:
+                    self.checkpoint(p, {"key": self.em_key(), "done": done, "history": history.to_json(),
+                                        "lvd": self.record.get("lvd"), "world_size": world.size})
                 _log(f"EM step {done}/{s.em_steps}: train ppl {train_ppl:.3f} (before the step), valid ppl "
                      f"{vppl:.3f}, {step_s:.2f} s" + (" (cut short: time limit or interrupt)" if cut else ""))
         bar.close()
@@ -399,7 +436,8 @@ class Run:
             "samples": s.samples, "valid_samples": s.valid_count, "max_length": s.max_length, "seed": s.seed,
             "prompts": None if self.prompts is None else {"file": str(s.prompts), "sha256": self.prompts_sha,
                                                           "count": len(self.prompts)},
-            "world_size": 1, "device": self.device.type, "train_tokens": self.train_tokens, "memory": self.memory,
+            "world_size": self.world.size, "device": self.device.type, "train_tokens": self.train_tokens,
+            "memory": self.memory,
             **self.record}
 
     def export(self, p: Params, history: common.History, done: int) -> Path:
@@ -421,10 +459,13 @@ class Run:
         s = self.s
         deadline = None if s.time_limit is None else time.time() + s.time_limit * 60 - (time.perf_counter() - self.t0)
         self.sample()
-        V = self.info.vocab_size
-        counts = unigram_counts(self.arrays("train"), V)
+        V, world = self.info.vocab_size, self.world
+        counts = torch.from_numpy(unigram_counts(world.mine(self.arrays("train")), V)).to(self.device)
+        world.sum_(counts)  # whole numbers: exact in float64 whatever the order
+        counts = counts.cpu().numpy()
         self.train_tokens = int(counts.sum())
-        self.record["unigram_valid_ppl"] = unigram_perplexity(counts, self.arrays("valid"))
+        self.record["unigram_valid_ppl"] = (unigram_perplexity(counts, self.arrays("valid")) if world.main
+                                            else math.nan)
         if s.family == "blocked_hmm":
             return blocked.train(self, int((counts > 0).sum()), deadline, _log)
         resumed = self.resume()
@@ -436,13 +477,16 @@ class Run:
             _log(f"EM: continuing from the checkpoint after step {done} in {self.work / 'em'}")
         else:
             torch.manual_seed(s.seed)
-            p = self.initial(torch.Generator().manual_seed(s.seed))
-            vppl = perplexity(p, sample_batches(self.arrays("valid"), self.batch, self.device))[0]
+            p = self.initial(torch.Generator().manual_seed(s.seed), counts)
+            vppl = self.valid_perplexity(p, sample_batches(self.arrays("valid"), self.batch, self.device)
+                                         if world.main else [])
             history, done = common.History(), 0
             history.add(iteration=0, tokens=0, seconds=0.0, valid_ppl=vppl)
             _log(f"initial ({s.init}) valid ppl {vppl:.3f} (unigram {self.record['unigram_valid_ppl']:.3f})")
         self.free_lm()
         p, done = self.em(p, history, done, deadline)
+        if not world.main:
+            return Path(s.store) / s.name
         path = self.export(p, history, done)
         _log(f"wrote {s.name} to {path}: {s.states} states over {V} tokens, valid ppl "
              f"{history.rows[-1]['valid_ppl']:.3f} (unigram {self.record['unigram_valid_ppl']:.3f}), {done} EM steps")
@@ -454,5 +498,7 @@ def _past(deadline: float | None) -> bool:
 
 
 def distill(s: DistillSettings) -> Path:
-    """Run `latentlm distill` with settings `s`; returns the artifact directory."""
-    return Run(s).run()
+    """Run `latentlm distill` with settings `s` (on every rank torchrun started); returns the artifact directory."""
+    path = Run(s).run()
+    distributed.close()
+    return path

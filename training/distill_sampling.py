@@ -26,6 +26,7 @@ import torch
 from latentlm.models.errors import InputError
 from latentlm.models.tokenizer import TOKENIZER_FILE, TextTokenizer, vocab_for
 from latentlm.models.vocab import Vocabulary
+from latentlm.training import distributed
 
 SPLITS = {"train": 0, "valid": 1}
 PAD = -1
@@ -229,13 +230,15 @@ def complete(path: Path, rows: int, L: int) -> bool:
 
 
 def sample_split(model, info: LMInfo, directory: Path, split: str, *, count: int, shard_size: int, max_length: int,
-                 seed: int, batch: int, prompts: list[list[int]] | None, device: torch.device, bar) -> SamplingStats:
+                 seed: int, batch: int, prompts: list[list[int]] | None, device: torch.device, bar,
+                 world: distributed.World | None = None) -> SamplingStats:
     """Draw the missing shards of `split` (`count` samples) into `directory`; `bar` (tqdm) advances by samples.
-    Generation: `model.generate` in batches of `batch` rows. O(count L) LM steps."""
+    Generation: `model.generate` in batches of `batch` rows. O(count L) LM steps. With a `world` of W ranks this
+    rank draws shards rank, rank + W, ... (each seeded by its index, so the samples do not depend on W)."""
     directory.mkdir(parents=True, exist_ok=True)
     stats = SamplingStats()
     gen_config = _generation_config(info, max_length)
-    for index, rows in enumerate(shard_rows(count, shard_size)):
+    for index, rows in (world or distributed.World()).mine(enumerate(shard_rows(count, shard_size))):
         path = shard_path(directory, index)
         if complete(path, rows, max_length):
             stats.reused += 1

@@ -88,6 +88,14 @@ class World:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t.tolist()
 
+    def max_floats(self, values: Sequence[float]) -> list[float]:
+        """The largest over the ranks of a few numbers (float64)."""
+        if not self.distributed:
+            return [float(v) for v in values]
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
     def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Sum every parameter's gradient over the ranks, in one flat all-reduce per dtype (a parameter without a
         gradient counts as zeros and gets the sum). Each rank's loss must already be its share of the global loss

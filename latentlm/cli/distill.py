@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from latentlm.cli.common import add_store, positive_int, require_extra
+from latentlm.training import distributed
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
@@ -18,7 +19,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
     keys = DistillSettings.__dataclass_fields__
     path = distill(DistillSettings(**{k: v for k, v in vars(args).items() if k in keys}))
-    print(f"wrote {args.name} to {path}", file=sys.stderr)
+    if distributed.launched_rank() == 0:  # under torchrun rank 0 wrote it
+        print(f"wrote {args.name} to {path}", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
