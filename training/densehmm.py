@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from latentlm.models.errors import InputError
 from latentlm.training import baum_welch as bw
-from latentlm.training import common
+from latentlm.training import common, distributed
 from latentlm.training.data import load_training_split
 from latentlm.training.recipes import trainer
 
@@ -180,10 +181,16 @@ def _vectors(model: DenseParams) -> dict[str, Tensor]:
             "state_out_vectors": d["z"], "start_vector": d["z_start"]}
 
 
-@trainer("densehmm")
+@trainer("densehmm", data_parallel=True)
 def train(ns: TrainSettings) -> Path:
-    """`latentlm train --family densehmm [--fit em|em-tied|cooc]`: export as an `hmm` artifact with vectors."""
+    """`latentlm train --family densehmm [--fit em|em-tied|cooc]`: export as an `hmm` artifact with vectors.
+    Under torchrun (em, em-tied) the E-step's batches are shared and the counts summed (`bw.e_step`); every rank
+    takes the same gradient M-step; rank 0 evaluates and writes. cooc fits one full-batch objective: one process."""
     common.check_resume(ns)
+    world = distributed.world("cpu")
+    if world.size > 1 and ns.fit == "cooc":
+        raise InputError(f"--fit cooc: its full-batch co-occurrence objective trains in one process; torchrun "
+                         f"started {world.size} (data-parallel: --fit em or em-tied)", param="fit")
     t0 = time.perf_counter()
     gen = common.seed_all(ns.seed)
     vocab, train_seqs, valid_seqs = load_training_split(ns)
@@ -209,19 +216,22 @@ def train(ns: TrainSettings) -> Path:
         t0 -= state.get("seconds", 0.0)
     else:
         history.add(iteration=0, tokens=0, seconds=time.perf_counter() - t0,
-                    valid_ppl=common.evaluate(model.probs(start_kind).score, vbatches))
+                    valid_ppl=_evaluate(world, model.probs(start_kind), vbatches))
         best = model.probs(start_kind)
     N = common.num_tokens(train_seqs)
     iters = ns.epochs if not ns.max_steps else min(ns.epochs, ns.max_steps)
     if ns.patience and history.bad_evals >= ns.patience:
         it0 = iters  # early-stopped before the checkpoint: export the best again
-    bar = common.Progress(N * max(iters - it0, 0), f"densehmm Z={ns.states} d={ns.hidden} ({ns.fit})", ns.progress)
+    bar = common.Progress(N * max(iters - it0, 0), f"densehmm Z={ns.states} d={ns.hidden} ({ns.fit})",
+                          ns.progress and world.main)
     if ns.fit == "cooc":
         omega = empirical_cooc(train_seqs, V)
         omega_sq = float((omega.values().double() ** 2).sum())
 
     def save(it: int, best: bw.HMMParams, done: int = 0, counts: bw.Counts | None = None) -> None:
         """Checkpoint after `it` iterations and `done` E-step batches of the next (em: with their `counts`)."""
+        if not world.main:
+            return
         ot, ometa = common.optimizer_tensors(opt)
         tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **ot,
                    **common.rng_tensors(gen), **{f"best_{k}": v for k, v in best.tensors().items()},
@@ -237,7 +247,8 @@ def train(ns: TrainSettings) -> Path:
     for it in range(it0, iters):
         if ns.fit in ("em", "em-tied"):
             c = bw.e_step(model.probs(), batches, on_batch=lambda n, loss: bar.update(n, loss), start=first,
-                          partial=partial, every=every, on_checkpoint=functools.partial(save, it, best))
+                          partial=partial if world.main else None, every=every,
+                          on_checkpoint=functools.partial(save, it, best), world=world)
             gradient_m_step(model, c, opt, steps=M_STEPS)
         else:  # one iteration = COOC_STEPS full-batch steps, checkpointed at its end
             for _ in range(COOC_STEPS):
@@ -245,7 +256,7 @@ def train(ns: TrainSettings) -> Path:
                 bar.update(N // COOC_STEPS, loss)
         partial, first = None, 0
         p = model.probs(start_kind)
-        vppl = common.evaluate(p.score, vbatches)
+        vppl = _evaluate(world, p, vbatches)
         bar.update(0, valid_ppl=vppl)
         if history.add(iteration=it + 1, tokens=N * (it + 1), seconds=time.perf_counter() - t0, valid_ppl=vppl):
             best, vectors = p, _vectors(model)
@@ -255,8 +266,16 @@ def train(ns: TrainSettings) -> Path:
     bar.close()
     if vectors is None or history.best == history.rows[0]["valid_ppl"]:
         vectors = _vectors(model)
-    prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": f"DenseHMM ({ns.fit})"})
+    prov = common.provenance(ns, history, time.perf_counter() - t0, {"method": f"DenseHMM ({ns.fit})",
+                                                                     "world_size": world.size})
+    if not world.main:
+        return Path(ns.store) / ns.name
     return bw.export(ns.store, ns.name, best, vocab, provenance=prov, extra_tensors=vectors,
                      config_extra={"vector_dim": ns.hidden, "densehmm_fit": ns.fit,
                                    "densehmm_start": start_kind},
                      extra_files={"curve.png": common.curve_png(history, f"DenseHMM {ns.states} states ({ns.fit})")})
+
+
+def _evaluate(world: distributed.World, p: bw.HMMParams, batches: list) -> float:
+    """Rank 0's validation perplexity of `p`, known to every rank."""
+    return world.broadcast_floats([common.evaluate(p.score, batches) if world.main else 0.0])[0]

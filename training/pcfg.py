@@ -30,7 +30,7 @@ from latentlm.models.pcfg import RankPCFG, pcfg_tensors
 from latentlm.models.registry import save_artifact
 from latentlm.models.tree import inside
 from latentlm.models.vocab import Preprocessing, Vocabulary
-from latentlm.training import common
+from latentlm.training import common, distributed
 from latentlm.training.neural import YangRes
 from latentlm.training.recipes import trainer
 
@@ -111,14 +111,16 @@ def load_data(ns: TrainSettings) -> tuple[Vocabulary, list[list[int]], list[list
     return vocab, train[: ns.train_sentences or None], valid[: ns.valid_sentences or None]
 
 
-@trainer("pcfg")
+@trainer("pcfg", data_parallel=True)
 def train(ns: TrainSettings) -> Path:
     """Train, checkpoint every epoch, export `ns.name` into `ns.store`; returns the artifact directory. The sizes
     and the optimiser's settings come validated, with the recipe's defaults (`RankPCFG.recipes`); a resumed run
-    must have its checkpoint's sizes (`common.check_resume`)."""
+    must have its checkpoint's sizes (`common.check_resume`). Under torchrun each rank takes its rows of every
+    batch, the gradients are summed, rank 0 evaluates and writes."""
     common.check_resume(ns)
+    world = distributed.world(ns.device)
     gen = common.seed_all(ns.seed)
-    device = common.resolve_device(ns.device)
+    device = world.device
     vocab, train_ids, valid_ids = load_data(ns)
     train_ids = [s for s in train_ids if 1 <= len(s) <= TRAIN_MAX_LENGTH]
     if not train_ids:
@@ -134,41 +136,52 @@ def train(ns: TrainSettings) -> Path:
         history, epoch0, step = common.History.from_json(state["history"]), state["epoch"], state["step"]
     N = common.num_tokens(train_ids)
     bar = common.Progress(N * max(ns.epochs - epoch0, 0), f"pcfg NT={ns.nt} PT={ns.pt} r={ns.rank}",
-                          ns.progress)
+                          ns.progress and world.main)
     t0, seen = time.perf_counter(), 0
     for epoch in range(epoch0, ns.epochs):
-        lp, tok, step, stop = run_epoch(net, opt, train_ids, ns.batch, gen, device, bar, step, ns.max_steps)
+        lp, tok, step, stop = run_epoch(net, opt, train_ids, ns.batch, gen, device, bar, step, ns.max_steps, world)
         seen += tok
-        valid_ppl = evaluate(net, valid_ids)
+        valid_ppl = world.broadcast_floats([evaluate(net, valid_ids) if world.main else 0.0])[0]
         history.add(step=step, epoch=epoch + 1, tokens=seen, seconds=time.perf_counter() - t0,
                     train_ppl=math.exp(-lp / max(tok, 1)), valid_ppl=valid_ppl)
         bar.update(0, valid_ppl=valid_ppl)
-        save(ckdir, net, opt, history, epoch + 1, step, ns)
+        if world.main:
+            save(ckdir, net, opt, history, epoch + 1, step, ns)
         if stop:
             break
     bar.close()
-    return export(ns, net, vocab, history, time.perf_counter() - t0)
+    if not world.main:
+        return Path(ns.store) / ns.name
+    return export(ns, net, vocab, history, time.perf_counter() - t0, world.size)
 
 
 def run_epoch(net: NeuralPCFG, opt: torch.optim.Optimizer, seqs: list[list[int]], batch: int,
               gen: torch.Generator, device: torch.device, bar: common.Progress | None, step: int,
-              max_steps: int = 0) -> tuple[float, int, int, bool]:
-    """One pass of Adam steps on -mean log p(x) over length batches -> (sum log p, tokens, step, stopped)."""
+              max_steps: int = 0, world: distributed.World | None = None) -> tuple[float, int, int, bool]:
+    """One pass of Adam steps on -mean log p(x) over length batches -> (sum log p, tokens, step, stopped). On W
+    ranks (`world`) each takes its rows of a batch (one row at weight 0 when it has none) and back-propagates
+    their share of the batch mean; the gradients are summed before clipping."""
+    world = world or distributed.World()
     net.train()
     run_lp, run_tok = 0.0, 0
     for idx in length_batches(seqs, batch, gen):
-        ids = torch.as_tensor([seqs[i] for i in idx], dtype=torch.long, device=device)
+        mine, weight = idx[world.share(len(idx))], 1.0
+        if not mine:
+            mine, weight = idx[:1], 0.0
+        ids = torch.as_tensor([seqs[i] for i in mine], dtype=torch.long, device=device)
         logz = inside(grammar(net), ids)
-        loss = -logz.mean()
+        loss = -logz.sum() * (weight / len(idx))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        world.sum_gradients(net.parameters())
         common.clip_grad_norm(net.parameters(), 3.0)
         opt.step()
         step += 1
-        run_lp += float(logz.detach().double().sum())
-        run_tok += ids.numel()
+        lp, ntok = world.sum_floats([float(logz.detach().double().sum()) * weight, ids.numel() * weight])
+        run_lp += lp
+        run_tok += int(ntok)
         if bar is not None:
-            bar.update(ids.numel(), loss=-float(logz.detach().sum()) / ids.numel())
+            bar.update(int(ntok), loss=-lp / ntok)
         if max_steps and step >= max_steps:
             return run_lp, run_tok, step, True
     return run_lp, run_tok, step, False
@@ -194,14 +207,15 @@ def save(ckdir: Path, net: NeuralPCFG, opt: torch.optim.Optimizer, history: comm
 
 
 def export(ns: TrainSettings, net: NeuralPCFG, vocab: Vocabulary, history: common.History,
-           seconds: float) -> Path:
+           seconds: float, world_size: int = 1) -> Path:
     """Materialise the factors and the cached rank-space products into a `pcfg` artifact (+ curve.png)."""
     with torch.no_grad():
         f = {k: v.double().cpu() for k, v in net().items()}
     tensors, config = pcfg_tensors(**f)
     tensors = {k: v.float() for k, v in tensors.items()}
     title = f"rank-space PCFG NT={ns.nt} PT={ns.pt} r={ns.rank}"
-    prov = common.provenance(ns, history, seconds, {"word_level_ppl_note": "perplexity per word, no <eos>"},
+    prov = common.provenance(ns, history, seconds, {"word_level_ppl_note": "perplexity per word, no <eos>",
+                                                    "world_size": world_size},
                              {"max_length": TRAIN_MAX_LENGTH})
     return save_artifact(ns.store, ns.name, "pcfg", tensors, vocab, config=config, provenance=prov,
                          extra_files={"curve.png": common.curve_png(history, title)})
