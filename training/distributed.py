@@ -21,6 +21,7 @@ and for EM one all-reduce of the counts per pass (O(Z (Z + V)) float64).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,9 @@ from latentlm.models.base import Batch
 from latentlm.models.errors import InputError
 
 T = TypeVar("T")
+COMMUNICATION = {"seconds": 0.0, "calls": 0}
+"""Wall time this process spent in the all-reduces of gradients and counts (the share of a step the bench and the
+manifest report; the wait for a slower rank counts in it)."""
 TIMEOUT_ENV = "LATENTLM_DIST_TIMEOUT_MINUTES"
 """How long a collective may wait for the other ranks (default 60 minutes: rank 0 alone evaluates and exports, a
 2^15-state export takes minutes) before the group fails with an error instead of hanging."""
@@ -77,8 +81,10 @@ class World:
     def sum_(self, *tensors: Tensor) -> None:
         """In place: each tensor becomes the sum of its copies over the ranks (EM's expected counts)."""
         if self.distributed:
+            tick = time.perf_counter()
             for t in tensors:
                 dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            _count(tick)
 
     def sum_floats(self, values: Sequence[float]) -> list[float]:
         """The sums over the ranks of a few numbers (float64)."""
@@ -102,6 +108,7 @@ class World:
         (its rows' loss over the global token count)."""
         if not self.distributed:
             return
+        tick = time.perf_counter()
         params = list(parameters)
         for p in params:
             if p.grad is None:
@@ -114,6 +121,7 @@ class World:
             for g in grads:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
+        _count(tick)
 
     def any(self, flag: bool) -> bool:
         """Whether any rank says `flag` (a stop every rank must take together)."""
@@ -163,6 +171,16 @@ class World:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+
+def _count(since: float) -> None:
+    COMMUNICATION["seconds"] += time.perf_counter() - since
+    COMMUNICATION["calls"] += 1
+
+
+def communication() -> dict[str, float]:
+    """What the manifest records of the collectives: their count and seconds (rounded)."""
+    return {"allreduce_calls": COMMUNICATION["calls"], "allreduce_seconds": round(COMMUNICATION["seconds"], 3)}
 
 
 _WORLD: World | None = None

@@ -432,6 +432,7 @@ def export(run: Run, provenance: dict[str, Any] | None = None, extra_files: dict
     prov = common.provenance(ns, run.history, run.seconds(),
                              {"method": "VL-HMM (Chiu & Rush 2020)" if blocked else "rank-space HMM (Yang et al. 2022)",
                               "steps": run.pos.step, "gemm": run.gemm_name, "world_size": run.world.size,
+                              **distributed.communication(),
                               "gemm_gflops": {k: round(v, 1) for k, v in run.gemm_rates.items()}})
     title = f"{ns.family} {ns.states} states" + (f", M={model.M}" if blocked else f", r={ns.rank}")
     files = {**run.extra_files, "curve.png": common.curve_png(run.history, title), **(extra_files or {})}
