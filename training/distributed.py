@@ -238,3 +238,4 @@ def close() -> None:
         dist.barrier()
         dist.destroy_process_group()
     _WORLD = None
+    COMMUNICATION.update(seconds=0.0, calls=0)
