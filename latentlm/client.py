@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, BinaryIO, Literal, NotRequired, TypedDict
 
 import httpx
 
@@ -214,7 +214,9 @@ class Calls:
         return Call("POST", "/v1/completions", _body(model, prompt=prompt, **fields, stream=stream or None))
 
     @staticmethod
-    def upload(content: bytes | str | Path, filename: str | None) -> Call:
+    def upload(content: bytes | str | Path | BinaryIO, filename: str | None) -> Call:
+        """A path is read whole here; the clients' `upload_file` streams it (an open file is sent in pieces, from
+        its start again on a retry)."""
         if isinstance(content, Path):
             filename, content = filename or content.name, content.read_bytes()
         data = content.encode() if isinstance(content, str) else content
@@ -407,8 +409,12 @@ class Client(_Base):
         return self._json(Call("POST", f"/v1/{name}", body))
 
     # -- batches --------------------------------------------------------------------------------------------------
-    def upload_file(self, content: bytes | str | Path, *, filename: str | None = None) -> FileObject:
-        """POST /v1/files: a JSONL file of `{"custom_id", "method", "url", "body"}` lines (`batch_lines`)."""
+    def upload_file(self, content: bytes | str | Path | BinaryIO, *, filename: str | None = None) -> FileObject:
+        """POST /v1/files: a JSONL file of `{"custom_id", "method", "url", "body"}` lines (`batch_lines`). A path or
+        an open binary file is streamed (read in 64 KiB pieces as it is sent, never whole)."""
+        if isinstance(content, Path):
+            with content.open("rb") as f:
+                return self._json(Calls.upload(f, filename or content.name))
         return self._json(Calls.upload(content, filename))
 
     def get_file(self, file_id: str) -> FileObject:
@@ -588,7 +594,12 @@ class AsyncClient(_Base):
     async def operation(self, name: str, body: dict[str, Any]) -> Any:
         return await self._json(Call("POST", f"/v1/{name}", body))
 
-    async def upload_file(self, content: bytes | str | Path, *, filename: str | None = None) -> FileObject:
+    async def upload_file(self, content: bytes | str | Path | BinaryIO, *,
+                          filename: str | None = None) -> FileObject:
+        """As `Client.upload_file` (a path or an open file streamed)."""
+        if isinstance(content, Path):
+            with content.open("rb") as f:
+                return await self._json(Calls.upload(f, filename or content.name))
         return await self._json(Calls.upload(content, filename))
 
     async def get_file(self, file_id: str) -> FileObject:

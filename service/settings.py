@@ -86,7 +86,11 @@ class Settings:
     cache_ttl_s: int = 3600              # how long a cached response lives; 0 = no response cache
     state_dir: Path = Path(".latentlm")  # local batch-job files when Redis is not configured
     job_chunk_size: int = 32             # batch-job lines committed together (and scored as one merged call)
-    job_lease_s: float = 30.0            # a dead worker's batch is picked up again after this
+    job_lease_s: float = 30.0            # a dead worker's batch (or chunk) is picked up again after this
+    job_workers_per_batch: int = 0       # `latentlm worker`: how many workers (any hosts) may share one batch, each
+                                         # claiming chunks; 0 = every live worker on the queue, 1 = one per batch
+    worker_name: str = ""                # `latentlm worker`: its identity in leases, claims and logs (default
+                                         # "<host>:<pid>")
     job_chunk_pause_s: float = 0.0       # pause between chunks (leaves CPU to online traffic)
     retry_after_s: int = 1
     shutdown_grace_s: float = 20.0       # SIGTERM: /ready 503 and new work 503 at once; in-flight requests get this

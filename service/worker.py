@@ -6,11 +6,16 @@ A Redis outage never ends the process: rq's work loop quits on some Redis errors
 supervisor loop that waits for Redis (reconnecting with exponential backoff up to `redis_retry_max_s`, each
 attempt logged) and starts the work loop again; a batch running when Redis went away waits for it inside
 `jobs.process_batch` and resumes from its committed chunks. SIGTERM/SIGINT stop the worker (after the
-running batch, as rq does; a second signal stops at once)."""
+running batch, as rq does; a second signal stops at once).
+
+Workers on several hosts share one Redis and nothing else: each loads the models from its own store
+(`LATENTLM_STORE`: the same artifacts on every host), files and batches live in Redis, and a worker is named by
+its identity (`LATENTLM_WORKER_NAME`, default "<host>:<pid>") in rq, in leases and claims, and in its logs."""
 
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -97,7 +102,8 @@ def run_worker(settings: Settings, burst: bool = False) -> None:
     conn = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=jobs.REDIS_TIMEOUT_S)
     models = ModelRegistry.from_settings(settings)
     models.reload()
-    log.info("worker: %d models from %s", len(models.models), settings.store)
+    identity = jobs.worker_identity(settings.worker_name)
+    log.info("worker %s: %d models from %s", identity, len(models.models), settings.store)
     jobs.WORKER_CONTEXT.update(settings=settings, store=store, models=models, stop=stop)
     queue = Queue(jobs.QUEUE_NAME, connection=conn)
     reaper_queue = Queue(jobs.QUEUE_NAME, connection=store.redis)
@@ -116,7 +122,8 @@ def run_worker(settings: Settings, burst: bool = False) -> None:
                 break
             w = None
             try:
-                w = worker_cls([queue], connection=conn)
+                # rq's name must be unique among live workers: a restarted container keeps its host name and pid
+                w = worker_cls([queue], connection=conn, name=f"{identity}-{secrets.token_hex(3)}")
                 w.stop_event = stop
                 w.max_connection_wait_time = settings.redis_retry_max_s  # rq's reconnect backoff (default 60 s)
                 w.work(burst=burst, logging_level="WARNING")

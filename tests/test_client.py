@@ -166,6 +166,33 @@ def test_batches(server):
         assert c.delete_file(f["id"])["deleted"] is True
 
 
+def test_upload_file_streams_a_path(server, tmp_path):
+    """A path is sent in pieces as it is read (tracemalloc's peak a small part of the file), by both clients."""
+    import tracemalloc
+
+    reqs = [(f"r{i}", {"model": "tiny", "input": " ".join(["w1"] * 2000)}) for i in range(600)]
+    path = tmp_path / "big.jsonl"
+    path.write_text(batch_lines(reqs, "/v1/score"))
+    size = path.stat().st_size
+    with Client(server.url) as c:
+        tracemalloc.start()
+        try:
+            f = c.upload_file(path)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert (f["bytes"], f["filename"]) == (size, "big.jsonl")
+        assert c.file_content(f["id"]) == path.read_bytes()
+        assert peak < size / 4, (peak, size)
+
+    async def go():
+        async with AsyncClient(server.url) as c:
+            return await c.upload_file(path, filename="again.jsonl")
+
+    f2 = asyncio.run(go())
+    assert (f2["bytes"], f2["filename"]) == (size, "again.jsonl")
+
+
 def test_async_client(server):
     async def go():
         async with AsyncClient(server.url) as c:

@@ -17,12 +17,18 @@ Retention: files and batches carry `expires_at` (`job_retention_s` after creatio
 on access, by a periodic sweep, and on Redis by key TTLs. Tenancy: with API keys, each file and batch
 records a hash of the key that created it (`owner`); other keys see 404.
 
+Several workers, on any hosts sharing one Redis, can run one batch together: each claims a chunk at a time
+(a claim lapses with its worker, so a dead worker's chunk is claimed again), the lease holder (the lead) waits for
+the last chunks and writes the output files, streamed chunk by chunk (`processing`). Input files are streamed in
+(upload, validation, each chunk read as a byte range) and output files out: no file is held whole in memory.
+
 Two stores implement the same interface (`JobStore`): `RedisJobStore` (with rq workers: `latentlm worker`) and
 `LocalJobStore` (files on local disk, jobs run in a thread of the API process).
 
 Modules, each importing only those above it:
 - `store`: the `JobStore` protocol, ids, statuses, visibility and expiry of records, `StorageError`, `BatchFailure`
-- `jsonl`: input files as lines: chunked reads, the per-line limit, upload checks, JSONL request validation
+- `jsonl`: input files as lines: chunked reads, the per-line limit, upload checks, JSONL request validation,
+  chunk plans (byte ranges of `job_chunk_size` request lines) and reading one chunk's requests
 - `redis_store`: `RedisJobStore` and `wait_for_redis`;  `local_store`: `LocalJobStore`
 - `api`: create / get / delete files, create / get / cancel / delete batches, the public batch object
 - `processing`: running one batch under a lease (`process_batch`), chunk by chunk, then its output files
@@ -50,9 +56,13 @@ from latentlm.service.jobs.jsonl import (
     LineTooLarge,
     checked_upload,
     iter_lines,
+    iter_lines_at,
     max_line_bytes,
     parse_input_file,
+    plan_chunks,
     read_chunks,
+    read_requests,
+    validate_input_file,
 )
 from latentlm.service.jobs.local_store import LocalJobStore
 from latentlm.service.jobs.processing import execute_lines, line_failure, output_line, process_batch
@@ -80,6 +90,7 @@ from latentlm.service.jobs.store import (
     TERMINAL,
     BatchFailure,
     JobStore,
+    StagedFile,
     StorageError,
     is_expired,
     new_id,
@@ -87,14 +98,16 @@ from latentlm.service.jobs.store import (
     owner_of,
     valid_id,
     visible,
+    worker_identity,
 )
 
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES", "ENDPOINTS", "FAILURE_TTL_S", "IDS", "INTERNAL", "LIVE", "MAX_LINES", "QUEUE_NAME",
     "READ_CHUNK", "REDIS_DOWN", "REDIS_MAX_VALUE", "REDIS_TIMEOUT_S", "TERMINAL", "UPLOAD_TTL_S", "WORKER_CONTEXT",
     "BatchFailure", "JobStore", "LineTooLarge", "LocalJobStore", "LocalRunner", "RQRunner", "RedisJobStore",
-    "StorageError", "batch_object", "cancel_batch", "checked_upload", "create_batch", "create_file", "delete_batch",
-    "delete_file", "enqueue", "execute_lines", "file_object", "get_batch", "get_file", "is_expired", "iter_lines",
-    "line_failure", "max_line_bytes", "new_id", "output_file_ids", "output_line", "owner_of", "parse_input_file",
-    "process_batch", "queued_batches", "read_chunks", "rq_process_batch", "valid_id", "visible", "wait_for_redis",
+    "StagedFile", "StorageError", "batch_object", "cancel_batch", "checked_upload", "create_batch", "create_file",
+    "delete_batch", "delete_file", "enqueue", "execute_lines", "file_object", "get_batch", "get_file", "is_expired",
+    "iter_lines", "iter_lines_at", "line_failure", "max_line_bytes", "new_id", "output_file_ids", "output_line",
+    "owner_of", "parse_input_file", "plan_chunks", "process_batch", "queued_batches", "read_chunks", "read_requests",
+    "rq_process_batch", "valid_id", "validate_input_file", "visible", "wait_for_redis", "worker_identity",
 ]

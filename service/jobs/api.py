@@ -12,7 +12,7 @@ from typing import Any
 
 from latentlm.ops import spec
 from latentlm.service.errors import APIError
-from latentlm.service.jobs.jsonl import DEFAULT_MAX_LINE_BYTES, checked_upload, parse_input_file
+from latentlm.service.jobs.jsonl import DEFAULT_MAX_LINE_BYTES, checked_upload, validate_input_file
 from latentlm.service.jobs.store import LIVE, TERMINAL, JobStore, new_id, valid_id, visible
 
 
@@ -83,8 +83,8 @@ def delete_file(store: JobStore, fid: str, owner: str | None) -> dict:
 def create_batch(store: JobStore, input_file_id: str, endpoint: str, completion_window: str = "24h",
                  metadata: dict | None = None, owner: str | None = None, retention_s: int = 0,
                  max_line: int = DEFAULT_MAX_LINE_BYTES) -> dict:
-    """Validate the input file and record the batch (status in_progress, or failed with `errors`).
-    `expires_at`: when the batch, its chunks and its output files are deleted (None: kept)."""
+    """Validate the input file (streamed: no request is kept) and record the batch (status in_progress, or failed
+    with `errors`). `expires_at`: when the batch, its chunks and its output files are deleted (None: kept)."""
     if endpoint not in ENDPOINTS:
         raise APIError(422, f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint",
                        code="invalid_value")
@@ -93,13 +93,13 @@ def create_batch(store: JobStore, input_file_id: str, endpoint: str, completion_
     if content is None:
         raise APIError(404, f"input_file_id: no file {input_file_id!r}", param="input_file_id", code="file_not_found")
     now = int(time.time())
-    reqs, errors = parse_input_file(content, endpoint, max_line)
+    total, errors = validate_input_file(content, endpoint, max_line)
     batch = {"id": new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
              "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
              "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
              "expires_at": _expires(now, retention_s), "finalizing_at": None, "completed_at": None,
              "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-             "total": len(reqs), "metadata": metadata, "cancel_requested": False, "owner": owner}
+             "total": total, "metadata": metadata, "cancel_requested": False, "owner": owner}
     if errors:
         batch.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
     else:

@@ -2,10 +2,16 @@
 limit (`job_max_line_bytes`), checking an upload's lines as it streams in, and validating JSONL request lines
 (`custom_id`, `method`, `url`, `body`) into requests and errors naming the line and the field.
 
-Memory: at most the per-line limit plus one chunk (`READ_CHUNK`) of a file is held at a time."""
+A batch runs from a chunk plan (`plan_chunks`: the byte offset and line number where each chunk of `job_chunk_size`
+request lines starts), so a worker reads only the lines of the chunk it computes (`read_requests`), and validation
+(`validate_input_file`) keeps a count, the errors and one short key per `custom_id`, never the requests.
+
+Memory: at most the per-line limit plus one chunk (`READ_CHUNK`) of a file is held at a time (validation adds the
+`custom_id` keys: at most `MAX_LINES` of them, 16 bytes or the id itself when shorter)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -49,8 +55,15 @@ def iter_lines(chunks: Iterable[bytes], limit: int) -> Iterator[tuple[int, bytes
     """(1-based line number, line without its end of line) of a byte stream split on `\n` (a trailing `\r` is
     dropped); raises `LineTooLarge` as soon as a line exceeds `limit` bytes, before the rest of it is read. At most
     `limit` + one chunk is held at a time."""
+    for n, line, _ in iter_lines_at(chunks, limit):
+        yield n, line
+
+
+def iter_lines_at(chunks: Iterable[bytes], limit: int, first_line: int = 1) -> Iterator[tuple[int, bytes, int]]:
+    """As `iter_lines`, with the byte offset just past each line's `\n` (from the stream's start): (line number,
+    line, end offset). `first_line`: the number of the stream's first line. O(bytes) time."""
     buf = bytearray()
-    n = 1
+    n, base = first_line, 0
     for chunk in chunks:
         start = 0
         while True:
@@ -70,14 +83,15 @@ def iter_lines(chunks: Iterable[bytes], limit: int) -> Iterator[tuple[int, bytes
                 line = line[:-1]
             if len(line) > limit:
                 raise LineTooLarge(n, len(line), limit)
-            yield n, line
+            yield n, line, base + i + 1
             n += 1
             start = i + 1
+        base += len(chunk)
     if buf:
         line = bytes(buf[:-1] if buf.endswith(b"\r") else buf)
         if len(line) > limit:
             raise LineTooLarge(n, len(line), limit)
-        yield n, line
+        yield n, line, base
 
 
 def checked_upload(f: Any, limit: int, counter: list[int]) -> Iterator[bytes]:
@@ -114,13 +128,32 @@ def parse_input_file(content: bytes | Iterable[bytes] | None, endpoint: str,
                      max_line: int = DEFAULT_MAX_LINE_BYTES) -> tuple[list[dict], list[dict]]:
     """JSONL lines -> (requests, errors). Errors name the 1-based line (blank lines counted, skipped) and the
     field. `content` is the file's bytes or its chunks (streamed: a line over `max_line` bytes is an error,
-    `line_too_large`, found before more than the limit is held)."""
-    errors: list[dict] = []
+    `line_too_large`, found before more than the limit is held). Holds every request: a batch is validated by
+    `validate_input_file` and run chunk by chunk (`plan_chunks`, `read_requests`) instead."""
     reqs: list[dict] = []
-    seen: set[str] = set()
+    _, errors = _scan(content, endpoint, max_line, reqs)
+    return ([] if any(e["code"] in _WHOLE_FILE for e in errors) else reqs), errors
+
+
+def validate_input_file(content: bytes | Iterable[bytes] | None, endpoint: str,
+                        max_line: int = DEFAULT_MAX_LINE_BYTES) -> tuple[int, list[dict]]:
+    """(number of request lines, errors) as `parse_input_file`, streamed: no request is kept (memory: one chunk,
+    one line and a short key per `custom_id`, at most `MAX_LINES`). O(bytes) time."""
+    return _scan(content, endpoint, max_line, None)
+
+
+_WHOLE_FILE = ("too_many_lines", "invalid_file", "line_too_large")  # errors that void the file, not one line
+
+
+def _scan(content: bytes | Iterable[bytes] | None, endpoint: str, max_line: int,
+          reqs: list[dict] | None) -> tuple[int, list[dict]]:
+    """Check every line of a JSONL file; valid and invalid requests appended to `reqs` (None: only counted).
+    Returns (request lines, errors: at most 100)."""
+    errors: list[dict] = []
+    seen: set[str | bytes] = set()
     chunks = [content] if isinstance(content, bytes | bytearray) else (content or [])
-    n_lines = 0
-    lines: list[tuple[int, bytes]] = []
+    n_lines = held = 0
+    lines: list[tuple[int, bytes]] = []  # parsed together: at most 1024 lines or about one `READ_CHUNK` of bytes
     try:
         for n, ln in iter_lines(chunks, max_line):
             if not ln.strip():
@@ -129,28 +162,73 @@ def parse_input_file(content: bytes | Iterable[bytes] | None, endpoint: str,
             if n_lines > MAX_LINES:
                 errors.append({"code": "too_many_lines", "message": f"more than {MAX_LINES} lines",
                                "line": n, "param": None})
-                return [], errors
+                return n_lines, errors
             try:
                 ln.decode("utf-8")
             except UnicodeDecodeError:
-                return [], [{"code": "invalid_file", "message": f"input file is not UTF-8 text (line {n})",
-                             "line": n, "param": None}]
+                return n_lines, [{"code": "invalid_file", "message": f"input file is not UTF-8 text (line {n})",
+                                  "line": n, "param": None}]
             lines.append((n, ln))
-            if len(lines) >= 1024:
+            held += len(ln)
+            if len(lines) >= 1024 or held >= READ_CHUNK:
                 _parse_lines(lines, endpoint, reqs, errors, seen)
                 lines.clear()
+                held = 0
     except LineTooLarge as e:
-        return [], [{"code": "line_too_large", "message": str(e), "line": e.line, "param": None}]
+        return n_lines, [{"code": "line_too_large", "message": str(e), "line": e.line, "param": None}]
     _parse_lines(lines, endpoint, reqs, errors, seen)
     if not n_lines:
         errors.append({"code": "empty_file", "message": "input file has no request lines", "line": None,
                        "param": None})
-    return reqs, errors[:100]
+    return n_lines, errors[:100]
 
 
-def _parse_lines(lines: list[tuple[int, bytes]], endpoint: str, reqs: list[dict], errors: list[dict],
-                 seen: set[str]) -> None:
-    """Check (number, line) pairs as request lines: valid ones appended to `reqs`, problems to `errors`."""
+def plan_chunks(content: Iterable[bytes], size: int, max_line: int = DEFAULT_MAX_LINE_BYTES) -> dict:
+    """The chunk plan of a batch input file: chunk i holds request lines (blank lines skipped) i*size ..
+    (i+1)*size - 1 and is read from bytes `bounds[i]` to `bounds[i + 1]`, its first line numbered `first_line[i]`.
+    Returns {"chunk_size", "lines" (request lines), "bounds" (n_chunks + 1 offsets), "first_line"}; streamed,
+    O(bytes) time, O(n_chunks) memory. Raises `LineTooLarge`."""
+    size = max(1, size)
+    bounds, first = [0], [1]
+    k = end = prev_end = prev_n = 0
+    for n, ln, end in iter_lines_at(content, max_line):
+        if not ln.strip():
+            continue
+        if k and k % size == 0:  # this line opens a chunk: the previous one ends where this line starts
+            bounds.append(prev_end)
+            first.append(prev_n + 1)
+        k += 1
+        prev_end, prev_n = end, n
+    if k:
+        bounds.append(end)
+    return {"chunk_size": size, "lines": k, "bounds": bounds if k else [0], "first_line": first if k else []}
+
+
+def read_requests(content: Iterable[bytes], endpoint: str, first_line: int = 1,
+                  max_line: int = DEFAULT_MAX_LINE_BYTES) -> tuple[list[dict], list[dict]]:
+    """The requests (and errors, naming the file's line numbers from `first_line`) of one chunk's bytes
+    (`plan_chunks`); `custom_id`s are checked for duplicates within the chunk only (the whole file was checked
+    when the batch was created)."""
+    reqs: list[dict] = []
+    errors: list[dict] = []
+    try:
+        lines = [(n, ln) for n, ln, _ in iter_lines_at(content, max_line, first_line) if ln.strip()]
+    except LineTooLarge as e:
+        return [], [{"code": "line_too_large", "message": str(e), "line": e.line, "param": None}]
+    _parse_lines(lines, endpoint, reqs, errors, set())
+    return reqs, errors
+
+
+def _cid_key(cid: str) -> str | bytes:
+    """What validation keeps of a `custom_id` to find duplicates: the id when short, else a 16-byte BLAKE2b
+    digest (a str never equals bytes, so the two kinds cannot collide)."""
+    return cid if len(cid) <= 16 else hashlib.blake2b(cid.encode(), digest_size=16).digest()
+
+
+def _parse_lines(lines: list[tuple[int, bytes]], endpoint: str, reqs: list[dict] | None, errors: list[dict],
+                 seen: set[str | bytes]) -> None:
+    """Check (number, line) pairs as request lines: each appended to `reqs` (None: none kept), problems to
+    `errors`."""
 
     def bad(n: int, param: str, msg: str) -> None:
         errors.append({"code": "invalid_request", "message": f"line {n}: {msg}", "line": n, "param": param})
@@ -167,10 +245,10 @@ def _parse_lines(lines: list[tuple[int, bytes]], endpoint: str, reqs: list[dict]
         cid = obj.get("custom_id")
         if not isinstance(cid, str) or not cid:
             bad(n, "custom_id", "custom_id must be a non-empty string")
-        elif cid in seen:
+        elif (key := _cid_key(cid)) in seen:
             bad(n, "custom_id", f"duplicate custom_id {cid!r}")
         else:
-            seen.add(cid)
+            seen.add(key)
         if obj.get("method", "POST") != "POST":
             bad(n, "method", f"method must be POST, got {obj.get('method')!r}")
         if obj.get("url") != endpoint:
@@ -180,4 +258,5 @@ def _parse_lines(lines: list[tuple[int, bytes]], endpoint: str, reqs: list[dict]
         extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
         if extra:
             bad(n, extra[0], f"unknown field {extra[0]!r}")
-        reqs.append(obj)
+        if reqs is not None:
+            reqs.append(obj)

@@ -13,8 +13,17 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from latentlm.service.jobs.jsonl import read_chunks
-from latentlm.service.jobs.store import LIVE, TERMINAL, StorageError, is_expired, output_file_ids, valid_id, visible
+from latentlm.service.jobs.jsonl import READ_CHUNK, read_chunks
+from latentlm.service.jobs.store import (
+    LIVE,
+    TERMINAL,
+    StagedFile,
+    StorageError,
+    is_expired,
+    output_file_ids,
+    valid_id,
+    visible,
+)
 
 log = logging.getLogger("latentlm.jobs")
 
@@ -41,6 +50,7 @@ class LocalJobStore:
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         self._pending: dict[str, dict] = {}
+        self._bytes: dict[str, int] = {}  # batch -> output bytes over its committed chunks (`output_bytes`)
         self.clean_tmp(max_age_s=0)  # one process owns the directory: every .tmp left is from a crash
 
     def _write(self, path: Path, data: bytes) -> None:
@@ -122,14 +132,32 @@ class LocalJobStore:
             _unlink(body)
             raise
 
-    def iter_file(self, fid: str) -> Iterator[bytes] | None:
-        """The file's content in chunks of `READ_CHUNK`, or None when there is no such file."""
+    def iter_file(self, fid: str, start: int = 0, end: int | None = None) -> Iterator[bytes] | None:
+        """The file's content (bytes `start` to `end`, default all) in chunks of `READ_CHUNK`, or None when there
+        is no such file."""
         if self.file_meta(fid) is None:
             return None
         try:
-            return read_chunks(open(self.root / "files" / f"{fid}.content", "rb"))
+            f = open(self.root / "files" / f"{fid}.content", "rb")
         except FileNotFoundError:
             return None
+        if not start and end is None:
+            return read_chunks(f)
+        f.seek(start)
+
+        def part(left: int) -> Iterator[bytes]:
+            try:
+                while left > 0 and (chunk := f.read(min(READ_CHUNK, left))):
+                    left -= len(chunk)
+                    yield chunk
+            finally:
+                f.close()
+
+        return part((1 << 62) if end is None else end - start)
+
+    def stage_file(self, fid: str) -> StagedFile:
+        """A file written to a `.tmp` file beside the files, renamed into place by `transition`."""
+        return _Staged(self.root / "files" / f".{fid}.content.{os.getpid()}.{threading.get_ident()}.tmp")
 
     def delete_file(self, fid: str) -> bool:
         if not valid_id(fid, "file"):
@@ -176,14 +204,19 @@ class LocalJobStore:
             log.warning("expired %s %s not deleted: %s", kind, ident, e.message)
 
     def transition(self, bid: str, fields: dict, token: str | None = None,
-                   files: list[tuple[dict, bytes]] = ()) -> bool:
-        """If the batch exists and is not finished: write `files`, set `fields` (one process: no lease)."""
+                   files: list[tuple[dict, bytes | StagedFile]] = ()) -> bool:
+        """If the batch exists and is not finished: write `files` (bytes, or staged: renamed into place), set
+        `fields` (one process: no lease)."""
         with self._lock:
             b = self.get_batch(bid)
             if b is None or b["status"] in TERMINAL:
                 return False
             for meta, data in files:
-                self.put_file(meta, data)
+                if isinstance(data, _Staged):
+                    data.place(self.root / "files" / f"{meta['id']}.content")
+                    self._write(self.root / "files" / f"{meta['id']}.json", json.dumps(meta).encode())
+                else:
+                    self.put_file(meta, data)
             self.put_batch({**b, **fields})
             return True
 
@@ -274,6 +307,21 @@ class LocalJobStore:
         return n
 
     # -- chunks
+    def put_plan(self, bid: str, plan: dict, expires_at: int | None = None) -> dict:
+        """Write the chunk plan (`<chunks>/<batch>/plan`) unless one is there; the plan recorded."""
+        path = self._chunk_dir(bid, create=True) / "plan"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            self._write(path, json.dumps(plan).encode())
+            return plan
+
+    def get_plan(self, bid: str) -> dict | None:
+        try:
+            return json.loads((self._chunk_dir(bid) / "plan").read_text())
+        except FileNotFoundError:
+            return None
+
     def _chunk_dir(self, bid: str, create: bool = False) -> Path:
         if not valid_id(bid, "batch"):
             raise ValueError(f"not a batch id: {bid!r}")
@@ -300,6 +348,9 @@ class LocalJobStore:
         try:
             tmp.write_text(json.dumps(rec))
             os.link(tmp, d / f"{index}.json")  # atomic create-if-absent
+            with self._lock:
+                if bid in self._bytes:
+                    self._bytes[bid] += rec["bytes"]
             return 1
         except FileExistsError:
             return 0
@@ -331,12 +382,28 @@ class LocalJobStore:
         return sum(r["completed"] for r in rs), sum(r["failed"] for r in rs)
 
     def output_bytes(self, bid: str) -> int:
-        return sum(r.get("bytes", 0) for r in self._records(bid).values())
+        """Read from the chunk files once, then kept up to date by `commit_chunk` (O(1))."""
+        with self._lock:
+            if bid not in self._bytes:
+                self._bytes[bid] = sum(r.get("bytes", 0) for r in self._records(bid).values())
+            return self._bytes[bid]
 
     def delete_chunks(self, bid: str) -> None:
+        with self._lock:
+            self._bytes.pop(bid, None)
         d = self._chunk_dir(bid)
         if d.exists():
             shutil.rmtree(d)
+
+    # -- chunk claims (one process, one runner thread: nothing to arbitrate)
+    def claim_chunk(self, bid: str, index: int, token: str, ttl_s: float) -> int:
+        return -1 if (self._chunk_dir(bid) / f"{index}.json").exists() else 1
+
+    def refresh_claim(self, bid: str, index: int, token: str, ttl_s: float) -> bool:
+        return True
+
+    def release_claim(self, bid: str, index: int, token: str) -> None:
+        return None
 
     # -- leases (one process: nothing to arbitrate)
     def acquire_lease(self, bid: str, token: str, ttl_s: float) -> bool:
@@ -347,3 +414,32 @@ class LocalJobStore:
 
     def release_lease(self, bid: str, token: str) -> None:
         return None
+
+
+class _Staged:
+    """A file written to a `.tmp` path (`LocalJobStore.stage_file`), renamed into place by `place`."""
+
+    def __init__(self, path: Path):
+        self.path, self.size = path, 0
+        try:
+            self.f = open(path, "wb")
+        except OSError as e:
+            raise StorageError(e) from e
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.f.write(data)
+        except OSError as e:
+            raise StorageError(e) from e
+        self.size += len(data)
+
+    def place(self, dst: Path) -> None:
+        try:
+            self.f.close()
+            os.replace(self.path, dst)
+        except OSError as e:
+            raise StorageError(e) from e
+
+    def discard(self) -> None:
+        self.f.close()
+        _unlink(self.path)

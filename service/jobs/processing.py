@@ -1,7 +1,14 @@
-"""Running one batch, crash-safe: its input lines in chunks of `job_chunk_size`, each chunk's output lines
-committed once (keyed by the chunk index), under a lease on the batch refreshed by a heartbeat thread; then
-the output and error files written and the terminal status set in one conditional step. A Redis outage is
-waited out and the batch resumes from its committed chunks; any other error fails the batch visibly.
+"""Running one batch, crash-safe, on one worker or on several at once (any hosts, one Redis): the first run records
+the batch's chunk plan (`jsonl.plan_chunks`: chunks of `job_chunk_size` request lines, as byte ranges of the input
+file), then every worker on the batch claims chunks one at a time (a claim expires `job_lease_s` after its last
+refresh, so a dead worker's chunk is claimed again), reads only that chunk's lines, and commits its output lines
+once (keyed by the chunk index). The worker holding the batch's lease leads it: it waits for the chunks others
+compute, then streams the output and error files from the chunks and sets the terminal status in one conditional
+step. A heartbeat thread refreshes the lease and the claim. A Redis outage is waited out and the batch resumes
+from its committed chunks; any other error fails the batch visibly.
+
+With rq (`runners.rq_process_batch`), the lead enqueues helper jobs for the same batch (`fan_out`), one per other
+live worker (`job_workers_per_batch`): idle workers, on this host or another, pick them up and claim chunks.
 
 Lines of the same model version and options share one batched run (`execute_lines`, `spec.run_calls`) where
 the operation merges; the others (sampling) run line by line. With an engine process (`service.engine`) the lines
@@ -11,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import secrets
 import threading
 import time
@@ -27,9 +33,17 @@ from latentlm.ops.spec import run_calls as run_calls_here
 from latentlm.service.errors import APIError, error_payload, from_model_error
 from latentlm.service.execute import body, limits, parse, prepare
 from latentlm.service.jobs.api import ENDPOINTS
-from latentlm.service.jobs.jsonl import max_line_bytes, parse_input_file
+from latentlm.service.jobs.jsonl import LineTooLarge, max_line_bytes, plan_chunks, read_requests
 from latentlm.service.jobs.redis_store import REDIS_DOWN, wait_for_redis
-from latentlm.service.jobs.store import TERMINAL, BatchFailure, JobStore, StorageError, output_file_ids
+from latentlm.service.jobs.store import (
+    TERMINAL,
+    BatchFailure,
+    JobStore,
+    StagedFile,
+    StorageError,
+    output_file_ids,
+    worker_identity,
+)
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
 
@@ -37,6 +51,7 @@ log = logging.getLogger("latentlm.jobs")
 
 
 RunCalls = Callable[[list[Call]], list[Any]]  # prepared calls -> each one's results (or its exception)
+FanOut = Callable[[int], None]  # called by a batch's lead with how many more workers could share it
 
 
 def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: Settings,
@@ -82,33 +97,75 @@ def output_line(bid: str, custom_id: str, status: int, resp: dict) -> str:
                   "error": err}).decode()
 
 
-class _Heartbeat:
-    """Refreshes a batch lease every ttl/3 seconds until stopped (dies with the process)."""
+class _Hold:
+    """A worker's hold on one batch: the batch lease while it leads the batch (the lead alone finalises it), and
+    the claim on the chunk it computes; a daemon thread refreshes both every ttl/3 seconds (it dies with the
+    process: a dead worker's lease and claim lapse after `ttl_s`). `computed`: chunks committed here, of
+    `n_chunks`."""
 
     def __init__(self, store: JobStore, bid: str, token: str, ttl_s: float):
+        self.store, self.bid, self.token, self.ttl_s = store, bid, token, ttl_s
+        self.lead = store.acquire_lease(bid, token, ttl_s)
+        self.chunk: int | None = None
+        self.computed = self.n_chunks = 0
         self.stop = threading.Event()
-        self.t = threading.Thread(target=self._run, args=(store, bid, token, ttl_s), daemon=True)
+        self.t = threading.Thread(target=self._run, daemon=True)
         self.t.start()
 
-    def _run(self, store, bid, token, ttl_s) -> None:
-        while not self.stop.wait(ttl_s / 3):
+    def _run(self) -> None:
+        while not self.stop.wait(self.ttl_s / 3):
             try:
-                store.refresh_lease(bid, token, ttl_s)
+                if self.lead:
+                    self.store.refresh_lease(self.bid, self.token, self.ttl_s)
+                chunk = self.chunk
+                if chunk is not None:
+                    self.store.refresh_claim(self.bid, chunk, self.token, self.ttl_s)
             except Exception as e:  # Redis blip: the next beat retries
-                log.warning("lease refresh failed for %s: %s", bid, e)
+                log.warning("lease refresh failed for %s: %s", self.bid, e)
+
+    def take_lead(self) -> bool:
+        """Whether this worker leads the batch now: its lease refreshed, or taken if it lapsed and nobody took it."""
+        was = self.lead
+        self.lead = _hold(self.store, self.bid, self.token, self.ttl_s)
+        if was and not self.lead:
+            log.warning("batch %s: another worker leads it now; %s goes on as a helper", self.bid, self.token)
+        return self.lead
+
+    def claim(self, index: int) -> int:
+        """1: chunk `index` is this worker's to compute; 0: another worker's; -1: committed."""
+        r = self.store.claim_chunk(self.bid, index, self.token, self.ttl_s)
+        if r == 1:
+            self.chunk = index
+        return r
+
+    def release(self, index: int) -> None:
+        self.chunk = None
+        self.store.release_claim(self.bid, index, self.token)
+
+    def close(self) -> None:
+        self.stop.set()
+        try:
+            if self.chunk is not None:
+                self.release(self.chunk)
+            if self.lead:
+                self.store.release_lease(self.bid, self.token)
+        except REDIS_DOWN:
+            pass  # they expire by themselves
 
 
 def process_batch(store: JobStore, models: ModelRegistry, bid: str, settings: Settings,
                   progress: Callable[[int, int], None] | None = None,
-                  stop: threading.Event | None = None, run_calls: RunCalls | None = None) -> str | None:
-    """Run (or resume) a batch to a terminal status; returns the status, or None if another worker holds it
-    (or it is gone). A Redis outage is waited out (reconnecting with backoff up to `redis_retry_max_s`), then the
-    batch resumes from its committed chunks; `stop` set gives up the wait (the reaper re-enqueues the batch).
-    `run_calls`: where the lines' calls run (`execute_lines`)."""
-    token = secrets.token_hex(8)
+                  stop: threading.Event | None = None, run_calls: RunCalls | None = None,
+                  fan_out: FanOut | None = None) -> str | None:
+    """Run (or resume, or help) a batch to a terminal status; returns the status, or None when this worker left
+    the batch to another (its lead) or it is gone. A Redis outage is waited out (reconnecting with backoff up to
+    `redis_retry_max_s`), then the batch resumes from its committed chunks; `stop` set gives up the wait (the
+    reaper re-enqueues the batch). `run_calls`: where the lines' calls run (`execute_lines`). `fan_out`: how the
+    lead asks other workers to help (rq: helper jobs); None: this worker alone."""
+    token = f"{worker_identity(getattr(settings, 'worker_name', ''))}/{secrets.token_hex(6)}"
     while True:
         try:
-            return _run_leased(store, models, bid, settings, progress, token, run_calls)
+            return _run_leased(store, models, bid, settings, progress, token, run_calls, fan_out)
         except REDIS_DOWN as e:
             log.warning("batch %s: Redis unavailable (%s: %s); resuming when it answers", bid, type(e).__name__, e)
             if not wait_for_redis(store.redis, settings.redis_retry_max_s, stop):  # type: ignore[attr-defined]
@@ -116,25 +173,22 @@ def process_batch(store: JobStore, models: ModelRegistry, bid: str, settings: Se
 
 
 def _run_leased(store: JobStore, models: ModelRegistry, bid: str, settings: Settings,
-                progress: Callable[[int, int], None] | None, token: str, run_calls: RunCalls | None) -> str | None:
+                progress: Callable[[int, int], None] | None, token: str, run_calls: RunCalls | None,
+                fan_out: FanOut | None) -> str | None:
     b = store.get_batch(bid)
     if b is None or b["status"] in TERMINAL:
         return b["status"] if b else None
-    if not store.acquire_lease(bid, token, settings.job_lease_s):
-        return None
-    beat = _Heartbeat(store, bid, token, settings.job_lease_s)
+    hold = _Hold(store, bid, token, settings.job_lease_s)
     try:
-        return _process(store, models, b, settings, progress, token, run_calls)
+        return _process(store, models, b, settings, progress, hold, run_calls, fan_out)
     except REDIS_DOWN:
         raise
     except Exception as e:  # a bug, a full disk, an unreadable file: the batch fails, the worker lives on
-        return _fail(store, bid, token, e)
+        return _fail(store, bid, token if hold.lead else None, e)
     finally:
-        beat.stop.set()
-        try:
-            store.release_lease(bid, token)
-        except REDIS_DOWN:
-            pass  # it expires by itself
+        hold.close()
+        log.info("batch %s: %d of %d chunks computed by %s (%s)", bid, hold.computed, hold.n_chunks, token,
+                 "lead" if hold.lead else "helper")
 
 
 def _fail(store: JobStore, bid: str, token: str, e: Exception) -> str | None:
@@ -173,59 +227,120 @@ def _hold(store: JobStore, bid: str, token: str, ttl_s: float) -> bool:
     return store.refresh_lease(bid, token, ttl_s) or store.acquire_lease(bid, token, ttl_s)
 
 
-def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings,
-             progress: Callable[[int, int], None] | None, token: str, run_calls: RunCalls | None) -> str | None:
-    bid = b["id"]
-    content = store.iter_file(b["input_file_id"])
+def _plan(store: JobStore, b: dict, settings: Settings) -> dict:
+    """The batch's chunk plan: the one recorded, else made from the input file (streamed) and recorded (the first
+    record wins, so every worker uses the same chunks whatever its `job_chunk_size`)."""
+    plan = store.get_plan(b["id"])
+    if plan is None:
+        content = store.iter_file(b["input_file_id"])
+        if content is None:
+            raise BatchFailure("input_file_missing", f"input file {b['input_file_id']} is gone")
+        try:
+            made = plan_chunks(content, settings.job_chunk_size, max_line_bytes(settings))
+        except LineTooLarge as e:
+            raise BatchFailure("invalid_file", str(e)) from None
+        plan = store.put_plan(b["id"], made, b.get("expires_at"))
+    if plan["lines"] != b["total"]:
+        raise BatchFailure("invalid_file", f"the input file has {plan['lines']} request lines, the batch "
+                                           f"{b['total']}")
+    return plan
+
+
+def _chunk_requests(store: JobStore, b: dict, plan: dict, i: int, settings: Settings) -> list[dict]:
+    """The requests of chunk `i`: only its byte range of the input file is read."""
+    content = store.iter_file(b["input_file_id"], plan["bounds"][i], plan["bounds"][i + 1])
     if content is None:
         raise BatchFailure("input_file_missing", f"input file {b['input_file_id']} is gone")
-    reqs, errors = parse_input_file(content, b["endpoint"], max_line_bytes(settings))
+    reqs, errors = read_requests(content, b["endpoint"], plan["first_line"][i], max_line_bytes(settings))
     if errors:
         raise BatchFailure("invalid_file", errors[0]["message"])
-    op = ENDPOINTS[b["endpoint"]]
-    size = max(1, settings.job_chunk_size)
-    n_chunks = math.ceil(len(reqs) / size)
+    size = plan["chunk_size"]
+    want = min(size, plan["lines"] - i * size)
+    if len(reqs) != want:
+        raise BatchFailure("invalid_file", f"chunk {i} of the input file has {len(reqs)} request lines, its plan "
+                                           f"{want}")
+    return reqs
+
+
+def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings,
+             progress: Callable[[int, int], None] | None, hold: _Hold, run_calls: RunCalls | None,
+             fan_out: FanOut | None) -> str | None:
+    """Claim and compute chunks until none is left to claim; then the lead waits for the chunks other workers
+    hold (claiming again any whose claim lapsed) and finalises, a helper leaves."""
+    bid = b["id"]
+    plan = _plan(store, b, settings)
+    n_chunks = hold.n_chunks = len(plan["bounds"]) - 1
     limit = min(settings.job_max_output_bytes, store.max_output_bytes)
+    op = ENDPOINTS[b["endpoint"]]
     models.reload(rehash=False)  # pick up the store's current models (files re-hashed where their stat changed)
-    done = store.chunk_indices(bid)
-    out_bytes = store.output_bytes(bid)
-    for i in range(n_chunks):
-        if i in done:
-            continue
+    if hold.lead and fan_out is not None and n_chunks > 1:
+        try:
+            fan_out(n_chunks - 1)
+        except Exception as e:  # the batch still runs, on this worker
+            log.warning("batch %s: no helpers asked for (%s: %s)", bid, type(e).__name__, e)
+    poll_s = min(1.0, settings.job_lease_s / 4)
+    while True:
         cur = store.get_batch(bid)
         if cur is None or cur["status"] in TERMINAL:  # a worker frozen past its lease, resumed
             log.warning("batch %s: %s; stopping", bid,
                         "deleted meanwhile" if cur is None else f"{cur['status']}: finished by another worker")
             return cur["status"] if cur else None
-        if cur.get("cancel_requested"):
-            break
-        if not _hold(store, bid, token, settings.job_lease_s):
-            log.warning("batch %s: another worker holds its lease now; leaving it to that worker", bid)
-            return None
-        part = reqs[i * size : (i + 1) * size]
-        results = execute_lines(models, op, [r["body"] for r in part], settings, run_calls)
-        lines = [output_line(bid, r["custom_id"], st, resp) for r, (st, resp) in zip(part, results, strict=True)]
-        ok = sum(1 for st, _ in results if st == 200)
-        r = store.commit_chunk(bid, i, lines, ok, len(lines) - ok, b.get("expires_at"))
-        if r < 0:
-            log.warning("batch %s: %s; stopping", bid, "deleted meanwhile" if r == -1 else "finished by another worker")
-            cur = store.get_batch(bid)
-            return cur["status"] if cur else None
-        out_bytes = out_bytes + sum(len(ln.encode()) + 1 for ln in lines) if r == 1 else store.output_bytes(bid)
-        if out_bytes > limit:
-            c, f = store.counts(bid)
-            raise BatchFailure("output_too_large", f"the output reached {out_bytes} bytes after {c + f} of "
-                                                   f"{len(reqs)} lines, above the limit of {limit} bytes "
-                                                   "(LATENTLM_JOB_MAX_OUTPUT_BYTES); its chunks were deleted")
-        if progress is not None:
-            progress(i + 1, n_chunks)
-        if settings.job_chunk_pause_s > 0:
-            time.sleep(settings.job_chunk_pause_s)
-    return _finalize(store, b, reqs, n_chunks, limit, token)
+        cancelled = bool(cur.get("cancel_requested"))
+        done = store.chunk_indices(bid)
+        held = 0  # chunks other workers compute now
+        for i in range(n_chunks):
+            if cancelled or i in done:
+                continue
+            r = hold.claim(i)
+            if r != 1:
+                held += r == 0
+                continue
+            try:
+                cur = store.get_batch(bid)
+                if cur is None or cur["status"] in TERMINAL:
+                    log.warning("batch %s: %s; stopping", bid, "deleted meanwhile" if cur is None
+                                else f"{cur['status']}: finished by another worker")
+                    return cur["status"] if cur else None
+                if cur.get("cancel_requested"):
+                    cancelled = True
+                    break
+                hold.take_lead()
+                part = _chunk_requests(store, b, plan, i, settings)
+                results = execute_lines(models, op, [r["body"] for r in part], settings, run_calls)
+                lines = [output_line(bid, r["custom_id"], st, resp) for r, (st, resp) in zip(part, results,
+                                                                                              strict=True)]
+                ok = sum(1 for st, _ in results if st == 200)
+                c = store.commit_chunk(bid, i, lines, ok, len(lines) - ok, b.get("expires_at"))
+            finally:
+                hold.release(i)
+            if c < 0:
+                log.warning("batch %s: %s; stopping", bid, "deleted meanwhile" if c == -1 else
+                            "finished by another worker")
+                cur = store.get_batch(bid)
+                return cur["status"] if cur else None
+            hold.computed += c == 1
+            out_bytes = store.output_bytes(bid)
+            if out_bytes > limit:
+                n_ok, n_bad = store.counts(bid)
+                raise BatchFailure("output_too_large", f"the output reached {out_bytes} bytes after {n_ok + n_bad} "
+                                                       f"of {plan['lines']} lines, above the limit of {limit} bytes "
+                                                       "(LATENTLM_JOB_MAX_OUTPUT_BYTES); its chunks were deleted")
+            if progress is not None:
+                progress(i + 1, n_chunks)
+            if settings.job_chunk_pause_s > 0:
+                time.sleep(settings.job_chunk_pause_s)
+        if not cancelled and held == 0 and len(store.chunk_indices(bid)) < n_chunks:
+            continue  # a claim lapsed or was given up meanwhile: claim again
+        if not hold.take_lead():
+            return None  # the lead waits for the chunks still held and finalises
+        if cancelled or held == 0:
+            return _finalize(store, b, plan, limit, hold.token)
+        time.sleep(poll_s)  # the lead: other workers hold the last chunks
 
 
-def _finalize(store: JobStore, b: dict, reqs: list[dict], n_chunks: int, limit: int, token: str) -> str | None:
-    """Write the output and error files and set the terminal status in one conditional step; a completed batch
+def _finalize(store: JobStore, b: dict, plan: dict, limit: int, token: str) -> str | None:
+    """Stream the output and error files from the committed chunks, one chunk in memory at a time (staged: out of
+    sight until placed), then place them and set the terminal status in one conditional step; a completed batch
     has exactly one output line per request (checked), or it fails."""
     bid = b["id"]
     cur = store.get_batch(bid)
@@ -236,41 +351,56 @@ def _finalize(store: JobStore, b: dict, reqs: list[dict], n_chunks: int, limit: 
                                               token):
         cur = store.get_batch(bid)
         return cur["status"] if cur else None
+    n_chunks = len(plan["bounds"]) - 1
     indices = sorted(store.chunk_indices(bid))
     missing = sorted(set(range(n_chunks)) - set(indices))
     if missing and not cancelled:
         raise BatchFailure("lines_missing", f"chunks {missing[:10]} of {n_chunks} have no committed output")
-    ok_lines: list[str] = []
-    bad_lines: list[str] = []
-    for i in indices:
-        lines = store.chunk(bid, i)
-        if lines is None:
-            raise BatchFailure("lines_missing", f"chunk {i} vanished while the output was written")
-        for ln in lines:
-            (ok_lines if orjson.loads(ln)["response"]["status_code"] == 200 else bad_lines).append(ln)
-    if not cancelled and len(ok_lines) + len(bad_lines) != len(reqs):
-        raise BatchFailure("lines_missing", f"{len(ok_lines) + len(bad_lines)} output lines for {len(reqs)} requests")
-    now = int(time.time())
-    fields: dict[str, Any] = {}
-    files: list[tuple[dict, bytes]] = []
-    for kind, lines in (("output", ok_lines), ("error", bad_lines)):
-        if not lines and kind == "error":
-            continue
-        data = ("\n".join(lines) + ("\n" if lines else "")).encode()
-        if len(data) > limit:
-            raise BatchFailure("output_too_large", f"the {kind} file has {len(data)} bytes, above the limit of "
-                                                   f"{limit} bytes (LATENTLM_JOB_MAX_OUTPUT_BYTES)")
-        meta = {"id": f"file-{bid}-{kind}", "bytes": len(data), "created_at": now, "expires_at": b.get("expires_at"),
-                "filename": f"{bid}_{kind}.jsonl", "purpose": "batch_output", "owner": b.get("owner")}
-        files.append((meta, data))
-        fields[f"{kind}_file_id"] = meta["id"]
-    status = "cancelled" if cancelled else "completed"
-    fields.update(status=status, final_counts={"completed": len(ok_lines), "failed": len(bad_lines)},
-                  **{f"{status}_at": now})
-    if not store.transition(bid, fields, token, files):
-        log.warning("batch %s was finished by another worker; its output left as it is", bid)
-        cur = store.get_batch(bid)
-        return cur["status"] if cur else None
+    staged: dict[str, StagedFile] = {}
+    try:
+        for kind in ("output", "error"):
+            staged[kind] = store.stage_file(f"file-{bid}-{kind}")
+        n = {"output": 0, "error": 0}
+        for i in indices:
+            lines = store.chunk(bid, i)
+            if lines is None:
+                raise BatchFailure("lines_missing", f"chunk {i} vanished while the output was written")
+            parts: dict[str, list[str]] = {"output": [], "error": []}
+            for ln in lines:
+                parts["output" if orjson.loads(ln)["response"]["status_code"] == 200 else "error"].append(ln)
+            for kind, part in parts.items():
+                if not part:
+                    continue
+                staged[kind].write(("\n".join(part) + "\n").encode())
+                n[kind] += len(part)
+                if staged[kind].size > limit:
+                    raise BatchFailure("output_too_large", f"the {kind} file has {staged[kind].size} bytes or more, "
+                                                           f"above the limit of {limit} bytes "
+                                                           "(LATENTLM_JOB_MAX_OUTPUT_BYTES)")
+        if not cancelled and n["output"] + n["error"] != plan["lines"]:
+            raise BatchFailure("lines_missing", f"{n['output'] + n['error']} output lines for {plan['lines']} "
+                                                "requests")
+        now = int(time.time())
+        fields: dict[str, Any] = {}
+        files: list[tuple[dict, StagedFile]] = []
+        for kind in ("output", "error"):
+            if not n[kind] and kind == "error":
+                continue
+            meta = {"id": f"file-{bid}-{kind}", "bytes": staged[kind].size, "created_at": now,
+                    "expires_at": b.get("expires_at"), "filename": f"{bid}_{kind}.jsonl", "purpose": "batch_output",
+                    "owner": b.get("owner")}
+            files.append((meta, staged[kind]))
+            fields[f"{kind}_file_id"] = meta["id"]
+        status = "cancelled" if cancelled else "completed"
+        fields.update(status=status, final_counts={"completed": n["output"], "failed": n["error"]},
+                      **{f"{status}_at": now})
+        if not store.transition(bid, fields, token, files):
+            log.warning("batch %s was finished by another worker; its output left as it is", bid)
+            cur = store.get_batch(bid)
+            return cur["status"] if cur else None
+    finally:
+        for f in staged.values():
+            f.discard()  # what was not placed
     try:
         store.delete_chunks(bid)  # the output files hold them now
     except (OSError, *REDIS_DOWN) as e:

@@ -1,12 +1,14 @@
-"""The Redis job store (`RedisJobStore`, used with rq workers: `latentlm worker`): files, batch records,
-chunk results and leases as Redis keys, with the atomic steps (chunk commit, lease take / refresh / release,
-status transitions) as Lua scripts or WATCH transactions; and `wait_for_redis`, the reconnect loop with
-backoff that a batch and the worker run while Redis is down."""
+"""The Redis job store (`RedisJobStore`, used with rq workers: `latentlm worker`, on any number of hosts): files,
+batch records, chunk plans, chunk results, chunk claims and leases as Redis keys, with the atomic steps (chunk
+commit, claim and lease take / refresh / release, status transitions) as Lua scripts or WATCH transactions; and
+`wait_for_redis`, the reconnect loop with backoff that a batch and the worker run while Redis is down. Nothing here
+names a local path: a worker on another host sees the same files and batches as the API."""
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -17,8 +19,9 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from latentlm.service.errors import APIError
 from latentlm.service.jobs.jsonl import READ_CHUNK
-from latentlm.service.jobs.store import TERMINAL, is_expired, output_file_ids, valid_id, visible
+from latentlm.service.jobs.store import TERMINAL, StagedFile, is_expired, output_file_ids, valid_id, visible
 
 log = logging.getLogger("latentlm.jobs")
 
@@ -69,7 +72,12 @@ class RedisJobStore:
     _REFRESH = ("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
                 "end return 0")
     _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+    # KEYS claim, counts; ARGV index, token, ttl ms. 1 claimed (or held already), 0 held by another, -1 committed
+    _CLAIM = ("if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return -1 end "
+              "local v = redis.call('GET', KEYS[1]) if v and v ~= ARGV[2] then return 0 end "
+              "redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1")
     max_output_bytes = REDIS_MAX_VALUE - (1 << 20)
+    max_file_bytes = REDIS_MAX_VALUE  # an upload above it answers 413 `file_too_large`
 
     def __init__(self, url: str, connect_timeout_s: float | None = REDIS_TIMEOUT_S,
                  timeout_s: float | None = REDIS_TIMEOUT_S):
@@ -84,14 +92,23 @@ class RedisJobStore:
         self._acquire = self.redis.register_script(self._ACQUIRE)
         self._refresh = self.redis.register_script(self._REFRESH)
         self._release = self.redis.register_script(self._RELEASE)
+        self._claim = self.redis.register_script(self._CLAIM)
 
     def _k(self, *parts: str) -> str:
         return self.P + ":".join(parts)
 
     # -- files
-    def _set_file(self, p: Any, meta: dict, content: bytes) -> None:
+    def _set_file(self, p: Any, meta: dict, content: bytes | StagedFile) -> None:
         fid, exp = meta["id"], meta.get("expires_at")
-        p.set(self._k("file", fid, "content"), content, exat=exp or None)
+        key = self._k("file", fid, "content")
+        if isinstance(content, _Staged):
+            p.rename(content.key, key)
+            if exp:
+                p.expireat(key, exp)
+            else:
+                p.persist(key)
+        else:
+            p.set(key, content, exat=exp or None)
         p.set(self._k("file", fid, "meta"), json.dumps(meta), exat=exp or None)
         if exp:
             p.zadd(self._k("expiry"), {f"file:{fid}": exp})
@@ -110,6 +127,10 @@ class RedisJobStore:
         try:
             self.redis.set(tmp, b"", ex=UPLOAD_TTL_S)
             for chunk in chunks:
+                if size + len(chunk) > self.max_file_bytes:
+                    raise APIError(413, f"file: more than {self.max_file_bytes} bytes, the most one file holds on "
+                                        "the Redis job store; split it into several batches", param="file",
+                                   code="file_too_large")
                 self.redis.append(tmp, chunk)
                 size += len(chunk)
             meta["bytes"] = size
@@ -130,23 +151,30 @@ class RedisJobStore:
                 pass
             raise
 
-    def iter_file(self, fid: str) -> Iterator[bytes] | None:
-        """The file's content in chunks of `READ_CHUNK` (GETRANGE), or None when there is no such file."""
+    def iter_file(self, fid: str, start: int = 0, end: int | None = None) -> Iterator[bytes] | None:
+        """The file's content (bytes `start` to `end`, default all) in chunks of `READ_CHUNK` (GETRANGE), or None
+        when there is no such file."""
         if self.file_meta(fid) is None:
             return None
         key = self._k("file", fid, "content")
         size = self.redis.strlen(key)
         if not size and not self.redis.exists(key):
             return None
+        stop = size if end is None else min(size, end)
 
         def gen() -> Iterator[bytes]:
-            for off in range(0, size, READ_CHUNK):
-                part = self.redis.getrange(key, off, min(size, off + READ_CHUNK) - 1)
+            for off in range(max(0, start), stop, READ_CHUNK):
+                part = self.redis.getrange(key, off, min(stop, off + READ_CHUNK) - 1)
                 if not part:
                     return
                 yield part
 
         return gen()
+
+    def stage_file(self, fid: str) -> StagedFile:
+        """A file written by APPENDs to a temporary key (expiring after `UPLOAD_TTL_S` unless `transition`
+        renames it into place)."""
+        return _Staged(self.redis, self._k("file", fid, "stage", secrets.token_hex(6)))
 
     def file_meta(self, fid: str) -> dict | None:
         if not valid_id(fid, "file"):
@@ -202,9 +230,10 @@ class RedisJobStore:
         return b
 
     def transition(self, bid: str, fields: dict, token: str | None = None,
-                   files: list[tuple[dict, bytes]] = ()) -> bool:
+                   files: list[tuple[dict, bytes | StagedFile]] = ()) -> bool:
         """Atomically: if the batch exists, is not finished and no other worker holds its lease (`token` None:
-        the lease is not checked), write `files` and set `fields`. False when refused."""
+        the lease is not checked), write `files` (bytes, or staged: renamed into place) and set `fields`. False
+        when refused."""
         key, lease = self._k("batch", bid), self._k("batch", bid, "lease")
         for _ in range(50):
             with self.redis.pipeline() as p:
@@ -216,6 +245,9 @@ class RedisJobStore:
                     holder = p.get(lease) if token is not None else None
                     if holder is not None and holder.decode() != token:
                         return False
+                    for _, data in files:
+                        if isinstance(data, _Staged) and not p.exists(data.key):
+                            raise RuntimeError(f"batch {bid}: a staged output file expired before it was placed")
                     p.multi()
                     for meta, data in files:
                         self._set_file(p, meta, data)
@@ -266,7 +298,7 @@ class RedisJobStore:
         owner = self.redis.hget(key, "owner")
         with self.redis.pipeline() as p:
             p.delete(key, self._k("batch", bid, "chunks"), self._k("batch", bid, "counts"),
-                     self._k("batch", bid, "lease"), self._k("batch", bid, "requeued"))
+                     self._k("batch", bid, "lease"), self._k("batch", bid, "requeued"), self._k("batch", bid, "plan"))
             for fid in output_file_ids(bid):
                 p.delete(self._k("file", fid, "meta"), self._k("file", fid, "content"))
                 p.zrem(self._k("expiry"), f"file:{fid}")
@@ -289,6 +321,17 @@ class RedisJobStore:
         return n
 
     # -- chunks
+    def put_plan(self, bid: str, plan: dict, expires_at: int | None = None) -> dict:
+        """SET NX of the chunk plan (it expires with the batch); the plan recorded."""
+        key = self._k("batch", bid, "plan")
+        self.redis.set(key, json.dumps(plan), nx=True, exat=expires_at or None)
+        raw = self.redis.get(key)
+        return json.loads(raw) if raw is not None else plan
+
+    def get_plan(self, bid: str) -> dict | None:
+        raw = self.redis.get(self._k("batch", bid, "plan"))
+        return json.loads(raw) if raw is not None else None
+
     def commit_chunk(self, bid: str, index: int, lines: list[str], completed: int, failed: int,
                      expires_at: int | None = None) -> int:
         """1 committed, 0 committed before (by another worker), -1 no such batch, -2 batch already finished."""
@@ -315,7 +358,20 @@ class RedisJobStore:
         return sum(r[2] for r in self._count_rows(bid) if len(r) > 2)
 
     def delete_chunks(self, bid: str) -> None:
-        self.redis.delete(self._k("batch", bid, "chunks"), self._k("batch", bid, "counts"))
+        self.redis.delete(self._k("batch", bid, "chunks"), self._k("batch", bid, "counts"),
+                          self._k("batch", bid, "plan"))
+
+    # -- chunk claims (they expire after their ttl: a dead worker's chunk is claimed again)
+    def claim_chunk(self, bid: str, index: int, token: str, ttl_s: float) -> int:
+        """1 claimed (or held already), 0 held by another worker, -1 committed."""
+        return int(self._claim(keys=[self._k("batch", bid, "claim", str(index)), self._k("batch", bid, "counts")],
+                               args=[index, token, int(ttl_s * 1000)]))
+
+    def refresh_claim(self, bid: str, index: int, token: str, ttl_s: float) -> bool:
+        return bool(self._refresh(keys=[self._k("batch", bid, "claim", str(index))], args=[token, int(ttl_s * 1000)]))
+
+    def release_claim(self, bid: str, index: int, token: str) -> None:
+        self._release(keys=[self._k("batch", bid, "claim", str(index))], args=[token])
 
     # -- leases
     def acquire_lease(self, bid: str, token: str, ttl_s: float) -> bool:
@@ -333,3 +389,27 @@ class RedisJobStore:
 
     def claim_requeue(self, bid: str, ttl_s: float) -> bool:
         return bool(self.redis.set(self._k("batch", bid, "requeued"), 1, nx=True, px=int(ttl_s * 1000)))
+
+    def lease_holder(self, bid: str) -> str | None:
+        """The token of the worker leading the batch (`<worker identity>/<random>`), or None."""
+        v = self.redis.get(self._k("batch", bid, "lease"))
+        return v.decode() if v is not None else None
+
+
+class _Staged:
+    """A file being written to a temporary Redis key by APPEND (`RedisJobStore.stage_file`)."""
+
+    def __init__(self, client: Any, key: str):
+        self.redis, self.key, self.size = client, key, 0
+        self.redis.set(key, b"", ex=UPLOAD_TTL_S)
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self.redis.append(self.key, data)
+            self.size += len(data)
+
+    def discard(self) -> None:
+        try:
+            self.redis.delete(self.key)
+        except REDIS_DOWN:  # it expires by itself
+            pass

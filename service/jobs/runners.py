@@ -1,6 +1,7 @@
 """Who runs batches: `LocalRunner` (without Redis: one thread of the API process, batches one at a time, a
 periodic sweep of expired jobs) and `RQRunner` (with Redis: each batch an rq job, run by `latentlm worker`
-through `rq_process_batch`), with the helpers the worker's reaper uses (`enqueue`, `queued_batches`)."""
+through `rq_process_batch`; the job's lead enqueues helper jobs for the same batch so that other workers, on any
+host, share its chunks), with the helpers the worker's reaper uses (`enqueue`, `queued_batches`)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,32 @@ def queued_batches(queue) -> set[str]:
 WORKER_CONTEXT: dict[str, Any] = {}
 
 
+def helpers_wanted(store: RedisJobStore, settings: Settings, chunks_left: int) -> int:
+    """How many helper jobs a batch's lead enqueues: one per other worker that may share the batch
+    (`job_workers_per_batch`, 0: every worker registered on the queue), at most one per chunk left."""
+    from rq import Queue, Worker
+
+    cap = settings.job_workers_per_batch
+    workers = cap if cap > 0 else Worker.count(connection=store.redis, queue=Queue(QUEUE_NAME,
+                                                                                     connection=store.redis))
+    return max(0, min(chunks_left, workers - 1))
+
+
+def _fan_out(store: RedisJobStore, settings: Settings, bid: str):
+    """The `fan_out` of a batch run by rq: helper jobs for the same batch, picked up by idle workers."""
+    from rq import Queue
+
+    def ask(chunks_left: int) -> None:
+        n = helpers_wanted(store, settings, chunks_left)
+        queue = Queue(QUEUE_NAME, connection=store.redis)
+        for _ in range(n):
+            enqueue(queue, bid, " (helper)")
+        if n:
+            log.info("batch %s: %d helper jobs enqueued", bid, n)
+
+    return ask
+
+
 def rq_process_batch(bid: str) -> str | None:
     """rq entry point: runs in the worker process with its own model registry."""
     ctx = WORKER_CONTEXT
@@ -116,6 +143,7 @@ def rq_process_batch(bid: str) -> str | None:
         settings = Settings.from_env()
         ctx.update(settings=settings, store=RedisJobStore(settings.redis_url),
                    models=ModelRegistry.from_settings(settings, device="cpu"))
-    status = process_batch(ctx["store"], ctx["models"], bid, ctx["settings"], stop=ctx.get("stop"))
+    status = process_batch(ctx["store"], ctx["models"], bid, ctx["settings"], stop=ctx.get("stop"),
+                           fan_out=_fan_out(ctx["store"], ctx["settings"], bid))
     log.info("batch %s -> %s", bid, status)
     return status

@@ -8,8 +8,10 @@ plus the internal fields `total`, `cancel_requested`, `owner`, `final_counts`)."
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import secrets
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
@@ -34,6 +36,12 @@ IDS = {"file": re.compile(r"file_[0-9a-f]{24}|file-batch_[0-9a-f]{24}-(?:output|
 def valid_id(ident: Any, kind: str) -> bool:
     """Whether `ident` is a `kind` ("file" or "batch") id in the exact format the service generates."""
     return isinstance(ident, str) and IDS[kind].fullmatch(ident) is not None
+
+
+def worker_identity(name: str = "") -> str:
+    """Who runs a batch, in its lease and chunk claims and in the logs: `name` (`LATENTLM_WORKER_NAME`) or
+    "<host>:<pid>", so that workers on several hosts against one Redis are told apart."""
+    return name or f"{socket.gethostname()}:{os.getpid()}"
 
 
 def output_file_ids(bid: str) -> list[str]:
@@ -76,6 +84,19 @@ class BatchFailure(Exception):
         self.code = code
 
 
+class StagedFile(Protocol):
+    """A file being written piece by piece (`JobStore.stage_file`), out of sight until `JobStore.transition`
+    moves it into place with its metadata; `discard` drops it."""
+
+    size: int  # bytes written so far
+
+    def write(self, data: bytes) -> None:
+        """Append `data`."""
+
+    def discard(self) -> None:
+        """Drop what was written (nothing happens once `transition` took the file)."""
+
+
 class JobStore(Protocol):
     """Files, batch records, chunk results and leases: what `RedisJobStore` (rq workers, any number of processes)
     and `LocalJobStore` (local disk, one process) both implement. Ids that are not in the service's own format
@@ -90,8 +111,12 @@ class JobStore(Protocol):
     def put_file_stream(self, meta: dict, chunks: Iterable[bytes]) -> None:
         """Store a file from its chunks, setting `meta["bytes"]`; an error while reading leaves nothing."""
 
-    def iter_file(self, fid: str) -> Iterator[bytes] | None:
-        """The file's content in chunks, or None when there is no such file."""
+    def iter_file(self, fid: str, start: int = 0, end: int | None = None) -> Iterator[bytes] | None:
+        """The file's content (bytes `start` to `end`, default all) in chunks, or None when there is no such
+        file."""
+
+    def stage_file(self, fid: str) -> StagedFile:
+        """A new file `fid` to write piece by piece, placed by `transition` (a batch's output and error files)."""
 
     def file_meta(self, fid: str) -> dict | None:
         """The file's metadata, or None (also once expired: deleted on access)."""
@@ -110,9 +135,9 @@ class JobStore(Protocol):
         """The batch record, or None (also once expired: deleted on access)."""
 
     def transition(self, bid: str, fields: dict, token: str | None = None,
-                   files: list[tuple[dict, bytes]] = ()) -> bool:
+                   files: list[tuple[dict, bytes | StagedFile]] = ()) -> bool:
         """If the batch exists, is not finished and no other worker holds its lease (`token` None: not checked),
-        write `files` and set `fields`, in one step; False when refused."""
+        write `files` (their content as bytes, or staged) and set `fields`, in one step; False when refused."""
 
     def fail(self, bid: str, fields: dict, token: str | None) -> bool:
         """Mark the batch failed (as `transition`)."""
@@ -133,6 +158,13 @@ class JobStore(Protocol):
         """Delete every file and batch whose `expires_at` has passed; how many."""
 
     # -- chunks: a chunk's output lines are committed once, keyed by the chunk index
+    def put_plan(self, bid: str, plan: dict, expires_at: int | None = None) -> dict:
+        """Record the batch's chunk plan (`jsonl.plan_chunks`) unless one is recorded; the plan recorded (the
+        same for every worker, whatever its `job_chunk_size`)."""
+
+    def get_plan(self, bid: str) -> dict | None:
+        """The batch's chunk plan, or None before one is recorded."""
+
     def commit_chunk(self, bid: str, index: int, lines: list[str], completed: int, failed: int,
                      expires_at: int | None = None) -> int:
         """1 committed, 0 committed before (by another worker), -1 no such batch, -2 batch already finished."""
@@ -152,7 +184,18 @@ class JobStore(Protocol):
     def delete_chunks(self, bid: str) -> None:
         """Delete the committed chunks."""
 
-    # -- leases: which worker runs a batch (one process: always granted)
+    # -- chunk claims: which worker computes a chunk (one process: always granted)
+    def claim_chunk(self, bid: str, index: int, token: str, ttl_s: float) -> int:
+        """1: `token` claims chunk `index` for `ttl_s` seconds (or holds it already); 0: another worker holds it;
+        -1: it is committed."""
+
+    def refresh_claim(self, bid: str, index: int, token: str, ttl_s: float) -> bool:
+        """Extend the claim `token` holds; False when it does not hold it."""
+
+    def release_claim(self, bid: str, index: int, token: str) -> None:
+        """Give the claim up if `token` holds it."""
+
+    # -- leases: which worker leads a batch and finalises it (one process: always granted)
     def acquire_lease(self, bid: str, token: str, ttl_s: float) -> bool:
         """Take the lease for `ttl_s` seconds, or keep it if `token` holds it already."""
 
