@@ -5,12 +5,14 @@ from pathlib import Path
 
 
 class LatentLMError(Exception):
-    """Base class. `param` names the offending field or file when there is one."""
+    """Base class. `param` names the offending field or file when there is one; `code` is the service's error code
+    when it is not its class's default (e.g. `unsupported_parameter` for an UnsupportedOperation)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 class ArtifactError(LatentLMError):

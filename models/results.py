@@ -1,4 +1,6 @@
-"""What the families' operations return: one typed result per input (or per sample), in plain Python values.
+"""What the families' operations return: one typed result per input (or per sample), in plain Python values; and
+the typed answers of the operations built on them (a constraint's probability, the beam's completions, an
+OpenAI-style completion's choices).
 
 A family's `op_*` computes; `latentlm.ops.format` alone turns these into the public JSON (field names, fields
 derived from others such as a score's perplexity, the order of keys). Below, T is the input's length in tokens,
@@ -102,5 +104,60 @@ class Embedding:
     dim: int
 
 
-Result = Score | Marginals | SpanMarginals | Path | Decoded | Parse | Sample | Embedding
-"""Any one answer of a family's operation."""
+@dataclass(frozen=True, slots=True)
+class ConstraintProb:
+    """A constraint's answer after a prefix: log P(C | prefix[, generated]) (None for probability 0), the sizes of
+    its automaton (states, classes, edges, the window and its parts'), and with weights asked for, P(C | prefix, v)
+    for every token id v (V,)."""
+
+    log_prob: float | None
+    automaton: dict[str, int]
+    weights: list[float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """One completion found by the constrained beam search: token ids (L,) ending with `<eos>`, log p(y | prefix)
+    and log p(y | prefix, C)."""
+
+    ids: list[int]
+    log_prob: float
+    log_prob_given: float
+
+
+@dataclass(frozen=True, slots=True)
+class Beam:
+    """The constrained beam search's completions, best first; `certified`: provably the n_best most probable
+    satisfying continuations, else `gap` bounds how much more probable (in log) an unseen one could be."""
+
+    completions: list[Continuation]
+    certified: bool
+    gap: float
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One choice of an OpenAI-style completion: the texts of its tokens as they appear in its text (T,) (the first
+    `echoed` of them the prompt's), why it ended ("stop" or "length"), the tokens drawn for it (its `<eos>` counted,
+    as usage counts it), and with log-probabilities asked for: log p(x_t | x_<t) per token (T,), the most probable
+    alternatives at each position with the chosen token {text: log p} (T,), each token's offset in the text (T,)
+    and, for a model over an LM's tokenizer, each token's UTF-8 bytes (T,)."""
+
+    index: int
+    tokens: list[str]
+    echoed: int
+    finish_reason: str
+    drawn: int = 0
+    token_logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[str, float | None]] | None = None
+    text_offset: list[int] | None = None
+    token_bytes: list[list[int]] | None = None
+
+
+Result = (Score | Marginals | SpanMarginals | Path | Decoded | Parse | Sample | Embedding | ConstraintProb
+          | Continuation | Beam | Completion)
+"""Any one answer of a family's or an operation's computation."""
+
+RESULTS: tuple[type, ...] = (Score, Marginals, SpanMarginals, Path, Decoded, Parse, Sample, Embedding, ConstraintProb,
+                             Continuation, Beam, Completion)
+"""Every result type (what may cross between processes as itself, `ops.wire`)."""

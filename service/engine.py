@@ -3,23 +3,24 @@
 With `LATENTLM_ENGINE=process` (the default on CUDA with several API workers), `serve` starts one engine process
 (`latentlm engine`) beside its API workers, as vLLM separates its API server from its engine. The engine loads every
 model onto the device and runs the one `Batcher`, so single-sentence requests from all the workers are merged into
-the same batches on the device, and the device holds each model once. Each API worker still parses, validates,
-prepares (inputs encoded, limits, cost), caches and answers; instead of its own batcher it holds an `EngineClient`
-with the batcher's interface (`submit`, `stream`, `announce`/`retract`, `fail_pending`), which sends the prepared
-request over a Unix socket and gets its results back.
+the same batches on the device, and the device holds each model once. Each API worker parses, validates, prepares
+(inputs encoded, a constraint compiled, limits, cost), caches and answers; instead of its own batcher it holds an
+`EngineClient` with the batcher's interface (`submit`, `stream`, `announce`/`retract`, `fail_pending`), which sends
+the prepared call over a Unix socket and gets its results back.
 
-The wire: msgpack maps, back to back on one connection per worker (msgpack frames itself).
-- worker -> engine: `{"t": "call", "id", "op", "model", "hash" (the model version the worker prepared on),
-  "arriving" (requests the worker has announced and not yet sent: the batcher waits for them, `Batcher.announce`),
-  "heavy", "slice"}` plus, for an operation that merges (inputs already encoded), `"seqs", "opts", "cost", "tokens"`,
-  or else `"request"` (the request's JSON: the engine prepares it again, `Operation.extra["engine_call"]` or
-  `spec.prepare`); `"stream": {"positions", "slice"}` for a streamed operation. `{"t": "cancel", "id"}` when the
-  client went away (queued work is dropped, heavy work stops at its next slice); `{"t": "ack", "id"}` when the
-  client took a streamed payload (at most STREAM_AHEAD are in flight per stream); `{"t": "arriving", "arriving": 0}`
-  when the requests it announced are all sent or given up; `{"t": "reload", "id"}` after the worker reloaded the
-  store.
-- engine -> worker: `{"id", "ok": results}`, `{"id", "err": {...}}` (the same error the worker would have raised:
-  `encode_error`), `{"id", "chunk": bytes}` then `{"id", "end": true}` for a stream.
+The wire: msgpack maps (`ops.wire.pack`), back to back on one connection per worker (msgpack frames itself).
+- worker -> engine: `{"t": "call", "id", "arriving" (requests the worker has announced and not yet sent: the batcher
+  waits for them, `Batcher.announce`), "heavy", "slice"}` plus the prepared call in the one form of every operation
+  (`ops.wire.to_wire`: "op", "model", "hash" (the model version the worker prepared on), "opts", "seqs", "cost",
+  "tokens", "prepared" (a constraint's automaton, a completion's prompts), "limits"): the engine runs it as it is
+  (`ops.wire.from_wire`), validating, encoding and compiling nothing again; `"stream": {"positions", "slice"}` for a
+  streamed operation. `{"t": "cancel", "id"}` when the client went away (queued work is dropped, heavy work stops at
+  its next slice); `{"t": "ack", "id"}` when the client took a streamed payload (at most STREAM_AHEAD are in flight
+  per stream); `{"t": "arriving", "arriving": 0}` when the requests it announced are all sent or given up;
+  `{"t": "reload", "id"}` after the worker reloaded the store.
+- engine -> worker: `{"id", "ok": results}` (typed results cross as themselves), `{"id", "err": {...}}` (the same
+  error the worker would have raised: `encode_error`), `{"id", "chunk": bytes}` then `{"id", "end": true}` for a
+  stream.
 
 Model versions: the engine runs a request on the version the worker prepared it on. When it holds another one it
 syncs with the store first (the worker may have reloaded), and keeps the version a reload replaced for
@@ -31,7 +32,6 @@ A worker whose engine connection is down answers 503 `engine_unavailable` and re
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import math
@@ -48,11 +48,9 @@ import msgpack
 
 from latentlm import ops
 from latentlm.models import errors as model_errors
-from latentlm.models.automata import CompileCancelled
 from latentlm.models.errors import LatentLMError
-from latentlm.ops import spec
+from latentlm.ops import spec, wire
 from latentlm.ops.spec import Call
-from latentlm.service import execute
 from latentlm.service.batcher import STREAM_AHEAD, Arrivals, Batcher, CancelScope, Payloads, QueueFull
 from latentlm.service.errors import APIError, ShuttingDown
 from latentlm.service.metrics import Metrics, multiprocess_dir, publish_live_metrics
@@ -62,7 +60,6 @@ from latentlm.service.settings import Settings
 log = logging.getLogger("latentlm.engine")
 
 READ_BYTES = 1 << 16
-MAX_MESSAGE_BYTES = 1 << 30  # one message at most (a posterior answer of max_posterior_entries is ~50 MB)
 RETIRED_S = 30.0  # a version a reload replaced keeps answering requests prepared on it this long
 SYNC_EVERY_S = 1.0  # a request for a version the engine lacks syncs with the store at most this often
 RECONNECT_S = 0.1  # a worker tries its engine again this often while it is down
@@ -71,19 +68,7 @@ JOB_RETRIES = 3  # its tries (then the line's error is 503 engine_unavailable)
 
 
 # -- the wire ----------------------------------------------------------------------------------------------------
-def _plain(obj: Any) -> Any:
-    """What msgpack cannot write itself: numpy and torch values, as lists or numbers."""
-    if hasattr(obj, "tolist"):
-        return obj.tolist()
-    raise TypeError(f"cannot send a {type(obj).__name__} to or from the engine")
-
-
-def pack(msg: dict[str, Any]) -> bytes:
-    return msgpack.packb(msg, default=_plain, use_bin_type=True)
-
-
-def unpacker() -> msgpack.Unpacker:
-    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=MAX_MESSAGE_BYTES)
+pack, unpacker = wire.pack, wire.unpacker
 
 
 ERROR_CLASSES = {c.__name__: c for c in (model_errors.ArtifactError, model_errors.ModelNotFound,
@@ -99,7 +84,7 @@ def encode_error(e: BaseException) -> dict[str, Any]:
                 "type": e.type, "headers": e.headers}
     if isinstance(e, LatentLMError):
         cls = type(e).__name__ if type(e).__name__ in ERROR_CLASSES else "LatentLMError"
-        return {"kind": "model", "class": cls, "message": e.message, "param": e.param}
+        return {"kind": "model", "class": cls, "message": e.message, "param": e.param, "code": e.code}
     if isinstance(e, QueueFull):
         return {"kind": "queue_full", "message": str(e)}
     if isinstance(e, ShuttingDown):
@@ -113,24 +98,13 @@ def decode_error(err: dict[str, Any]) -> BaseException:
         return APIError(err["status"], err["message"], param=err.get("param"), code=err.get("code"),
                         type=err.get("type"), headers=err.get("headers") or {})
     if kind == "model":
-        return ERROR_CLASSES.get(err.get("class", ""), LatentLMError)(err["message"], param=err.get("param"))
+        return ERROR_CLASSES.get(err.get("class", ""), LatentLMError)(err["message"], param=err.get("param"),
+                                                                      code=err.get("code"))
     if kind == "queue_full":
         return QueueFull(err["message"])
     if kind == "shutting_down":
         return ShuttingDown()
     return APIError(500, f"internal error in the engine: {err.get('message', '')}", code="internal_error")
-
-
-def wire_call(call: Call) -> dict[str, Any]:
-    """A prepared call as the engine gets it: an operation that merges sends its encoded inputs and options (the
-    engine does not encode them again); any other its request, which the engine prepares again."""
-    msg: dict[str, Any] = {"op": call.op.name, "model": call.model.name, "hash": call.model.content_hash}
-    if call.op.merge and call.op.takes_input:
-        msg.update(seqs=call.seqs, opts=call.opts, cost=call.cost, tokens=call.input_tokens)
-    else:
-        assert call.request is not None, "a call without a merged operation carries its request"
-        msg["request"] = call.request.model_dump_json().encode()
-    return msg
 
 
 def engine_unavailable(retry_after_s: int) -> APIError:
@@ -166,8 +140,6 @@ class EngineServer:
                                max_queue_delay_ms=settings.max_queue_delay_ms, max_queue=settings.max_queue,
                                max_heavy=settings.max_heavy_requests)
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="engine-load")
-        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="engine-prepare")
-        self.stopping = False  # set when the engine stops: compilations on `preparer` stop at their next check
         self.connections: set[_Connection] = set()
         self.retired: dict[tuple[str, str], tuple[float, ops.LoadedModel]] = {}  # (name, hash) -> (until, model)
         self._sync: asyncio.Future | None = None
@@ -222,22 +194,6 @@ class EngineServer:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         return m
 
-    def rebuild(self, msg: dict[str, Any], model: ops.LoadedModel, scope: CancelScope | None = None) -> Call:
-        """The worker's prepared call, here: from its encoded inputs, or prepared again from its request (a
-        constraint compiled within the settings' limits, stopped when `scope` is cancelled or the engine stops)."""
-        name = msg["op"]
-        op = spec.OPERATIONS.get(name) or route_operation(name)
-        if "seqs" in msg:
-            return Call(model, op, msg["opts"], msg["seqs"], None, msg.get("cost", 0),
-                        input_tokens=msg.get("tokens", 0))
-        req = op.request.model_validate_json(msg["request"])
-        limits = dataclasses.replace(execute.limits(self.settings), cancelled=lambda: self.stopping or bool(
-            scope is not None and scope.cancelled))
-        build = op.extra.get("engine_call")
-        if build is not None:
-            return build(model, req, self.settings, limits)
-        return spec.prepare(model, op, req, limits)
-
     # -- requests
     def _company(self) -> None:
         """The batcher's requests on their way: those the workers announced and have not sent, and those received
@@ -248,11 +204,7 @@ class EngineServer:
         rid = msg["id"]
         received = True
         try:
-            model = await self.model(msg["model"], msg["hash"])
-            # inputs already encoded: at once; a request to prepare again (a constraint's automaton compiled, a
-            # completion's samples set up) on the preparing thread, off the event loop that feeds the batcher
-            call = self.rebuild(msg, model) if "seqs" in msg else await asyncio.get_running_loop().run_in_executor(
-                self.preparer, self.rebuild, msg, model, scope)
+            call = wire.from_wire(msg, await self.model(msg["model"], msg["hash"]))  # as prepared: run as it is
             self.receiving -= 1
             received = False
             self._company()
@@ -270,8 +222,6 @@ class EngineServer:
             if task is not None and task.cancelling():
                 raise  # the engine stops
         except BaseException as e:  # every error goes back to the worker, which answers it as its own
-            if isinstance(e, CompileCancelled):
-                e = ShuttingDown()  # the engine stops (a cancelled client's answer goes nowhere)
             if not isinstance(e, LatentLMError | APIError | QueueFull | ShuttingDown):
                 log.exception("engine: %s request failed", msg.get("op"))
             conn.send({"id": rid, "err": encode_error(e)})
@@ -368,21 +318,10 @@ class EngineServer:
             if refresher is not None:
                 refresher.cancel()
             server.close()
-            self.stopping = True
             self.batcher.fail_pending()
             await self.batcher.stop()
             self.loader.shutdown(wait=False, cancel_futures=True)
-            self.preparer.shutdown(wait=False, cancel_futures=True)
             self.path.unlink(missing_ok=True)
-
-
-def route_operation(name: str) -> spec.Operation:
-    """An operation a service route declares besides `spec.OPERATIONS` (completions); InputError for another."""
-    from latentlm.service.routes import completions
-
-    if name == completions.OPERATION.name:
-        return completions.OPERATION
-    return spec.get(name)
 
 
 def run(settings: Settings, path: Path) -> None:
@@ -571,7 +510,7 @@ class EngineClient(Arrivals):
         if job is not None:
             raise TypeError("an engine runs no local job; streamed operations go through `stream`")
         self.retract(ticket)
-        msg = wire_call(call)
+        msg = wire.to_wire(call)
         msg.update(heavy=heavy, slice=slice_cost or 0)
         p = await self._send(msg, scope)
         return await p.future
@@ -579,7 +518,7 @@ class EngineClient(Arrivals):
     async def stream(self, call: Call, *, slice_cost: int, positions: int, scope: CancelScope | None = None
                      ) -> EngineStream:
         """`Batcher.stream` in the engine: the payloads as the engine computes them."""
-        msg = wire_call(call)
+        msg = wire.to_wire(call)
         msg.update(heavy=True, slice=slice_cost, stream={"positions": positions, "slice": slice_cost})
         p = await self._send(msg, scope, stream=True)
         assert p.stream is not None

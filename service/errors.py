@@ -57,15 +57,17 @@ def shutting_down(retry_after_s: int = 1) -> APIError:
 
 
 def from_model_error(e: LatentLMError) -> APIError:
-    """InputError -> 422, ModelNotFound -> 404, LimitExceeded -> 413, UnsupportedOperation -> 400."""
+    """InputError -> 422, ModelNotFound -> 404, LimitExceeded -> 413, UnsupportedOperation -> 400; the error's own
+    `code` where it names one."""
+    code = getattr(e, "code", None)
     if isinstance(e, ModelNotFound):
-        return APIError(404, e.message, param=e.param or "model", code="model_not_found")
+        return APIError(404, e.message, param=e.param or "model", code=code or "model_not_found")
     if isinstance(e, LimitExceeded):
-        return APIError(413, e.message, param=e.param, code="limit_exceeded")
+        return APIError(413, e.message, param=e.param, code=code or "limit_exceeded")
     if isinstance(e, UnsupportedOperation):
-        return APIError(400, e.message, param=e.param, code="unsupported_operation")
+        return APIError(400, e.message, param=e.param, code=code or "unsupported_operation")
     if isinstance(e, InputError):
-        return APIError(422, e.message, param=e.param, code="invalid_value")
+        return APIError(422, e.message, param=e.param, code=code or "invalid_value")
     if isinstance(e, ArtifactError):  # e.g. an invalid model name in a request
         if e.param == "name":
             return APIError(404, e.message, param="model", code="model_not_found")

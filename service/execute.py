@@ -18,8 +18,6 @@ from latentlm.ops.requests import SampleRequest
 from latentlm.ops.spec import Call
 from latentlm.service.errors import APIError, describe_validation
 
-Prepared = Call  # a prepared request (the name the service used before calls moved to the operations layer)
-
 
 def parse(op: str, body: Any) -> BaseModel:
     """Validate a JSON body for `op` (batch-job path; the API validates from the raw bytes). 422 naming the
@@ -102,9 +100,11 @@ def body(call: Call, results: list[dict]) -> dict[str, Any]:
 
 def limits(settings: Any) -> Limits:
     """The sizes a constrained request may reach (LATENTLM_MAX_CONSTRAINT_STATES, LATENTLM_MAX_CONSTRAINT_BYTES,
-    LATENTLM_CONSTRAINT_COMPILE_SECONDS)."""
+    LATENTLM_CONSTRAINT_COMPILE_SECONDS), and the request limits an operation may check before its own work
+    (max_request_tokens, max_sample_tokens)."""
     return Limits(max_states=settings.max_constraint_states, max_bytes=settings.max_constraint_bytes,
-                  compile_seconds=settings.constraint_compile_seconds)
+                  compile_seconds=settings.constraint_compile_seconds,
+                  max_request_tokens=settings.max_request_tokens, max_sample_tokens=settings.max_sample_tokens)
 
 
 def run_direct(call: Call, max_batch_tokens: int | None) -> dict[str, Any]:
@@ -125,11 +125,6 @@ def check_sample(req: SampleRequest, max_sample_tokens: int, *, model: ops.Loade
         return 0
     limit = max_request_tokens if max_request_tokens is not None else 1 << 62
     return prepare(model, "sample", req, limit, max_cost=max_cost, limits=limits).cost
-
-
-def run_sample(model: ops.LoadedModel, req: SampleRequest) -> dict[str, Any]:
-    """Blocking: draw the samples and shape the response body."""
-    return run_direct(spec.prepare(model, "sample", req), None)
 
 
 def cache_key(call: Call) -> str:

@@ -172,6 +172,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="output file (default NAME.onnx)")
     p.set_defaults(func=cmd_export_onnx)
     for op in spec.OPERATIONS.values():
+        if not op.route:  # served by a route of its own (completions: OpenAI's), no subcommand
+            continue
         p = sub.add_parser(op.name, help=op.help + (" (one JSON object per input line)" if op.takes_input else ""))
         if op.takes_input:
             p.add_argument("input", nargs="?", default="-", metavar="FILE|-",

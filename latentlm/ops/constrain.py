@@ -20,6 +20,7 @@ import torch
 from latentlm.models import constrained, constrained_sampling, registry, text_constraint
 from latentlm.models import constraint as automata
 from latentlm.models.errors import InputError, UnsupportedOperation
+from latentlm.models.results import Beam, ConstraintProb, Continuation, Sample
 from latentlm.ops import format
 from latentlm.ops.inputs import check_seed
 from latentlm.ops.model import LoadedModel
@@ -30,11 +31,16 @@ class Limits:
     """The sizes a constrained request may reach before it is refused 413, before any work: states of its
     minimised automaton, bytes of its backward messages, seconds its compilation may take. The service sets them
     (LATENTLM_MAX_CONSTRAINT_STATES, LATENTLM_MAX_CONSTRAINT_BYTES, LATENTLM_CONSTRAINT_COMPILE_SECONDS).
+    `max_request_tokens`, `max_sample_tokens`: the service's request limits, for an operation that checks them
+    before its own work (completions: before compiling its constraint); None: not checked while preparing (the
+    service checks every operation's after preparing, `service.execute.prepare`).
     `cancelled`: polled while compiling (the request's client went away, the service stops); not part of equality."""
 
     max_states: int = automata.DEFAULT_MAX_STATES
     max_bytes: int = constrained.DEFAULT_MAX_TABLE_BYTES
     compile_seconds: float = automata.DEFAULT_COMPILE_SECONDS
+    max_request_tokens: int | None = None
+    max_sample_tokens: int | None = None
     cancelled: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
 
@@ -135,15 +141,6 @@ def parse_request(model: LoadedModel, spec: Any, default_max_tokens: int | None 
     return automata.parse_constraint(raw, model.vocab)
 
 
-def prefix_ids(model: LoadedModel, prefix: str | list[int] | None) -> list[int] | None:
-    """A prefix as token ids (text without `<eos>`), None when empty."""
-    if prefix is None or prefix == "" or prefix == []:
-        return None
-    if isinstance(prefix, str):
-        return model.vocab.encode(prefix, add_eos=False, where="prefix")
-    return model.vocab.check_ids(list(prefix), where="prefix")
-
-
 def generated_ids(model: LoadedModel, ids: list[int] | None) -> list[int]:
     """The continuation generated so far (token ids in [0, V), no `<eos>`: a continuation ends at its first)."""
     if not ids:
@@ -163,46 +160,42 @@ def automaton_sizes(dfa: automata.WordDFA) -> dict[str, Any]:
 
 def probability(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | None, *, temperature: float = 1.0,
                 weights: bool = False, generated: list[int] | None = None, limits: Limits = Limits()
-                ) -> dict[str, Any]:
-    """`{"log_prob": log P(C | prefix[, generated]) or None for probability 0, "automaton": sizes[, "weights":
-    P(C | prefix[, generated], v) for every token id v]}`; `generated`: continuation tokens already produced (one
-    guide step each). O(max_tokens (Q S^2 + E S)) for the messages, O((prefix + generated) S^2) for the tokens."""
+                ) -> ConstraintProb:
+    """log P(C | prefix[, generated]) (None for probability 0), the automaton's sizes[, and P(C | prefix[, generated],
+    v) for every token id v]; `generated`: continuation tokens already produced (one guide step each).
+    O(max_tokens (Q S^2 + E S)) for the messages, O((prefix + generated) S^2) for the tokens."""
     with torch.no_grad():
         msgs = MESSAGES.get(model, dfa, temperature, limits)
         if not generated:
-            out: dict[str, Any] = {"log_prob": msgs.log_prob(prefix), "automaton": automaton_sizes(dfa)}
-            if weights:
-                out["weights"] = constrained.Guide(msgs, [prefix]).weights()[0].tolist()
-            return out
+            log_prob = msgs.log_prob(prefix)
+            w = constrained.Guide(msgs, [prefix]).weights()[0].tolist() if weights else None
+            return ConstraintProb(log_prob, automaton_sizes(dfa), w)
         guide = constrained.Guide(msgs, [prefix])
         for token in generated:
             guide.advance([token])
-        out = {"log_prob": guide.log_prob()[0], "automaton": automaton_sizes(dfa)}
-        if weights:
-            out["weights"] = guide.weights()[0].tolist()
-    return out
+        return ConstraintProb(guide.log_prob()[0], automaton_sizes(dfa), guide.weights()[0].tolist() if weights
+                              else None)
 
 
 def beam(model: LoadedModel, dfa: automata.WordDFA, prefix: list[int] | None, *, width: int, n_best: int = 1,
-         temperature: float = 1.0, limits: Limits = Limits()) -> dict[str, Any]:
-    """`{"completions": [{"tokens", "ids", "log_prob", "log_prob_given"}], "certified", "gap"}`: the constrained beam
-    search (`models.constrained.beam_search`: hypotheses ranked by p(h | x) P(C | x, h)), best first; `log_prob` is
-    log p(y | prefix), `log_prob_given` log p(y | prefix, C); `certified`: provably the n_best most probable
-    satisfying continuations, else `gap` bounds how much more probable (in log) an unseen one could be.
-    O(max_tokens width (S V + S^2)) after the messages."""
+         temperature: float = 1.0, limits: Limits = Limits()) -> Beam:
+    """The constrained beam search (`models.constrained.beam_search`: hypotheses ranked by p(h | x) P(C | x, h)):
+    its completions best first, each with log p(y | prefix) and log p(y | prefix, C); `certified`: provably the
+    n_best most probable satisfying continuations, else `gap` bounds how much more probable (in log) an unseen one
+    could be. O(max_tokens width (S V + S^2)) after the messages."""
     if n_best > width:
         raise InputError(f"n_best: {n_best} is above the beam width {width}", param="n_best")
     with torch.no_grad():
         msgs = MESSAGES.get(model, dfa, temperature, limits)
         found = constrained.beam_search(msgs, prefix=prefix, beam=width, n_best=n_best)
-    return {"completions": [{**spelled(model, r["ids"], prefix), **r} for r in found.results],
-            "certified": found.certified, "gap": found.gap}
+    return Beam([Continuation(r["ids"], r["log_prob"], r["log_prob_given"]) for r in found.results], found.certified,
+                found.gap)
 
 
-def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, prefix: list[int] | None,
-           temperature: float = 1.0, limits: Limits = Limits()) -> list[dict]:
+def draw(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, prefix: list[int] | None,
+         temperature: float = 1.0, limits: Limits = Limits()) -> list[Sample]:
     """n continuations drawn exactly from p(y | prefix, y complete, y satisfies C) (the model tempered first), each
-    `{"index", "tokens", "ids", "finish_reason": "eos"}`; 422 naming `constraint` when P(C | prefix) = 0."""
+    ending with `<eos>` (`finish_reason` "eos", no states); 422 naming `constraint` when P(C | prefix) = 0."""
     check_seed(seed)
     if not (temperature > 0 and math.isfinite(temperature)):
         raise InputError(f"temperature must be a positive finite number, got {temperature!r}", param="temperature")
@@ -210,15 +203,15 @@ def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, pref
     with torch.no_grad():
         msgs = MESSAGES.get(model, dfa, temperature, limits)
         draws = constrained_sampling.sample(msgs, n, gen, prefix=prefix)
-    return [{"index": i, **spelled(model, ids, prefix), "ids": ids, "finish_reason": "eos"}
-            for i, ids in enumerate(draws)]
+    return [Sample(ids, finish_reason="eos") for ids in draws]
 
 
-def spelled(model: LoadedModel, ids: list[int], prefix: list[int] | None) -> dict[str, Any]:
-    """`{"tokens"}` of a continuation, and its `text` after the prefix for a model over an LM's tokenizer
-    (`format.text_of`)."""
-    text = format.text_of(model.vocab, ids, prefix)
-    return {"tokens": model.vocab.decode(ids), **({} if text is None else {"text": text()})}
+def sample(model: LoadedModel, dfa: automata.WordDFA, *, n: int, seed: int, prefix: list[int] | None,
+           temperature: float = 1.0, limits: Limits = Limits()) -> list[dict]:
+    """`draw`'s samples as `/v1/sample` answers them (`format.samples`): `{"index", "tokens"[, "text"], "ids",
+    "finish_reason": "eos"}`."""
+    return format.samples(model.vocab, draw(model, dfa, n=n, seed=seed, prefix=prefix, temperature=temperature,
+                                            limits=limits), prefix)
 
 
 def cost(model: LoadedModel, dfa: automata.WordDFA, *, n_samples: int = 0, guide_rows: int = 0, beam: int = 0,

@@ -14,6 +14,10 @@ import orjson
 import torch
 
 from latentlm.models.results import (
+    Beam,
+    Completion,
+    ConstraintProb,
+    Continuation,
     Decoded,
     Embedding,
     Marginals,
@@ -109,9 +113,41 @@ def _embedding(r: Embedding, tokens: Tokens) -> dict[str, Any]:
     return {"embeddings": r.embeddings, "dim": r.dim}
 
 
+def _constraint_prob(r: ConstraintProb, tokens: Tokens) -> dict[str, Any]:
+    """`log_prob`, `automaton`[, `weights`]."""
+    out: dict[str, Any] = {"log_prob": r.log_prob, "automaton": dict(r.automaton)}
+    if r.weights is not None:
+        out["weights"] = r.weights
+    return out
+
+
+def _continuation(r: Continuation, tokens: Tokens) -> dict[str, Any]:
+    """[`tokens`,] `ids`, `log_prob`, `log_prob_given`."""
+    out: dict[str, Any] = {} if tokens is None else {"tokens": tokens()}
+    return {**out, "ids": r.ids, "log_prob": r.log_prob, "log_prob_given": r.log_prob_given}
+
+
+def _completion(r: Completion, tokens: Tokens) -> dict[str, Any]:
+    """OpenAI's choice: `text`, `index`, `logprobs` (null, or `tokens`, `token_logprobs`, `top_logprobs`,
+    `text_offset`[, `bytes`]), `finish_reason`."""
+    return {"text": "".join(r.tokens), "index": r.index, "logprobs": _completion_logprobs(r, 0, len(r.tokens)),
+            "finish_reason": r.finish_reason}
+
+
+def _completion_logprobs(r: Completion, lo: int, hi: int) -> dict[str, Any] | None:
+    if r.token_logprobs is None or r.top_logprobs is None or r.text_offset is None:
+        return None
+    out: dict[str, Any] = {"tokens": r.tokens[lo:hi], "token_logprobs": r.token_logprobs[lo:hi],
+                           "top_logprobs": r.top_logprobs[lo:hi], "text_offset": r.text_offset[lo:hi]}
+    if r.token_bytes is not None:
+        out["bytes"] = r.token_bytes[lo:hi]
+    return out
+
+
 FIELDS: dict[type, Callable[[Any, Tokens], dict[str, Any]]] = {
     Score: _score, Marginals: _marginals, SpanMarginals: _span_marginals, Path: _path, Decoded: _decoded,
-    Parse: _parse, Sample: _sample, Embedding: _embedding,
+    Parse: _parse, Sample: _sample, Embedding: _embedding, ConstraintProb: _constraint_prob,
+    Continuation: _continuation, Completion: _completion,
 }
 """Result type -> the function writing its public fields (in the order clients see them)."""
 
@@ -134,6 +170,31 @@ def fields(result: Result, tokens: Tokens = None, text: Text = None) -> dict[str
 def answer(result: Result, index: int, tokens: Tokens = None, text: Text = None) -> dict[str, Any]:
     """One input's (or sample's) answer: `{"index", ...fields(result, tokens, text)}`."""
     return {"index": index, **fields(result, tokens, text)}
+
+
+def samples(vocab: Vocabulary, draws: Sequence[Sample], prefix: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """The answers of drawn samples (plain or constrained: one shape): `{"index", "tokens"[, "text"], "ids", ...}`,
+    a sample's `text` (a model over an LM's tokenizer) being what it adds after `prefix`."""
+    return [answer(r, i, tokens=partial(vocab.decode, r.ids), text=text_of(vocab, r.ids, prefix))
+            for i, r in enumerate(draws)]
+
+
+def beam(r: Beam, vocab: Vocabulary, prefix: Sequence[int] | None = None) -> dict[str, Any]:
+    """The beam search's fields: `completions` (each `{"tokens"[, "text"], "ids", "log_prob", "log_prob_given"}`,
+    its `text` what it adds after `prefix`), `certified`, `gap`."""
+    return {"completions": [fields(c, tokens=partial(vocab.decode, c.ids), text=text_of(vocab, c.ids, prefix))
+                            for c in r.completions], "certified": r.certified, "gap": r.gap}
+
+
+def completion_pieces(r: Completion) -> Iterator[dict[str, Any]]:
+    """A choice as streamed: the echoed prompt as one piece, one piece per completion token (with its logprobs),
+    then one with its `finish_reason`; each `{"text", "index", "logprobs", "finish_reason"}` as `fields` writes the
+    whole choice (their texts and logprobs, joined, are the whole choice's)."""
+    spans = ([(0, r.echoed)] if r.echoed else []) + [(t, t + 1) for t in range(r.echoed, len(r.tokens))]
+    for lo, hi in spans:
+        yield {"text": "".join(r.tokens[lo:hi]), "index": r.index, "logprobs": _completion_logprobs(r, lo, hi),
+               "finish_reason": None}
+    yield {"text": "", "index": r.index, "logprobs": None, "finish_reason": r.finish_reason}
 
 
 def text_of(vocab: Vocabulary, ids: Sequence[int], prefix: Sequence[int] | None = None) -> Text:

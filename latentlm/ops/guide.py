@@ -44,6 +44,7 @@ from latentlm.models.constraint import WordDFA
 from latentlm.models.errors import InputError
 from latentlm.ops import constrain
 from latentlm.ops.constrain import Limits
+from latentlm.ops.inputs import prefix_ids
 from latentlm.ops.model import LoadedModel
 
 
@@ -210,7 +211,7 @@ class ConstraintLogitsProcessor:
             if lm_vocab_size is not None and lm_vocab_size < self.vocab_size:
                 raise InputError(f"lm_vocab_size: {lm_vocab_size} is below the HMM's vocabulary ({self.vocab_size})",
                                  param="lm_vocab_size")
-        self.fixed_prefix = None if prefix is None else constrain.prefix_ids(model, prefix)
+        self.fixed_prefix = None if prefix is None else prefix_ids(model.vocab, prefix)
         if prefix is not None and self.messages.log_prob(self.fixed_prefix) is None:
             raise InputError("constraint: has probability 0 under the HMM after this prefix: no continuation "
                              "satisfies it", param="constraint")

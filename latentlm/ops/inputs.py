@@ -32,6 +32,15 @@ def encode_inputs(vocab: Vocabulary, inputs: list[Any], *, as_ids: bool | None =
     return seqs
 
 
+def prefix_ids(vocab: Vocabulary, prefix: str | list[int] | None, where: str = "prefix") -> list[int] | None:
+    """A prefix (of a sample, a constraint's continuation, a completion's prompt) as token ids: text tokenised
+    without `<eos>`, ids checked against [0, V); None when empty. Errors name `where`."""
+    if prefix is None or prefix == "" or prefix == []:
+        return None
+    if isinstance(prefix, str):
+        return vocab.encode(prefix, add_eos=False, where=where)
+    return vocab.check_ids(list(prefix), where=where)
+
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI-style servers allow
 MAX_STOP_TOKENS = 64  # tokens per stop sequence

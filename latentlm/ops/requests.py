@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from latentlm.models.family import DECODE_METHODS
-from latentlm.ops.inputs import MAX_STOP_SEQUENCES
+from latentlm.ops.inputs import MAX_SEED, MAX_STOP_SEQUENCES
 
 
 def integral(v: Any) -> Any:
@@ -259,3 +259,71 @@ class ConstraintRequest(OperationRequest):
         None, description="token ids of the continuation generated so far (no <eos>): counted in the constraint's "
                           "window and read by its automaton; `log_prob` and `weights` are then P(C | prefix, "
                           "generated[, v]) (a guide that asks each step)")
+
+
+# -- OpenAI's completions (`ops.completions`, served by POST /v1/completions) -------------------------------------
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's completions allow 5)
+MAX_PROMPTS = 1024  # prompts in one request
+MAX_N = 128  # choices per prompt
+DEFAULT_MAX_TOKENS = 16  # as OpenAI's completions
+
+NonEmptyIds = Annotated[list[Annotated[JSONInt, Field(ge=0)]], Field(min_length=1)]
+Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | NonEmptyIds
+          | Annotated[list[NonEmptyIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool | None = Field(None, description="end the stream with a chunk of `choices: []` and "
+                                                               "the request's `usage`")
+
+
+def _finite_number(v: Any) -> Any:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise ValueError(f"expected a number, got {type(v).__name__} {v!r}")
+    if v is not None and not math.isfinite(v):
+        raise ValueError(f"expected a finite number, got {v!r}")
+    return v
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's completion request. Unknown fields are refused (422 naming the field); fields latentlm cannot
+    honour (suffix, best_of other than 1 or n, logit_bias, non-zero penalties) 400 naming the field."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model: str = Field(description="model id (see GET /v1/models); a chain family", min_length=1)
+    prompt: Prompt = Field(description="a string, a list of strings, a token-id list, or a list of token-id lists "
+                                       f"(at most {MAX_PROMPTS} prompts); \"\" samples from the start")
+    max_tokens: JSONInt | None = Field(None, ge=0, description=f"tokens per choice at most (default "
+                                                                 f"{DEFAULT_MAX_TOKENS}); 0 with echo scores the "
+                                                                 "prompt only")
+    temperature: float | None = Field(None, ge=0, description="default 1; 0 = greedy (top_k 1); applied to the "
+                                                              "model's tables (ancestral) or next-token distribution")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling from the next-token distribution "
+                                                              "(hmm, tagging_hmm, blocked_hmm); 1 = none")
+    n: JSONInt | None = Field(None, ge=1, le=MAX_N, description="choices per prompt (default 1)")
+    stop: str | Annotated[list[str | NonEmptyIds], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+        None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids); left out of the text")
+    seed: JSONInt | None = Field(None, ge=0, lt=MAX_SEED, description="same seed, same choices (as "
+                                                                        "/v1/sample's); default: a fresh one")
+    stream: StrictBool | None = Field(None, description="server-sent `text_completion` chunks, ending "
+                                                        "'data: [DONE]'")
+    stream_options: StreamOptions | None = None
+    logprobs: JSONInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log p of each token and of the "
+                                                                               "this many most probable next tokens")
+    echo: StrictBool | None = Field(None, description="the prompt before the completion, with its log-probabilities")
+    suffix: str | None = Field(None, description="infilling: not supported (400) unless empty")
+    best_of: JSONInt | None = Field(None, ge=1, description="only 1 or n (the choices are the samples drawn)")
+    logit_bias: dict[str, float] | None = Field(None, description="not supported (400) unless empty")
+    presence_penalty: float | None = Field(None, description="not supported (400) unless 0")
+    frequency_penalty: float | None = Field(None, description="not supported (400) unless 0")
+    user: str | None = Field(None, description="accepted, not used")
+    constraint: ConstraintSpec | None = Field(
+        None, description="the constraint object of constrained generation (`extra_body` in the openai client): "
+                          "each choice drawn exactly from the model conditioned on it (as /v1/sample with "
+                          "`constraint`)")
+
+    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _numbers(cls, v, info):
+        return _finite_number(v)

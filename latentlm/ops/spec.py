@@ -22,11 +22,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from latentlm.models.errors import InputError, UnsupportedOperation
-from latentlm.ops import batching, compute, constrain, cost, format, generate, inputs
+from latentlm.models.results import Beam
+from latentlm.ops import batching, completions, compute, constrain, cost, format, generate, inputs
+from latentlm.ops.call import Call
 from latentlm.ops.constrain import Limits
 from latentlm.ops.model import LoadedModel
 from latentlm.ops.requests import (
     Cli,
+    CompletionRequest,
     ConstraintRequest,
     DecodeRequest,
     EmbedRequest,
@@ -37,31 +40,6 @@ from latentlm.ops.requests import (
 )
 
 ROUTE_ONLY = ("model", "input")  # fields that are not options of the operation itself
-
-
-@dataclass
-class Call:
-    """A request ready to run: the model version it will use, the operation, its options (defaults filled),
-    token ids of its inputs (none for a generating operation), its size and estimated cost."""
-
-    model: LoadedModel
-    op: Operation
-    opts: dict[str, Any]
-    seqs: list[list[int]]
-    request: BaseModel | None
-    cost: int = 0
-    input_tokens: int = 0  # tokens of the inputs (or of a sample's prefix)
-    output_tokens: int = 0  # tokens a generating operation may produce at most (n x max_tokens)
-    prepared: dict[str, Any] = field(default_factory=dict)  # what `prepare` built for `run` (e.g. an automaton)
-    limits: Limits = field(default_factory=Limits)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_tokens
-
-    @property
-    def streaming(self) -> bool:
-        return bool(getattr(self.request, "stream", False))
 
 
 def _prepare_input(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any], limits: Limits
@@ -82,41 +60,24 @@ def _prepare_sample(model: LoadedModel, op: Operation, req: BaseModel, opts: dic
     n_prefix = generate.prefix_tokens(model, opts.get("prefix"))
     out_tokens = opts["n"] * opts["max_tokens"]
     spec = opts.pop("constraint", None)
+    prepared: dict[str, Any] = {}
     if spec is not None:  # exact constrained sampling: the automaton compiled now, before any inference
-        for name in ("top_k", "top_p", "stop"):
-            if opts.get(name) is not None:
-                raise InputError(f"{name}: not combined with `constraint` (constrained samples are drawn exactly "
-                                 "from the conditioned model)", param=name)
-        if not opts.get("stop_at_eos", True):
-            raise InputError("stop_at_eos: a constrained sample is complete when it emits <eos>; it cannot be "
-                             "false with `constraint`", param="stop_at_eos")
-        dfa, warnings = constrain.compile_request(model, spec, limits, default_max_tokens=opts["max_tokens"])
-        if dfa.max_tokens > opts["max_tokens"]:
-            raise InputError(f"constraint.max_tokens: {dfa.max_tokens} is above the request's max_tokens "
-                             f"{opts['max_tokens']}", param="constraint.max_tokens")
-        c = constrain.cost(model, dfa, n_samples=opts["n"], prefix_tokens=n_prefix)
-        return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=out_tokens,
-                    prepared={"dfa": dfa, "warnings": warnings}, limits=limits)
-    predictive = opts.get("top_k") is not None or opts.get("top_p") is not None
-    c = cost.operation_cost(model, "sample", n=opts["n"], max_tokens=opts["max_tokens"], prefix_tokens=n_prefix,
-                            predictive=predictive)
-    return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=out_tokens)
+        dfa, warnings = generate.compile_constraint(model, spec, opts, limits)
+        prepared = {"dfa": dfa, "warnings": warnings}
+    c = generate.sample_cost(model, opts, n_prefix, prepared.get("dfa"))
+    return Call(model, op, opts, [], req, c, input_tokens=n_prefix, output_tokens=out_tokens, prepared=prepared,
+                limits=limits)
 
 
 def _run_sample(call: Call, max_batch_tokens: int | None) -> list[dict]:
-    dfa = call.prepared.get("dfa")
-    if dfa is not None:
-        o = call.opts
-        return constrain.sample(call.model, dfa, n=o["n"], seed=o["seed"], prefix=constrain.prefix_ids(
-            call.model, o["prefix"]), temperature=o["temperature"], limits=call.limits)
-    return generate.sample(call.model, **call.opts)
+    return generate.sample(call.model, **call.opts, dfa=call.prepared.get("dfa"), limits=call.limits)
 
 
 def _prepare_constraint(model: LoadedModel, op: Operation, req: BaseModel, opts: dict[str, Any], limits: Limits
                         ) -> Call:
-    prefix = constrain.prefix_ids(model, opts["prefix"])
+    prefix = inputs.prefix_ids(model.vocab, opts["prefix"])
     generated = constrain.generated_ids(model, opts.get("generated"))
-    dfa, warnings = constrain.compile_request(model, opts["constraint"], limits)
+    dfa, warnings = constrain.compile_request(model, opts.pop("constraint"), limits)
     read = len(prefix or ()) + len(generated)
     c = constrain.cost(model, dfa, guide_rows=1 if opts["weights"] else 0, beam=opts.get("beam") or 0,
                        prefix_tokens=read)
@@ -125,18 +86,18 @@ def _prepare_constraint(model: LoadedModel, op: Operation, req: BaseModel, opts:
 
 
 def _run_constraint(call: Call, max_batch_tokens: int | None) -> list[dict]:
-    o, p = call.opts, call.prepared
-    out = constrain.probability(call.model, p["dfa"], p["prefix"], temperature=o["temperature"],
-                                weights=o["weights"], generated=p["generated"], limits=call.limits)
+    o, p, vocab = call.opts, call.prepared, call.model.vocab
+    prob = constrain.probability(call.model, p["dfa"], p["prefix"], temperature=o["temperature"],
+                                 weights=o["weights"], generated=p["generated"], limits=call.limits)
+    out = format.fields(prob)
     if o.get("beam"):
         if p["generated"]:
             raise InputError("beam: searches from the prefix; leave `generated` out (or append it to the prefix)",
                              param="beam")
-        if out["log_prob"] is not None:
-            out.update(constrain.beam(call.model, p["dfa"], p["prefix"], width=o["beam"], n_best=o["n_best"],
-                                      temperature=o["temperature"], limits=call.limits))
-        else:
-            out.update({"completions": [], "certified": True, "gap": 0.0})
+        found = Beam([], True, 0.0) if prob.log_prob is None else constrain.beam(
+            call.model, p["dfa"], p["prefix"], width=o["beam"], n_best=o["n_best"], temperature=o["temperature"],
+            limits=call.limits)
+        out.update(format.beam(found, vocab, p["prefix"]))
     return [out]
 
 
@@ -161,13 +122,18 @@ class Operation:
     are cached by (model version, options, input); `generates`: output tokens are counted in `usage` and bounded by
     the service's `max_sample_tokens`; `stream`: what `"stream": true` answers, "ndjson" (pieces computed and sent
     slice by slice, `pieces`) or "sse" (one server-sent event per result); `input_field`: the field a too-long input
-    is blamed on; `cli_backend`: the CLI offers the scoring engine flags (`--backend`, `--storage-dtype`)."""
+    is blamed on; `cli_backend`: the CLI offers the scoring engine flags (`--backend`, `--storage-dtype`);
+    `refusal(model)`: the error a model `supports` refuses gets (default: UnsupportedOperation naming the operation);
+    `route`: False for an operation served by a route of its own (completions: OpenAI's framing), which then has
+    no generic `POST /v1/<name>` route, CLI subcommand or entry in /v1/models' `operations` (batch lines and an
+    engine process take it as any other). `run` returns what `body` writes: per-input answers (`format`'s), or typed
+    results (`models.results`) that `body` writes."""
 
     name: str
     help: str
     request: type[BaseModel]
     prepare: Callable[[LoadedModel, Operation, BaseModel, dict[str, Any], Limits], Call] = _prepare_input
-    run: Callable[[Call, int | None], list[dict]] = _run_input
+    run: Callable[[Call, int | None], list[Any]] = _run_input
     merge: bool = True
     cache: bool = True
     generates: bool = False
@@ -177,7 +143,9 @@ class Operation:
     supports: Callable[[LoadedModel], bool] | None = None  # default: the family lists `name` in its `operations`
     cli_backend: bool = False
     advice: str = "send less input (or shorter sequences) per request"
-    body: Callable[[Call, list[dict]], dict[str, Any]] = format.body  # the whole response
+    body: Callable[[Call, list[Any]], dict[str, Any]] = format.body  # the whole response
+    refusal: Callable[[LoadedModel], Exception] | None = None
+    route: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -231,7 +199,8 @@ def describe(model: LoadedModel) -> dict[str, Any]:
     """`GET /v1/models`' entry of `model`, its `operations` those of `OPERATIONS` it answers; a model over an LM's
     tokenizer adds `vocabulary_sha256` (`ops.guide.vocabulary_sha256`: what each id spells, which a guided LM's
     tokenizer must match)."""
-    out = {**model.describe(), "operations": sorted(n for n, op in OPERATIONS.items() if supported(model, op))}
+    out = {**model.describe(), "operations": sorted(n for n, op in OPERATIONS.items() if op.route and
+                                                    supported(model, op))}
     if model.vocab.tokenizer is not None:
         from latentlm.ops.guide import vocabulary_sha256
 
@@ -245,6 +214,8 @@ def prepare(model: LoadedModel, op: Operation | str, req: BaseModel, limits: Lim
     op = get(op) if isinstance(op, str) else op
     opts = op.options(model, req)
     if op.supports is not None and not op.supports(model):
+        if op.refusal is not None:
+            raise op.refusal(model)
         raise UnsupportedOperation(f"model {model.name!r} (family {model.family}) does not support {op.name!r}",
                                    param="model")
     if op.supports is None:
@@ -252,10 +223,10 @@ def prepare(model: LoadedModel, op: Operation | str, req: BaseModel, limits: Lim
     return op.prepare(model, op, req, opts, limits)
 
 
-RunCall = Callable[[Call, int | None], list[dict]]  # (call, max_batch_tokens) -> its results; raises on failure
+RunCall = Callable[[Call, int | None], list[Any]]  # (call, max_batch_tokens) -> its results; raises on failure
 
 
-def run_call_here(call: Call, max_batch_tokens: int | None) -> list[dict]:
+def run_call_here(call: Call, max_batch_tokens: int | None) -> list[Any]:
     """`RunCall` in this process: the operation's own run."""
     return call.op.run(call, max_batch_tokens)
 
@@ -395,3 +366,7 @@ register(Operation("constraint", "the probability that a continuation of --prefi
                    "[, and each next token's weight P(C | prefix, v)]", ConstraintRequest, prepare=_prepare_constraint,
                    run=_run_constraint, merge=False, cache=False, input_field="prefix", body=_constraint_body,
                    advice="ask for fewer automaton states (a smaller constraint) or a shorter max_tokens"))
+register(Operation("completions", "OpenAI completions (served by POST /v1/completions)", CompletionRequest,
+                   prepare=completions.prepare, run=completions.run, merge=False, cache=False, generates=True,
+                   input_field="prompt", supports=completions.supports, refusal=completions.refusal,
+                   body=completions.body, advice=completions.ADVICE, route=False))

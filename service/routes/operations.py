@@ -209,15 +209,8 @@ STREAM_DOCS = {
 async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Response:
     """Prepare (support, inputs, limits, cost budget: all before any work), look up the cache, queue for the
     batcher (the heavy lane above `heavy_request_cost`), shape the body (one write by `ops.dumps`)."""
-    state.ensure_ready()
+    call = await prepare_call(op, req, state)
     s = state.settings
-    prepare = functools.partial(execute.prepare, state.registry.get(req.model), op, req, s.max_request_tokens,
-                                s.max_posterior_entries, max_cost=s.max_request_cost, streaming=call_streams(op, req),
-                                max_sample_tokens=s.max_sample_tokens, max_stream_entries=s.max_stream_entries)
-    if compiles(req):  # up to constraint_compile_seconds of CPU: on a preparation thread, cancelled with the request
-        call = await prepare_off_loop(state, prepare)
-    else:
-        call = prepare(limits=execute.limits(s))
     if op.stream == "ndjson" and call.streaming:
         return await stream_pieces(call, state)
     cache, key = state.cache, None
@@ -240,6 +233,20 @@ async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Re
         return JSONBytes(payload, cost=call.cost)
     await cache.set(key, payload)
     return JSONBytes(payload, "miss", call.cost)
+
+
+async def prepare_call(op: spec.Operation, req: Any, state: ServiceState) -> spec.Call:
+    """The request prepared (`execute.prepare`: support, inputs, a constraint compiled, limits, cost budget) before
+    any work; a request that compiles a constraint (up to constraint_compile_seconds of CPU) on a preparation thread,
+    cancelled with the request."""
+    state.ensure_ready()
+    s = state.settings
+    prepare = functools.partial(execute.prepare, state.registry.get(req.model), op, req, s.max_request_tokens,
+                                s.max_posterior_entries, max_cost=s.max_request_cost, streaming=call_streams(op, req),
+                                max_sample_tokens=s.max_sample_tokens, max_stream_entries=s.max_stream_entries)
+    if compiles(req):
+        return await prepare_off_loop(state, prepare)
+    return prepare(limits=execute.limits(s))
 
 
 def compiles(req: Any) -> bool:
@@ -331,9 +338,11 @@ def endpoint_for(op: spec.Operation) -> Any:
 
 
 def build_router() -> APIRouter:
-    """One route per operation of `spec.OPERATIONS`, in their order."""
+    """One route per operation of `spec.OPERATIONS`, in their order (but those served by a route of their own)."""
     router = APIRouter(prefix="/v1", tags=["operations"], route_class=OperationRoute)
     for op in spec.OPERATIONS.values():
+        if not op.route:
+            continue
         docs = STREAM_DOCS.get(op.stream or "", {"description": "the answer"})
         router.add_api_route(f"/{op.name}", endpoint_for(op), methods=["POST"], name=op.name,
                              responses={200: {**docs, "headers": X_COST}})

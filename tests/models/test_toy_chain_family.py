@@ -25,7 +25,7 @@ from latentlm.models.checks import check_distribution, check_shape
 from latentlm.models.sampling import CategoricalTable
 from latentlm.models.vocab import Preprocessing, Vocabulary
 from latentlm.ops import spec
-from latentlm.ops.requests import ConstraintRequest, SampleRequest
+from latentlm.ops.requests import CompletionRequest, ConstraintRequest, SampleRequest
 from tests.models.test_sampling import chi_square_pvalue
 
 
@@ -197,18 +197,13 @@ def test_plain_samples_follow_the_model(toy):
     assert chi_square_pvalue(Counter(draws), probs, n) > 1e-3
 
 
-def test_completions_serve_the_family(toy, tmp_path_factory):
-    from latentlm.service.routes import completions
-    from latentlm.service.settings import Settings
-
-    req = completions.CompletionRequest(model="toy", prompt=PREFIX, max_tokens=4, n=8, seed=5, constraint=SPEC)
-    state = tmp_path_factory.mktemp("state")
-    choices, usage = completions.run(completions.prepare(toy, req, Settings(store=state, device="cpu",
-                                                                            state_dir=state)))
-    assert len(choices) == 8 and usage["completion_tokens"] > 0
-    for c in choices:
-        words = tuple(VOCAB.index[w] for w in "".join(c.tokens).split())
-        assert c.finish_reason == "stop" and satisfies((*words, EOS)), c
+def test_completions_serve_the_family(toy):
+    req = CompletionRequest(model="toy", prompt=PREFIX, max_tokens=4, n=8, seed=5, constraint=SPEC)
+    body = run(toy, "completions", req)
+    assert len(body["choices"]) == 8 and body["usage"]["completion_tokens"] > 0
+    for c in body["choices"]:
+        words = tuple(VOCAB.index[w] for w in c["text"].split())
+        assert c["finish_reason"] == "stop" and satisfies((*words, EOS)), c
 
 
 def test_the_registry_is_left_as_it_was():

@@ -278,3 +278,30 @@ def test_bad_bodies(server):
         assert r.status_code == status, (body, r.text)
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["param"].startswith(param), (body, err)
+
+
+def test_a_batch_line_answers_as_the_route(server, store, tmp_path):
+    """Completions is an operation like the others (`ops.completions`, declared in `ops.spec`): a batch line of
+    /v1/completions (`jobs.execute_lines`, the batch API's runner) answers the route's body but its fresh `id`,
+    and a refused line the route's error."""
+    from latentlm.service.jobs import execute_lines
+    from latentlm.service.registry import ModelRegistry
+    from latentlm.service.settings import Settings
+
+    from .conftest import close
+
+    settings = Settings(store=store, device="cpu", calibrate=False, state_dir=tmp_path)
+    registry = ModelRegistry.from_settings(settings)
+    registry.reload()
+    bodies = [{"model": "tiny", "prompt": ["w1", "w2 w3"], "max_tokens": 6, "n": 2, "seed": 7, "logprobs": 2,
+               "constraint": {"include": [["w5"]]}},
+              {"model": "blocked", "prompt": "w4", "max_tokens": 0, "echo": True, "logprobs": 1},
+              {"model": "pcfg", "prompt": "w1"}, {"model": "tiny", "prompt": "w1", "suffix": "w2"}]
+    for (status, got), body in zip(execute_lines(registry, "completions", bodies, settings), bodies, strict=True):
+        r = server.client.post("/v1/completions", json=body)
+        want = r.json()
+        assert status == r.status_code, (body, got, want)
+        if status == 200:
+            assert got.pop("id").startswith("cmpl-") and got.pop("created") > 0
+            want.pop("id"), want.pop("created")
+        close(got, want, path=str(body))

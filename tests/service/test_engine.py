@@ -326,6 +326,53 @@ def test_waiting_requests_of_two_workers_are_merged_and_answered_exactly(store, 
     assert sum(b.get() for b in m.batch_requests.labels("score")._buckets) == 1  # one batch of all 40
 
 
+def test_the_engine_runs_each_call_as_prepared_and_compiles_nothing(store, tmp_path, monkeypatch):
+    """One wire form for every operation (`ops.wire`): the engine runs the call a worker prepared (its options, the
+    compiled automaton, a completion's prompts) as it is. Automaton compilations are counted at their one entry
+    point (`Compiled.compile`, word-level and text constraints alike): one per constrained request, in the worker
+    (a completion's three prompts share it), none in the engine; the answers equal the same calls run here."""
+    from latentlm.models import constraint as automata
+    from latentlm.ops import format, spec
+    from latentlm.ops.requests import CompletionRequest, ConstraintRequest, SampleRequest
+    from latentlm.service import execute
+
+    compiled: list[tuple] = []
+    real = automata.Compiled.compile
+
+    def counted(self, key, budget, build):
+        compiled.append(key)
+        return real(self, key, budget, build)
+
+    monkeypatch.setattr(automata.Compiled, "compile", counted)
+    model = ops.load_model(store, "tiny")
+    spec_c = {"include": [["w5"]], "max_tokens": 6}
+    requests = [
+        SampleRequest(model="tiny", n=3, max_tokens=8, seed=4, prefix="w1", constraint=spec_c),
+        ConstraintRequest(model="tiny", prefix="w1", constraint=spec_c, weights=True, beam=4, n_best=2),
+        CompletionRequest(model="tiny", prompt=["w1", "w2 w3", "w4"], max_tokens=6, n=2, seed=1, constraint=spec_c,
+                          logprobs=2, echo=True),
+        CompletionRequest(model="tiny", prompt="w1 w2", max_tokens=4, seed=3, logprobs=1)]
+    ops_of = ["sample", "constraint", "completions", "completions"]
+    limits = execute.limits(Settings(store=store, device="cpu", state_dir=tmp_path / "w"))
+
+    async def go(server, a, b):
+        out = []
+        for op, req in zip(ops_of, requests, strict=True):
+            call = execute.prepare(model, op, req, 1 << 20, limits=limits)
+            before = len(compiled)
+            out.append((call, await a.submit(call)))
+            assert len(compiled) == before, (op, compiled[before:])  # the engine compiled nothing
+        return out
+
+    answered = asyncio.run(_with_engine(store, tmp_path, go))
+    assert len(compiled) == 3, compiled  # one per constrained request
+    for op, (call, got) in zip(ops_of, answered, strict=True):
+        want = spec.get(op).run(call, None)
+        if op == "completions":
+            got, want = [format.fields(c) for c in got], [format.fields(c) for c in want]
+        close(got, want, path=op)
+
+
 def test_a_request_runs_on_the_version_it_was_prepared_on(store, tmp_path):
     store2 = tmp_path / "store"
     shutil.copytree(store, store2)
