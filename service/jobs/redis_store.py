@@ -76,6 +76,11 @@ class RedisJobStore:
     _CLAIM = ("if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return -1 end "
               "local v = redis.call('GET', KEYS[1]) if v and v ~= ARGV[2] then return 0 end "
               "redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1")
+    # KEYS plan, batch; ARGV plan, expire-at (0: none). The plan recorded; nil when the batch is gone or finished
+    _PUT_PLAN = ("local st = redis.call('HGET', KEYS[2], 'status') "
+                 f"if (not st) or {_TERMINAL_JSON} then return nil end "
+                 "if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EXAT', ARGV[2]) "
+                 "else redis.call('SET', KEYS[1], ARGV[1], 'NX') end return redis.call('GET', KEYS[1])")
     max_output_bytes = REDIS_MAX_VALUE - (1 << 20)
     max_file_bytes = REDIS_MAX_VALUE  # an upload above it answers 413 `file_too_large`
 
@@ -93,6 +98,7 @@ class RedisJobStore:
         self._refresh = self.redis.register_script(self._REFRESH)
         self._release = self.redis.register_script(self._RELEASE)
         self._claim = self.redis.register_script(self._CLAIM)
+        self._put_plan = self.redis.register_script(self._PUT_PLAN)
 
     def _k(self, *parts: str) -> str:
         return self.P + ":".join(parts)
@@ -322,10 +328,10 @@ class RedisJobStore:
 
     # -- chunks
     def put_plan(self, bid: str, plan: dict, expires_at: int | None = None) -> dict:
-        """SET NX of the chunk plan (it expires with the batch); the plan recorded."""
-        key = self._k("batch", bid, "plan")
-        self.redis.set(key, json.dumps(plan), nx=True, exat=expires_at or None)
-        raw = self.redis.get(key)
+        """SET NX of the chunk plan (it expires with the batch), unless the batch is gone or finished (a helper
+        come late would leave a plan behind); the plan recorded."""
+        raw = self._put_plan(keys=[self._k("batch", bid, "plan"), self._k("batch", bid)],
+                             args=[json.dumps(plan), int(expires_at or 0)])
         return json.loads(raw) if raw is not None else plan
 
     def get_plan(self, bid: str) -> dict | None:

@@ -303,3 +303,20 @@ def test_redis_store_file_size_limit(url):
     assert (e.value.status, e.value.param, e.value.code) == (413, "file", "file_too_large")
     assert "1000 bytes" in e.value.message
     assert not list(s.redis.scan_iter("latentlm:file:*"))  # nothing stored, no half upload left
+
+
+def test_compose_files_scale_the_worker():
+    """docker-compose.yml: the worker service scales (`deploy.replicas`, `--scale worker=N`: no fixed container
+    name or host port), the other services unchanged; docker-compose.workers.yml: workers alone, for other hosts."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[2]
+    main = yaml.safe_load((root / "docker-compose.yml").read_text())["services"]
+    assert set(main) == {"redis", "cache", "api", "worker"}
+    remote = yaml.safe_load((root / "docker-compose.workers.yml").read_text())["services"]
+    assert set(remote) == {"worker"}
+    for w in (main["worker"], remote["worker"]):
+        assert w["command"] == ["latentlm", "worker"] and "REDIS_URL" in w["environment"]
+        assert w["deploy"]["replicas"] == "${LATENTLM_WORKER_REPLICAS:-1}"
+        assert "container_name" not in w and "ports" not in w
+    assert main["redis"]["command"] == ["redis-server", "--maxmemory-policy", "noeviction", "--appendonly", "yes"]
