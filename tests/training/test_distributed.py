@@ -91,6 +91,42 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_on_the_same_trajectory(tmp
     assert resumed["world_size"] == 1
 
 
+KILLED_AFTER_PARTIAL_CHECKPOINT = """
+import os, sys
+from latentlm.training import common
+
+real = common.save_checkpoint
+
+
+def save(path, tensors, state, *settings):  # rank 0 dies right after writing a checkpoint inside an E-step pass
+    real(path, tensors, state, *settings)
+    if state.get("iteration") == 1 and state.get("batch"):
+        os._exit(9)
+
+
+common.save_checkpoint = save
+from latentlm.cli import main
+
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_em_resumes_a_two_rank_checkpoint_taken_inside_an_e_step_in_one_process(tmp_path):
+    """Baum-Welch on 2 ranks writes a checkpoint in iteration 2's E-step (the counts of its first 4 batches, summed
+    over both ranks) and dies; one process resumes there and ends where an uninterrupted run ends."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AFTER_PARTIAL_CHECKPOINT, encoding="utf-8")
+    data = tiny_corpus(tmp_path)
+    args = [*CASES["hmm"], "--data", data, "--name", "m", *QUIET]
+    died = torchrun(["train", *args, "--store", str(tmp_path / "run")], script=script)
+    assert died.returncode != 0
+    state = json.loads((tmp_path / "run" / ".train" / "m" / "state.json").read_text())
+    assert state["world_size"] == 2 and state["iteration"] == 1 and state["batch"] == 4
+    assert main(["train", *args, "--store", str(tmp_path / "run"), "--resume"]) == 0
+    assert main(["train", *args, "--store", str(tmp_path / "whole")]) == 0
+    assert_close(curve(tmp_path / "run", "m"), curve(tmp_path / "whole", "m"), rel=1e-9)
+
+
 def test_distillation_ranks_draw_the_one_process_samples_and_sum_their_counts(tmp_path):
     from tests.training.tiny_lm import make_lm
 

@@ -1,4 +1,5 @@
-"""`latentlm train --family blocked_hmm|rank_hmm`: the training loop, as small steps over one `Run`:
+"""`latentlm train --family blocked_hmm|rank_hmm`: the training loop, as small steps over one `Run`. The loop names
+no family: it asks the run's network (`networks.NETWORKS`) for what differs (its build, loss, artifact config):
 `setup` (data, model, resume), `step` (one clipped AdamW step), `check` (evaluate what would be exported,
 plateau decay, early stopping), `checkpoint` (everything a resume needs) and `export` (the artifact); `fit` runs
 the epochs. `latentlm distill --family blocked_hmm` calls `fit` and `export` itself, with its samples as the data
@@ -27,17 +28,16 @@ import torch
 from torch import Tensor, nn
 
 from latentlm.models.base import Batch
-from latentlm.models.blocked_hmm import BlockedHMM, Carried
+from latentlm.models.blocked_hmm import Carried
 from latentlm.models.errors import InputError, LatentLMError
 from latentlm.models.kernels import gemm
-from latentlm.models.rank_hmm import RankHMM
-from latentlm.models.registry import save_artifact
+from latentlm.models.registry import FAMILIES, save_artifact
 from latentlm.models.vocab import Vocabulary
 from latentlm.training import common, distributed
 from latentlm.training.data import Sequences, load_training_split
-from latentlm.training.neural import bptt, losses
+from latentlm.training.neural import bptt
 from latentlm.training.neural.growth import checkpoint_states, split_model, split_state_dict, splits_done
-from latentlm.training.neural.networks import VLHMM, RankNeural, sample_state_dropout
+from latentlm.training.neural.networks import NETWORKS
 from latentlm.training.neural.schedule import (
     anneal_factor,
     backward_clipped,
@@ -59,24 +59,9 @@ class TrainingDiverged(LatentLMError):
 
 # -- the model ----------------------------------------------------------------------------------------
 def build(ns: TrainSettings, vocab: Vocabulary, train_seqs: list[list[int]]) -> tuple[nn.Module, dict]:
-    """The model for `ns.family`; Brown clustering (blocked_hmm) runs here. Returns (module, extras)."""
-    V = len(vocab)
-    if ns.family == "blocked_hmm":
-        from latentlm.training.brown import brown_clusters
-
-        states = ns.states >> len(common.split_plan(ns))  # the model grows to ns.states by splitting (--split-at)
-        if ns.clusters == 1:  # no emission constraint: every state may emit every word
-            model = VLHMM(V, torch.zeros(V, dtype=torch.long), 1, states, ns.hidden, ns.state_embedding)
-            return model, {}
-        res = brown_clusters(train_seqs, V, ns.clusters, progress=ns.progress)
-        wc = torch.from_numpy(res.word_cluster)
-        M = int(wc.max()) + 1
-        if M != ns.clusters:
-            raise InputError(f"--clusters {ns.clusters}: the training data has only {M} distinct words",
-                             param="clusters")
-        model = VLHMM(V, wc, M, states // M, ns.hidden, ns.state_embedding)
-        return model, {"clusters.txt": res.to_text(vocab.tokens).encode()}
-    return RankNeural(V, ns.states, ns.rank, ns.hidden, ns.dropout or 0.0), {}
+    """The network of recipe `ns.family` (`NETWORKS`; blocked_hmm's Brown clustering runs here). Returns (module,
+    the files the artifact adds)."""
+    return NETWORKS[ns.family].build(ns, vocab, train_seqs)
 
 
 def exported_tensors(model: nn.Module, ns: TrainSettings, train_seqs: list[list[int]], eos: int | None,
@@ -85,20 +70,17 @@ def exported_tensors(model: nn.Module, ns: TrainSettings, train_seqs: list[list[
     sentence start replaced by the state distribution after `<eos>` (`bptt.fix_start_for_streams`), unless it was
     trained with --reset-eos (then every sentence started from the start distribution, as the artifact's do)."""
     tensors = model.export_tensors(device)
-    if ns.family == "blocked_hmm" and ns.bptt and not ns.reset_eos:
+    if model.carries_state and ns.bptt and not ns.reset_eos:
         tensors = bptt.fix_start_for_streams(model, tensors, train_seqs, eos)
     return tensors
 
 
-def family_scorer(model: nn.Module, family: str, tensors: dict[str, Tensor] | None = None):
-    """Score function over the exported tensors through the family's own inference (what the service runs),
-    on the device that holds the model's parameters."""
+def family_scorer(model: nn.Module, family: str | None = None, tensors: dict[str, Tensor] | None = None):
+    """Score function over the exported tensors through the family's own inference (what the service runs: the
+    registered family `model.family`, or `family`), on the device that holds the model's parameters."""
     t = model.export_tensors() if tensors is None else tensors
     device = next(model.parameters()).device
-    if family == "blocked_hmm":
-        impl = BlockedHMM.from_tensors(t, {"num_clusters": model.M}, device=device)
-    else:
-        impl = RankHMM.from_tensors(t, {}, device=device)
+    impl = FAMILIES[family or model.family].from_tensors(t, model.scoring_config(), device=device)
     return lambda b: impl.score(b)[0], t
 
 
@@ -113,12 +95,7 @@ def gemm_for_run(ns: TrainSettings, model: nn.Module, device: torch.device, save
         return "torch", {}
     if ns.gemm == "auto" and saved:
         return (saved if saved in gemm.BACKENDS else "torch"), {}
-    if isinstance(model, VLHMM):  # the products of a step: the states state dropout keeps (`blocked_loss`)
-        kept = model.k - round(model.k * ns.state_dropout)
-        Z, h = model.M * kept, model.h
-        return gemm.choose([(Z, h, Z), (max(model.cluster_sizes), h, kept), (Z, h, h)], ns.gemm)
-    m, r, h = model.m, model.r, model.rank_emb.shape[1]
-    return gemm.choose([(m, h, r), (r, h, model.V), (r, m, r)], ns.gemm)
+    return gemm.choose(model.gemm_shapes(ns.state_dropout), ns.gemm)
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -161,7 +138,7 @@ class Run:
     gemm_rates: dict[str, float] = field(default_factory=dict)
     history: common.History = field(default_factory=common.History)
     pos: Position = field(default_factory=Position)
-    keep: int = 0  # states per cluster state dropout keeps (blocked_hmm)
+    keep: int = 0  # states per cluster state dropout keeps (`kept_states`; 0 without state dropout)
     best_state: dict[str, Tensor] = field(default_factory=dict)
     average: dict[str, Tensor] | None = None
     carry: Carried | None = None
@@ -169,10 +146,6 @@ class Run:
     stop: bool = False  # early stopping (or a run with nothing left to do)
     bar: common.Progress | None = None
     world: distributed.World = field(default_factory=distributed.World)
-
-    @property
-    def blocked(self) -> bool:
-        return self.ns.family == "blocked_hmm"
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
@@ -185,10 +158,10 @@ class Run:
 
     def label(self) -> str:
         """The progress bar's label: family and current state count, and the splits still to come."""
-        if not isinstance(self.model, VLHMM):
-            return f"{self.ns.family} Z={self.ns.states}"
+        if not self.splits:
+            return f"{self.ns.family} Z={self.model.num_states}"
         done = splits_done(self.ns.states, self.model, self.splits)
-        return f"{self.ns.family} Z={self.model.M * self.model.k}" + self.splits.describe(done)
+        return f"{self.ns.family} Z={self.model.num_states}" + self.splits.describe(done)
 
 
 def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Path | None = None) -> Run:
@@ -200,7 +173,7 @@ def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Pa
     world = distributed.world(ns.device)
     if not world.main:
         ns = replace(ns, progress=False)  # rank 0 alone reports
-    if world.size > 1 and ns.family == "blocked_hmm" and ns.bptt and ns.batch % world.size:
+    if world.size > 1 and NETWORKS[ns.family].carries_state and ns.bptt and ns.batch % world.size:
         raise InputError(f"--batch {ns.batch}: BPTT's {ns.batch} streams must split evenly over the {world.size} "
                          f"ranks", param="batch")
     gen = common.seed_all(ns.seed)
@@ -211,12 +184,12 @@ def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Pa
         vocab, train_seqs, valid_seqs = sequences.vocab, sequences.train, sequences.valid
     model, extra_files = build(ns, vocab, train_seqs)
     model.to(device)
-    blocked = ns.family == "blocked_hmm"
+    splits = common.split_plan(ns)
     ckdir = common.checkpoint_dir(ns.store, ns.name) if checkpoints is None else Path(checkpoints)
     tensors, state = common.load_checkpoint(ckdir) if ns.resume else ({}, {})
-    while blocked and ns.resume and model.M * model.k < checkpoint_states(model, tensors):
+    while splits and ns.resume and model.num_states < checkpoint_states(model, tensors):
         model = split_model(model)[0]  # splits done before the checkpoint (its parameters follow)
-    opt = make_optimizer(model, ns.lr, blocked, ns.weight_decay)
+    opt = make_optimizer(model, ns.lr, weight_decay=ns.weight_decay)
     gemm_name, gemm_rates = gemm_for_run(ns, model, device, state.get("gemm")) if world.main else ("torch", {})
     gemm_name = world.broadcast_choice(gemm_name, gemm.BACKENDS)  # every rank rounds alike
     gemm.set_backend(gemm_name)
@@ -226,14 +199,12 @@ def setup(ns: TrainSettings, sequences: Sequences | None = None, checkpoints: Pa
     # --time-limit counts training from here: reading the corpus, Brown clustering and choosing the GEMM library
     # (minutes on a busy machine) are not training time (they once left a busy machine's default build 1 step)
     t0 = time.perf_counter()
-    run = Run(ns, vocab, train_seqs, [], device, gen, model, opt, extra_files, common.split_plan(ns), ckdir, t0,
-              decay=1.0 / (ns.lr_decay or (4.0 if blocked else 2.0)), gemm_name=gemm_name, gemm_rates=gemm_rates,
-              world=world)
+    run = Run(ns, vocab, train_seqs, [], device, gen, model, opt, extra_files, splits, ckdir, t0,
+              decay=1.0 / (ns.lr_decay or model.lr_decay), gemm_name=gemm_name, gemm_rates=gemm_rates, world=world)
     if ns.resume:
         _restore(run, tensors, state)
     run.valid_batches = common.bucket_batches(valid_seqs, 256, device=device) if world.main else []
-    k = model.k if blocked else 0
-    run.keep = k - round(k * ns.state_dropout) if blocked else 0
+    run.keep = model.kept_states(ns.state_dropout)
     N = common.num_tokens(train_seqs)
     run.bar = common.Progress(N * max(ns.epochs - run.pos.epoch, 0), run.label(), ns.progress)
     if ns.weight_average and run.average is None:  # (a checkpoint written without the average starts it here)
@@ -296,7 +267,7 @@ def epoch_batches(run: Run, epoch: int) -> list[Batch]:
     """The epoch's batches: a function of (seed, epoch) alone, so a resumed epoch regenerates them."""
     ns = run.ns
     egen = torch.Generator().manual_seed(ns.seed * 100003 + epoch)
-    if run.blocked and ns.bptt:
+    if run.model.carries_state and ns.bptt:
         start = int(torch.randint(common.num_tokens(run.train_seqs), (1,), generator=egen)) if ns.bptt_rotate else 0
         return bptt.bptt_batches(run.train_seqs, ns.batch, ns.bptt, run.device, start)
     return common.bucket_batches(run.train_seqs, ns.batch, egen, run.device)
@@ -305,7 +276,7 @@ def epoch_batches(run: Run, epoch: int) -> list[Batch]:
 def grow_if_due(run: Run, epoch: int) -> None:
     """At an epoch's start, a split of --split-at that is due: every state splits in two (the same distribution;
     noise breaks the ties), with its optimiser moments, best and averaged parameters."""
-    if not run.blocked:
+    if not run.splits:
         return
     used = budget_used(run.ns, run.pos.step, epoch, run.seconds())
     if run.splits.by_budget:  # wall time may count: rank 0's clock decides for every rank
@@ -315,7 +286,7 @@ def grow_if_due(run: Run, epoch: int) -> None:
     if run.average is not None:
         run.average = split_state_dict(run.model, run.average)
     run.model, run.opt, run.best_state = split_model(run.model, run.opt, run.best_state, run.gen, noise=0.01)
-    run.keep = run.model.k - round(run.model.k * run.ns.state_dropout)
+    run.keep = run.model.kept_states(run.ns.state_dropout)
     run.bar.relabel(run.label())
 
 
@@ -330,12 +301,8 @@ def step(run: Run, batch: Batch, ntok: int, epochs_done: float) -> float:
     weight = 1.0
     if mine.ids.shape[0] == 0:
         mine, weight = Batch(batch.ids[:1, : int(batch.lengths[0])], batch.lengths[:1]), 0.0
-    if run.blocked:
-        active = sample_state_dropout(model.M, model.k, run.keep, run.gen).to(run.device)
-        nll, run.carry = losses.blocked_loss(model, mine, active, run.carry, want_last=bool(ns.bptt),
-                                             eos=run.vocab.eos_id if ns.reset_eos else None)
-    else:
-        nll = losses.rank_loss(model, mine)  # dropout draws from torch's global generator (checkpointed)
+    nll, run.carry = model.step_nll(mine, generator=run.gen, keep=run.keep, carry=run.carry, bptt=bool(ns.bptt),
+                                    eos=run.vocab.eos_id if ns.reset_eos else None)
     loss = nll * (weight / ntok)
     if ns.lr_anneal:
         used = budget_used(ns, run.pos.step, epochs_done, run.seconds())
@@ -419,28 +386,24 @@ def export(run: Run, provenance: dict[str, Any] | None = None, extra_files: dict
     ns, model = run.ns, run.model
     if not run.world.main:
         return Path(ns.store) / ns.name
-    if run.blocked and splits_done(ns.states, model, run.splits) < len(run.splits):  # a share never reached
+    if run.splits and splits_done(ns.states, model, run.splits) < len(run.splits):  # a share never reached
         print(f"--split-at: the budget ended before {len(run.splits) - splits_done(ns.states, model, run.splits)} "
               f"of the splits; the model has {model.M * model.k} states, not {ns.states}", file=sys.stderr)
     model.load_state_dict(run.best_state)
     model.eval()
     tensors = exported_tensors(model, ns, run.train_seqs, run.vocab.eos_id)
-    blocked = run.blocked
-    config = ({"num_states": model.M * model.k, "num_clusters": model.M, "states_per_cluster": model.k,
-               "hidden": ns.hidden, "state_dropout": ns.state_dropout} if blocked else
-              {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout})
+    config = model.artifact_config(ns)
     prov = common.provenance(ns, run.history, run.seconds(),
-                             {"method": "VL-HMM (Chiu & Rush 2020)" if blocked else "rank-space HMM (Yang et al. 2022)",
+                             {"method": model.method,
                               "steps": run.pos.step, "gemm": run.gemm_name, "world_size": run.world.size,
                               **distributed.communication(),
                               "gemm_gflops": {k: round(v, 1) for k, v in run.gemm_rates.items()}})
-    title = f"{ns.family} {ns.states} states" + (f", M={model.M}" if blocked else f", r={ns.rank}")
-    files = {**run.extra_files, "curve.png": common.curve_png(run.history, title), **(extra_files or {})}
-    return save_artifact(ns.store, ns.name, ns.family, tensors, run.vocab, config=config,
+    files = {**run.extra_files, "curve.png": common.curve_png(run.history, model.title(ns)), **(extra_files or {})}
+    return save_artifact(ns.store, ns.name, model.family, tensors, run.vocab, config=config,
                          provenance={**prov, **(provenance or {})}, extra_files=files)
 
 
-@trainer("blocked_hmm", "rank_hmm", data_parallel=True)
+@trainer(*NETWORKS, data_parallel=True)
 def train(ns: TrainSettings) -> Path:
     """`latentlm train --family blocked_hmm|rank_hmm`. Returns the artifact directory. The GEMM library the run
     picks (`--gemm`, `gemm_for_run`) is the process's only while it trains."""

@@ -1,18 +1,33 @@
 """The neural HMMs' parameterisations: `VLHMM` (Chiu & Rush 2020, blocked_hmm) and `RankNeural` (Yang et al. 2022,
 rank_hmm), their residual MLPs (`ResBlock`, `YangRes`) and state dropout's draw. Each builds its family's
 distributional parameters (`matrices`, `slot_matrices`) and the cached tensors the artifact stores
-(`export_tensors`)."""
+(`export_tensors`).
+
+Each network also answers what the training loop (`loop`) asks of it, so the loop names no family: `NETWORKS`
+maps a recipe to its network; `build` makes one from the run's settings; `step_nll` is a step's loss; `family`,
+`method`, `adamw`, `lr_decay` and `carries_state` declare the artifact family, the paper, the optimiser's
+settings, the plateau decay and whether running text (--bptt) carries a state; `artifact_config`, `title`,
+`kept_states` and `gemm_shapes` describe an instance. A new neural family adds its network here (and its recipe
+on its model family) and touches nothing in the loop."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from latentlm.models.base import Batch
+from latentlm.models.blocked_hmm import Carried
+from latentlm.models.errors import InputError
 from latentlm.models.kernels import gemm
 from latentlm.training import common
 from latentlm.training.neural.emission import cluster_log_softmax
+
+if TYPE_CHECKING:
+    from latentlm.models.vocab import Vocabulary
+    from latentlm.training.options import TrainSettings
 
 
 class ResBlock(nn.Module):
@@ -54,7 +69,7 @@ def sample_state_dropout(M: int, k: int, keep: int, generator: torch.Generator) 
 
 
 class VLHMM(nn.Module):
-    """VL-HMM parameters; `matrices(active)` gives log start (Z',), log trans (Z', Z') and log emission
+    """VL-HMM parameters (`blocked_hmm`); `matrices(active)` gives log start (Z',), log trans (Z', Z') and log emission
     (V, k') over the active states (all states when active is None). O(Z'^2 h + V k' h): each word's
     emission logits are built against its own cluster's states only.
 
@@ -76,6 +91,12 @@ class VLHMM(nn.Module):
       logits have standard deviation ~sqrt(h) (the first check of a 4,096-state model read 2.1e9 perplexity,
       260 after 1,000 steps against 181 with N(0, 1 / h); results/ptb_results.md).
     """
+
+    family: ClassVar[str] = "blocked_hmm"
+    method: ClassVar[str] = "VL-HMM (Chiu & Rush 2020)"
+    adamw: ClassVar[dict[str, Any]] = {"betas": (0.9, 0.999), "weight_decay": 0.0}  # Chiu & Rush
+    lr_decay: ClassVar[float] = 4.0  # LR / 4 at a plateau (Chiu & Rush)
+    carries_state: ClassVar[bool] = True  # --bptt: the filtered posterior carried between chunks
 
     def __init__(self, V: int, word_cluster: Tensor, M: int, k: int, h: int, state_embedding: str = "factored"):
         super().__init__()
@@ -112,6 +133,60 @@ class VLHMM(nn.Module):
             torch.randn(V, h) * 0.1 if state_embedding == "factored"
             else torch.empty(V, h).uniform_(-1.0 / math.sqrt(h), 1.0 / math.sqrt(h)))
         self.cluster_sizes = torch.bincount(word_cluster, minlength=M).tolist()
+
+    @classmethod
+    def build(cls, ns: TrainSettings, vocab: Vocabulary, train_seqs: list[list[int]]) -> tuple[VLHMM, dict]:
+        """The network of a run (Brown clustering of the training words runs here): `ns.states` halved once per
+        split of --split-at (the model grows to ns.states). Returns (network, files the artifact adds)."""
+        from latentlm.training.brown import brown_clusters
+
+        V = len(vocab)
+        states = ns.states >> len(common.split_plan(ns))
+        if ns.clusters == 1:  # no emission constraint: every state may emit every word
+            return cls(V, torch.zeros(V, dtype=torch.long), 1, states, ns.hidden, ns.state_embedding), {}
+        res = brown_clusters(train_seqs, V, ns.clusters, progress=ns.progress)
+        wc = torch.from_numpy(res.word_cluster)
+        M = int(wc.max()) + 1
+        if M != ns.clusters:
+            raise InputError(f"--clusters {ns.clusters}: the training data has only {M} distinct words",
+                             param="clusters")
+        model = cls(V, wc, M, states // M, ns.hidden, ns.state_embedding)
+        return model, {"clusters.txt": res.to_text(vocab.tokens).encode()}
+
+    @property
+    def num_states(self) -> int:
+        return self.M * self.k
+
+    def kept_states(self, state_dropout: float) -> int:
+        """States per cluster that state dropout keeps in a step."""
+        return self.k - round(self.k * state_dropout)
+
+    def step_nll(self, batch: Batch, *, generator: torch.Generator, keep: int, carry: Carried | None,
+                 bptt: bool, eos: int | None) -> tuple[Tensor, Carried | None]:
+        """A step's loss: the batch's negative log-likelihood under a fresh state-dropout mask (`keep` states per
+        cluster, drawn from `generator`), from each stream's `carry` (--bptt); returns (nll, the next carry)."""
+        from latentlm.training.neural.losses import blocked_loss
+
+        active = sample_state_dropout(self.M, self.k, keep, generator).to(self.word_cluster.device)
+        return blocked_loss(self, batch, active, carry, want_last=bptt, eos=eos)
+
+    def artifact_config(self, ns: TrainSettings) -> dict[str, Any]:
+        return {"num_states": self.num_states, "num_clusters": self.M, "states_per_cluster": self.k,
+                "hidden": ns.hidden, "state_dropout": ns.state_dropout}
+
+    def scoring_config(self) -> dict[str, Any]:
+        """What the family's `from_tensors` needs beside the tensors."""
+        return {"num_clusters": self.M}
+
+    def title(self, ns: TrainSettings) -> str:
+        return f"{ns.family} {ns.states} states, M={self.M}"
+
+    def gemm_shapes(self, state_dropout: float) -> list[tuple[int, int, int]]:
+        """A step's largest products (m, k, n), for choosing the GEMM library: the transition logits, the largest
+        cluster's emission logits, a state MLP layer, over the states state dropout keeps."""
+        kept = self.kept_states(state_dropout)
+        Z = self.M * kept
+        return [(Z, self.h, Z), (max(self.cluster_sizes), self.h, kept), (Z, self.h, self.h)]
 
     def state_axes(self) -> dict[str, int]:
         """The parameters indexed by state, each with its state axis (what `split_states` doubles)."""
@@ -220,8 +295,46 @@ def rows_of(table: Tensor, ids: Tensor) -> Tensor:
 
 
 class RankNeural(nn.Module):
-    """Rank-space HMM parameters (Yang et al. App. B). `matrices()` -> start (m,), state_in U^T (m, r),
+    """Rank-space HMM parameters (`rank_hmm`; Yang et al. App. B). `matrices()` -> start (m,), state_in U^T (m, r),
     state_out V (r, m), emit W^T (V, r), all probabilities. O(m r h + V r h)."""
+
+    family: ClassVar[str] = "rank_hmm"
+    method: ClassVar[str] = "rank-space HMM (Yang et al. 2022)"
+    adamw: ClassVar[dict[str, Any]] = {"betas": (0.99, 0.999), "weight_decay": 0.01}  # Yang et al.
+    lr_decay: ClassVar[float] = 2.0
+    carries_state: ClassVar[bool] = False
+
+    @classmethod
+    def build(cls, ns: TrainSettings, vocab: Vocabulary, train_seqs: list[list[int]]) -> tuple[RankNeural, dict]:
+        return cls(len(vocab), ns.states, ns.rank, ns.hidden, ns.dropout or 0.0), {}
+
+    @property
+    def num_states(self) -> int:
+        return self.m
+
+    def kept_states(self, state_dropout: float) -> int:
+        return 0  # no state dropout
+
+    def step_nll(self, batch: Batch, *, generator: torch.Generator, keep: int, carry: Carried | None,
+                 bptt: bool, eos: int | None) -> tuple[Tensor, None]:
+        """A step's loss (dropout draws from torch's global generator, which checkpoints keep)."""
+        from latentlm.training.neural.losses import rank_loss
+
+        return rank_loss(self, batch), None
+
+    def artifact_config(self, ns: TrainSettings) -> dict[str, Any]:
+        return {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout}
+
+    def scoring_config(self) -> dict[str, Any]:
+        return {}
+
+    def title(self, ns: TrainSettings) -> str:
+        return f"{ns.family} {ns.states} states, r={ns.rank}"
+
+    def gemm_shapes(self, state_dropout: float) -> list[tuple[int, int, int]]:
+        """A step's largest products: U, the emission logits, V U^T."""
+        m, r, h = self.m, self.r, self.rank_emb.shape[1]
+        return [(m, h, r), (r, h, self.V), (r, m, r)]
 
     def __init__(self, V: int, m: int, r: int, h: int, dropout: float):
         super().__init__()
@@ -258,3 +371,7 @@ class RankNeural(nn.Module):
             return {k: v.float().to(device) for k, v in out.items()}
 
 
+
+
+NETWORKS: dict[str, type[VLHMM] | type[RankNeural]] = {net.family: net for net in (VLHMM, RankNeural)}
+"""Recipe -> the network its training loop builds."""

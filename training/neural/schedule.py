@@ -16,14 +16,19 @@ if TYPE_CHECKING:
     from latentlm.training.options import TrainSettings
 
 
-def make_optimizer(model: nn.Module, lr: float, blocked: bool, weight_decay: float | None = None
+def make_optimizer(model: nn.Module, lr: float, blocked: bool | None = None, weight_decay: float | None = None
                    ) -> torch.optim.Optimizer:
-    """AdamW as the papers train: blocked_hmm (Chiu & Rush) betas (0.9, 0.999), no weight decay; rank_hmm
-    (Yang et al.) betas (0.99, 0.999), weight decay 0.01. `weight_decay` (--weight-decay) replaces the
-    family's decoupled weight decay on every parameter."""
-    betas = (0.9, 0.999) if blocked else (0.99, 0.999)
+    """AdamW as the papers train, as the network declares it (`adamw`): blocked_hmm (Chiu & Rush) betas (0.9,
+    0.999), no weight decay; rank_hmm (Yang et al.) betas (0.99, 0.999), weight decay 0.01 (`blocked` picks one
+    of the two for a module that declares none). `weight_decay` (--weight-decay) replaces the family's decoupled
+    weight decay on every parameter."""
+    declared = getattr(model, "adamw", None)
+    if declared is None or blocked is not None:
+        declared = {"betas": (0.9, 0.999), "weight_decay": 0.0} if blocked else {"betas": (0.99, 0.999),
+                                                                               "weight_decay": 0.01}
+    betas = declared["betas"]
     if weight_decay is None:
-        weight_decay = 0.0 if blocked else 0.01
+        weight_decay = declared["weight_decay"]
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
 
 
