@@ -147,6 +147,17 @@ def test_distillation_ranks_draw_the_one_process_samples_and_sum_their_counts(tm
     assert_close(curve(tmp_path / "one", "d"), curve(tmp_path / "two", "d"), rel=1e-6)
 
 
+def test_the_time_limit_stops_every_rank_at_the_same_step_and_exports(tmp_path):
+    """A 0.3 s budget against 200 epochs: the ranks' clocks differ, yet all stop after the same step (a rank left
+    waiting in the all-reduce would hang the job), and rank 0 exports the best evaluation."""
+    data = tiny_corpus(tmp_path)
+    args = [*CASES["rank_hmm"], "--epochs", "200", "--time-limit", "0.005"]
+    done = torchrun(["train", *args, "--data", data, "--name", "m", "--store", str(tmp_path / "s"), *QUIET])
+    assert done.returncode == 0, done.stderr[-3000:]
+    prov = provenance(tmp_path / "s", "m")
+    assert prov["world_size"] == 2 and 0 < prov["steps"] < 1000  # 200 epochs are about 4,400 steps
+
+
 FAILING_RANK = """
 import os, sys
 from latentlm.training.neural import loop
