@@ -191,9 +191,10 @@ def _run_leased(store: JobStore, models: ModelRegistry, bid: str, settings: Sett
                  "lead" if hold.lead else "helper")
 
 
-def _fail(store: JobStore, bid: str, token: str, e: Exception) -> str | None:
+def _fail(store: JobStore, bid: str, token: str | None, e: Exception) -> str | None:
     """Mark the batch failed with an error naming the cause; its chunks are deleted (space back), the counts
-    reached are kept in `request_counts`."""
+    reached are kept in `request_counts`. `token`: the lead's (None: a helper's failure, refused only once the
+    batch is finished)."""
     code = e.code if isinstance(e, (BatchFailure, APIError)) and e.code else "internal_error"
     msg = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}" if code == "internal_error" else str(e)
     if isinstance(e, (BatchFailure, StorageError)):
@@ -278,7 +279,7 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
             fan_out(n_chunks - 1)
         except Exception as e:  # the batch still runs, on this worker
             log.warning("batch %s: no helpers asked for (%s: %s)", bid, type(e).__name__, e)
-    poll_s = min(1.0, settings.job_lease_s / 4)
+    poll_s = min(0.1, settings.job_lease_s / 10)  # the lead, waiting for the last chunks: a few commands each
     while True:
         cur = store.get_batch(bid)
         if cur is None or cur["status"] in TERMINAL:  # a worker frozen past its lease, resumed
