@@ -8,7 +8,8 @@ of 40 words each. For each worker count (rounds interleaved: 1, 2, 1, 2, ...), a
 (one database per run, emptied), that many `latentlm worker` processes with one torch thread each
 (`LATENTLM_TORCH_THREADS=1`), started and registered on the queue before the batch is submitted, so that loading the
 model is not timed. Timed: from the upload (streamed from disk) to the batch's `completed`. Each run's output is
-checked: every line once, in input order. Appends a section to `--out`.
+checked: every line once, in input order. On a shared machine each run also records how many cores other jobs kept
+busy meanwhile (the machine's busy time from /proc/stat less this run's processes'). Appends a section to `--out`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,25 @@ def make_input(path: Path, n: int) -> Path:
     return path
 
 
-def one_run(url: str, store: Path, root: Path, path: Path, n_workers: int, n_lines: int) -> float:
-    """Seconds from the upload to the batch's completion with `n_workers` worker processes."""
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(f) - f[3] - f[4]) / TICK  # all but idle and iowait
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / TICK
+
+
+def one_run(url: str, store: Path, root: Path, path: Path, n_workers: int, n_lines: int,
+            redis_pid: int) -> tuple[float, float]:
+    """(seconds from the upload to the batch's completion with `n_workers` worker processes, cores other jobs
+    kept busy meanwhile on average: the machine's busy time less this run's processes')."""
     from rq import Queue, Worker
 
     r = redis.Redis.from_url(url)
@@ -79,6 +97,8 @@ def one_run(url: str, store: Path, root: Path, path: Path, n_workers: int, n_lin
             assert time.time() < deadline and all(p.poll() is None for p in procs), "workers did not start"
             time.sleep(0.1)
         s = jobs.RedisJobStore(url)
+        pids = [p.pid for p in procs] + [redis_pid]
+        ours0, busy0 = sum(cpu_s(p) for p in pids) + sum(os.times()[:2]), busy_s()
         t0 = time.perf_counter()
         with path.open("rb") as f:
             fid = jobs.create_file(s, f, path.name, "batch")["id"]
@@ -87,10 +107,11 @@ def one_run(url: str, store: Path, root: Path, path: Path, n_workers: int, n_lin
         while (cur := s.get_batch(b["id"]))["status"] not in jobs.TERMINAL:
             time.sleep(0.02)
         took = time.perf_counter() - t0
+        others = (busy_s() - busy0 - (sum(cpu_s(p) for p in pids) + sum(os.times()[:2]) - ours0)) / took
         assert cur["status"] == "completed", cur
         ids = [json.loads(ln)["custom_id"] for ln in b"".join(s.iter_file(cur["output_file_id"])).splitlines()]
         assert ids == [f"r{i}" for i in range(n_lines)], "output not every line once in order"
-        return took
+        return took, max(0.0, others)
     finally:
         for p in procs:
             p.terminate()
@@ -117,11 +138,13 @@ def main() -> None:
         store = make_store(root, args.states)
         path = make_input(root / "in.jsonl", args.lines)
         times: dict[int, list[float]] = {n: [] for n in counts}
+        others: dict[int, list[float]] = {n: [] for n in counts}
         for _ in range(args.rounds):
             for n in counts:
-                t = one_run(url, store, root, path, n, args.lines)
+                t, o = one_run(url, store, root, path, n, args.lines, redis_proc.pid)
                 times[n].append(t)
-                print(f"{n} workers: {args.lines / t:.0f} lines/s ({t:.2f} s)", flush=True)
+                others[n].append(o)
+                print(f"{n} workers: {args.lines / t:.0f} lines/s ({t:.2f} s; other jobs {o:.2f} cores)", flush=True)
     finally:
         redis_proc.terminate()
         shutil.rmtree(root, ignore_errors=True)
@@ -131,7 +154,8 @@ def main() -> None:
     for n in counts:
         med = statistics.median(times[n])
         per_round = " / ".join(f"{args.lines / t:.0f}" for t in times[n])
-        rows.append(f"| {n} | {per_round} | {args.lines / med:.0f} | {base / med:.2f}x |")
+        busy = " / ".join(f"{o:.2f}" for o in others[n])
+        rows.append(f"| {n} | {per_round} | {args.lines / med:.0f} | {base / med:.2f}x | {busy} |")
     cmd = " ".join(["python", "bench/batch_workers.py", *sys.argv[1:]])
     section = "\n".join([
         f"## {dt.date.today()}: {args.lines} score lines (40 words), HMM K={args.states}, V={V}, chunks of 32",
@@ -139,8 +163,9 @@ def main() -> None:
         f"CPU: {cpu_name()}, {os.cpu_count()} cores, shared with other jobs (load average {load0[0]:.2f} before, "
         f"{load1[0]:.2f} after). Command: `{cmd}`",
         "",
-        "| workers (1 torch thread each) | lines/s per round | median lines/s | vs 1 worker |",
-        "|---|---|---|---|",
+        "| workers (1 torch thread each) | lines/s per round | median lines/s | vs 1 worker | cores other jobs used, "
+        "per round |",
+        "|---|---|---|---|---|",
         *rows,
         "",
     ])

@@ -145,7 +145,7 @@ def check_exactly_once_in_order(s, done: dict, lines: list[dict], reference: dic
 def test_three_workers_share_one_batch(store, tmp_path, url):
     lines = score_lines(240, seed=31)
     path = write_lines(tmp_path / "in.jsonl", lines)
-    env = {"REDIS_URL": url, **JOB_ENV, "LATENTLM_JOB_CHUNK_PAUSE_S": "0.02"}
+    env = {"REDIS_URL": url, **JOB_ENV, "LATENTLM_JOB_CHUNK_PAUSE_S": "0.05"}
     # host-c's own chunk size differs: it follows the batch's recorded plan all the same
     ws = [HostWorker(store, tmp_path / f"host-{h}", f"host-{h}",
                      {**env, **({"LATENTLM_JOB_CHUNK_SIZE": "7"} if h == "c" else {})}) for h in "abc"]
