@@ -11,7 +11,8 @@
    the samples it has read, as Ctrl-G's steps each read a chunk of the samples.
 5. Export: a dense `hmm` carrying the LM's `tokenizer.json` (`notes/tokenizer_contract`), `curve.png`,
    `curve.json`, and provenance naming the LM (directory, config and tokenizer hashes) and the recipe. The model
-   exported is the last EM step's.
+   exported is the EM step with the best validation perplexity (`best.safetensors` in the work directory), as
+   `latentlm train` exports its best evaluation.
 
 Under `torchrun` (`training.distributed`) every rank draws its own shards of samples (shard i on rank i mod W, each
 seeded by its index: the samples do not depend on W), each E-step reads its rank's shards and the counts are
@@ -28,6 +29,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -355,16 +357,24 @@ class Run:
                      "init": s.init, "lvd": [s.lvd_samples, s.kmeans_iters] if s.init == "lvd" else None,
                      "pseudocount": s.pseudocount, "seed": s.seed})
 
-    def checkpoint(self, p: Params, state: dict[str, Any]) -> None:
-        """Parameters and history after an EM step: `params-<step>.safetensors`, then `state.json` naming it (each
-        written whole, then renamed into place), then the older parameters removed: a run killed anywhere leaves a
-        state and the parameters it names."""
+    def checkpoint(self, p: Params, state: dict[str, Any], best: bool = False) -> None:
+        """Parameters and history after an EM step: `params-<step>.safetensors` (and, at a new best validation
+        perplexity, the same file as `best.safetensors`), then `state.json` naming both (each written whole, then
+        renamed into place), then the older parameters removed: a run killed anywhere leaves a state and the
+        parameters it names."""
         d = self.work / "em"
         d.mkdir(parents=True, exist_ok=True)
         name = f"params-{state['done']:05d}.safetensors"
         tmp = d / f".{name}.{os.getpid()}.tmp"
         save_file({k: v.detach().cpu().contiguous() for k, v in p.tensors().items()}, str(tmp))
         os.replace(tmp, d / name)
+        if best:
+            tmp = d / f".best.{os.getpid()}.tmp"
+            try:
+                os.link(d / name, tmp)  # the same bytes, no second write
+            except OSError:
+                shutil.copyfile(d / name, tmp)
+            os.replace(tmp, d / "best.safetensors")
         tmp = d / f".state.{os.getpid()}.tmp"
         tmp.write_text(json.dumps({**state, "params": name}), encoding="utf-8")
         os.replace(tmp, d / "state.json")
@@ -415,11 +425,12 @@ class Run:
                 row = {"iteration": done, "tokens": prev["tokens"] + tokens, "seconds": prev["seconds"] + step_s,
                        "step_seconds": step_s, "train_ppl": train_ppl, "objective_per_token": objective,
                        "valid_ppl": vppl, **({"cut_short": 1.0} if cut else {})}
-                history.add(**row)
+                improved = history.add(**row)
                 bar.update(0, valid_ppl=vppl)
                 if world.main:
                     self.checkpoint(p, {"key": self.em_key(), "done": done, "history": history.to_json(),
-                                        "lvd": self.record.get("lvd"), "world_size": world.size})
+                                        "lvd": self.record.get("lvd"), "world_size": world.size,
+                                        "best_step": done if improved else self.best_step()}, best=improved)
                 _log(f"EM step {done}/{s.em_steps}: train ppl {train_ppl:.3f} (before the step), valid ppl "
                      f"{vppl:.3f}, {step_s:.2f} s" + (" (cut short: time limit or interrupt)" if cut else ""))
         bar.close()
@@ -440,8 +451,24 @@ class Run:
             "memory": self.memory,
             **self.record}
 
+    def best_step(self) -> int:
+        """The EM step `best.safetensors` holds (0: none, the initial parameters were best)."""
+        try:
+            return int(json.loads((self.work / "em" / "state.json").read_text(encoding="utf-8")).get("best_step", 0))
+        except (OSError, ValueError):
+            return 0
+
+    def best(self, p: Params, done: int) -> tuple[Params, int]:
+        """The parameters to export: the best validation step's (`best.safetensors`), else `p` (step `done`)."""
+        step = self.best_step()
+        if step in (0, done):
+            return p, done
+        t = load_file(str(self.work / "em" / "best.safetensors"), device=str(self.device))
+        return Params(t["start"], t["trans"], t["emit_by_word"]), step
+
     def export(self, p: Params, history: common.History, done: int) -> Path:
         s, info = self.s, self.info
+        p, step = self.best(p, done)
         curve = {"rows": history.rows, "unigram_valid_ppl": self.record["unigram_valid_ppl"]}
         title = f"hmm {s.states} states distilled from {info.path.name} ({s.init} init, EM)"
         extra = {TOKENIZER_FILE: info.tokenizer_json, "curve.png": common.curve_png(history, title),
@@ -451,7 +478,9 @@ class Run:
             **self.provenance(), "init": s.init, "em_steps": done, "pseudocount": s.pseudocount,
             "batch_rows": self.batch, "em_step_seconds": (sum(steps) / len(steps)) if steps else None,
             "train_seconds": round(time.perf_counter() - self.t0, 1), "best_valid_ppl": history.best,
-            "final_valid_ppl": history.rows[-1]["valid_ppl"], "curve": history.rows[-50:]}
+            "final_valid_ppl": history.rows[-1]["valid_ppl"], "exported_step": step,
+            "exported_valid_ppl": next(r["valid_ppl"] for r in history.rows if r["iteration"] == step),
+            "curve": history.rows[-50:]}
         return save_artifact(s.store, s.name, "hmm", p.export_tensors(), info.vocab, config={"num_states": s.states},
                              provenance=prov, extra_files=extra)
 
@@ -488,8 +517,10 @@ class Run:
         if not world.main:
             return Path(s.store) / s.name
         path = self.export(p, history, done)
+        step = self.best_step() or done
         _log(f"wrote {s.name} to {path}: {s.states} states over {V} tokens, valid ppl "
-             f"{history.rows[-1]['valid_ppl']:.3f} (unigram {self.record['unigram_valid_ppl']:.3f}), {done} EM steps")
+             f"{history.rows[step]['valid_ppl']:.3f} (unigram {self.record['unigram_valid_ppl']:.3f}), {done} EM steps"
+             + (f"; exported step {step}, the best on validation" if step != done else ""))
         return path
 
 

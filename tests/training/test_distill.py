@@ -349,6 +349,24 @@ def test_validation_perplexity_is_the_chain_engines(distilled):
     assert perplexity(p, sample_batches([valid], 64, "cpu"))[0] == pytest.approx(ppl, rel=1e-4)
 
 
+def test_the_best_validation_step_is_exported_not_the_last(lm_dir, tmp_path):
+    """64 states on 40 samples overfit: validation is best at an earlier step than the last. The stored model is
+    that step's (its perplexity on the held-out shard is the curve's there), the manifest says which."""
+    assert main(["distill", "--lm", str(lm_dir), "--name", "o", "--store", str(tmp_path), "--states", "64",
+                 "--samples", "40", "--valid-samples", "40", "--max-length", "8", "--em-steps", "8", "--init",
+                 "random", "--pseudocount", "0.01", *QUIET]) == 0
+    prov = manifest(tmp_path, "o")["provenance"]
+    rows = json.loads((tmp_path / "o" / "curve.json").read_text())["rows"]
+    best = min(range(len(rows)), key=lambda i: rows[i]["valid_ppl"])
+    assert 0 < best < 8 and prov["exported_step"] == best and prov["em_steps"] == 8
+    (key,) = list((tmp_path / ".distill" / "o" / "samples").iterdir())
+    seqs = [[int(t) for t in r if t >= 0] for r in np.load(key / "valid" / "shard-00000.npy")]
+    ll = sum(r["logprob"] for r in ops.run(ops.load_model(tmp_path, "o"), "score", seqs))
+    ppl = math.exp(-ll / sum(len(s) for s in seqs))
+    assert ppl == pytest.approx(rows[best]["valid_ppl"], rel=1e-4) == prov["exported_valid_ppl"]
+    assert ppl < rows[-1]["valid_ppl"] * 0.999
+
+
 # -- --family blocked_hmm: the neural trainer over Brown clusters of the token ids -------------------------------
 @pytest.fixture(scope="module")
 def blocked(distilled, lm_dir):

@@ -1,17 +1,17 @@
 """The training objectives: a VL-HMM batch's exact negative log-likelihood with its gradient from expected
 counts (`BlockedNLL`, `blocked_loss`; BPTT carries and `--reset-eos` sentence pieces) and the rank-space HMM's
-(`rank_loss`, autograd through the rank-space forward)."""
+(`rank_loss`, autograd through the rank-space forward). Each takes its network (`networks.VLHMM`, `RankNeural`,
+whose `step_nll` calls it) as a module: this module does not import them."""
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from latentlm.models import chain
 from latentlm.models.base import Batch
 from latentlm.models.blocked_hmm import Carried, expected_counts, expected_counts_from_logits, logits_gradient_
 from latentlm.models.kernels import gemm
-from latentlm.training.neural.networks import VLHMM, RankNeural
 
 
 class BlockedNLL(torch.autograd.Function):
@@ -55,7 +55,7 @@ class BlockedNLL(torch.autograd.Function):
         return -grad * start, g_trans, -grad * emit, None, None, None, None, None, None, None
 
 
-def blocked_loss(model: VLHMM, batch: Batch, active: Tensor, carry: Carried | None = None,
+def blocked_loss(model: nn.Module, batch: Batch, active: Tensor, carry: Carried | None = None,
                  want_last: bool = False, eos: int | None = None, trans_logits: bool = True
                  ) -> tuple[Tensor, Carried | None]:
     """Negative log-likelihood summed over the batch's tokens under the state-dropout mask `active`
@@ -119,7 +119,7 @@ def sentence_pieces(batch: Batch, eos: int) -> tuple[Batch, Tensor, Tensor]:
     return Batch(out, piece_len), piece[row_start], piece[row_start + lengths - 1]
 
 
-def rank_loss(model: RankNeural, batch: Batch) -> Tensor:
+def rank_loss(model: nn.Module, batch: Batch) -> Tensor:
     """Negative log-likelihood summed over the batch (rank-space forward, O(B T r^2))."""
     start, si, so, emit = model.matrices()
     B = batch.ids.shape[0]

@@ -23,6 +23,7 @@ from latentlm.models.blocked_hmm import Carried
 from latentlm.models.errors import InputError
 from latentlm.models.kernels import gemm
 from latentlm.training import common
+from latentlm.training.neural import losses
 from latentlm.training.neural.emission import cluster_log_softmax
 
 if TYPE_CHECKING:
@@ -165,10 +166,8 @@ class VLHMM(nn.Module):
                  bptt: bool, eos: int | None) -> tuple[Tensor, Carried | None]:
         """A step's loss: the batch's negative log-likelihood under a fresh state-dropout mask (`keep` states per
         cluster, drawn from `generator`), from each stream's `carry` (--bptt); returns (nll, the next carry)."""
-        from latentlm.training.neural.losses import blocked_loss
-
         active = sample_state_dropout(self.M, self.k, keep, generator).to(self.word_cluster.device)
-        return blocked_loss(self, batch, active, carry, want_last=bptt, eos=eos)
+        return losses.blocked_loss(self, batch, active, carry, want_last=bptt, eos=eos)
 
     def artifact_config(self, ns: TrainSettings) -> dict[str, Any]:
         return {"num_states": self.num_states, "num_clusters": self.M, "states_per_cluster": self.k,
@@ -318,9 +317,7 @@ class RankNeural(nn.Module):
     def step_nll(self, batch: Batch, *, generator: torch.Generator, keep: int, carry: Carried | None,
                  bptt: bool, eos: int | None) -> tuple[Tensor, None]:
         """A step's loss (dropout draws from torch's global generator, which checkpoints keep)."""
-        from latentlm.training.neural.losses import rank_loss
-
-        return rank_loss(self, batch), None
+        return losses.rank_loss(self, batch), None
 
     def artifact_config(self, ns: TrainSettings) -> dict[str, Any]:
         return {"num_states": ns.states, "rank": ns.rank, "hidden": ns.hidden, "dropout": ns.dropout}
