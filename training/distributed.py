@@ -83,7 +83,12 @@ class World:
         if self.distributed:
             tick = time.perf_counter()
             for t in tensors:
-                dist.all_reduce(t, op=dist.ReduceOp.SUM)
+                if t.device != self.device and self.device.type == "cuda":  # NCCL reduces device memory only
+                    on_device = t.to(self.device)
+                    dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+                    t.copy_(on_device)
+                else:
+                    dist.all_reduce(t, op=dist.ReduceOp.SUM)
             _count(tick)
 
     def sum_floats(self, values: Sequence[float]) -> list[float]:
