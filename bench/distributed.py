@@ -2,6 +2,7 @@
 process x 1 thread, on the same global batch and seed, as a user runs them (the `latentlm train` CLI, its defaults).
 
     python bench/distributed.py [--steps 40] [--repeats 2] [--em-states 256] [--out bench/results/distributed.md]
+    python bench/distributed.py --device cuda --workloads vlhmm   # on a GPU: 1 rank under torchrun against 1 process
 
 Workloads:
 * `vlhmm`: the Chiu & Rush Table 3 Brown recipe (configs/chiu-rush-table3-brown-m8.yaml: 1,024 states, BPTT 16 x
@@ -37,6 +38,7 @@ LAYOUTS = {  # name -> (ranks, threads per rank)
     "2 ranks x 1 thread": (2, 1),
     "1 process x 1 thread": (1, 1),
 }
+GPU_LAYOUTS = {"1 process": (1, 0), "1 rank under torchrun": (-1, 0)}  # -1: torchrun with one rank
 
 
 def cpu_name() -> str:
@@ -51,18 +53,18 @@ def cpu_name() -> str:
 def command(ranks: int, args: list[str]) -> list[str]:
     if ranks == 1:
         return [sys.executable, "-m", "latentlm.cli", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(abs(ranks)),
             "-m", "latentlm.cli", *args]
 
 
 def shown(cmd: list[str], threads: int) -> str:
     text = " ".join("latentlm" if c == "latentlm.cli" else c for c in cmd[1:] if c != "-m")
     text = text.replace("torch.distributed.run", "torchrun")
-    return f"OMP_NUM_THREADS={threads} {text}"
+    return f"OMP_NUM_THREADS={threads} {text}" if threads else text
 
 
 def run(ranks: int, threads: int, args: list[str], store: Path) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     cmd = command(ranks, [*args, "--store", str(store), "--no-progress"])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -72,13 +74,13 @@ def run(ranks: int, threads: int, args: list[str], store: Path) -> dict:
     return {"prov": prov, "command": shown(cmd, threads).replace(str(store), "STORE")}
 
 
-def vlhmm(ranks: int, threads: int, steps: int, store: Path) -> dict:
-    r = run(ranks, threads, ["train", "--config", str(CONFIG), "--max-steps", str(steps)], store)
+def vlhmm(ranks: int, threads: int, steps: int, store: Path, device: str = "cpu") -> dict:
+    r = run(ranks, threads, ["train", "--config", str(CONFIG), "--max-steps", str(steps), "--device", device], store)
     prov = r["prov"]
     rows = prov["curve"]
     stepping = prov["train_seconds"] - rows[-1].get("check_seconds", 0.0)
     return {"command": r["command"].replace(str(ROOT) + "/", ""), "step_ms": 1000 * stepping / prov["steps"],
-            "allreduce_share": prov.get("allreduce_seconds", 0.0) / stepping if ranks > 1 else 0.0,
+            "allreduce_share": prov.get("allreduce_seconds", 0.0) / stepping if ranks != 1 else 0.0,
             "valid_ppl": rows[-1]["valid_ppl"], "world_size": prov.get("world_size")}
 
 
@@ -100,16 +102,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--em-states", type=int, default=256)
     ap.add_argument("--workloads", default="vlhmm,hmm-em")
+    ap.add_argument("--device", default="cpu", help="cuda: 1 rank under torchrun against 1 process on the GPU")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "distributed.md")
     a = ap.parse_args()
+    layouts = LAYOUTS if a.device == "cpu" else GPU_LAYOUTS
     results: dict[tuple[str, str], list[dict]] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-distributed-"))
     try:
         for rep in range(a.repeats):
             for wl in a.workloads.split(","):
-                for layout, (ranks, threads) in LAYOUTS.items():
+                for layout, (ranks, threads) in layouts.items():
                     store = work / f"{wl}-{ranks}x{threads}-{rep}"
-                    res = (vlhmm(ranks, threads, a.steps, store) if wl == "vlhmm"
+                    res = (vlhmm(ranks, threads, a.steps, store, a.device) if wl == "vlhmm"
                            else hmm_em(ranks, threads, a.em_states, store))
                     results.setdefault((wl, layout), []).append(res)
                     print(wl, layout, {k: v for k, v in res.items() if k != "command"}, flush=True)
@@ -117,16 +121,16 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     lines = [f"\n## {dt.date.today()}: {cpu_name()}\n",
              f"`python bench/distributed.py --steps {a.steps} --repeats {a.repeats} --em-states {a.em_states} "
-             f"--workloads {a.workloads}`; torch {__import__('torch').__version__}, gloo.\n"]
+             f"--workloads {a.workloads} --device {a.device}`; torch {__import__('torch').__version__}, gloo.\n"]
     if "vlhmm" in a.workloads:
-        base = statistics.median(r["step_ms"] for r in results[("vlhmm", "1 process x 2 threads")])
+        base = statistics.median(r["step_ms"] for r in results[("vlhmm", next(iter(layouts)))])
         lines += [f"\n### VL-HMM, Chiu & Rush Table 3 Brown (1,024 states, BPTT 16 x 32), {a.steps} steps\n",
-                  "| layout | step (ms), each run | median | vs 1 x 2 threads | all-reduce share | valid ppl after "
-                  "the last step, each run |", "|---|---|---|---|---|---|"]
-        for layout in LAYOUTS:
+                  f"| layout | step (ms), each run | median | vs {next(iter(layouts))} | all-reduce share | "
+                  "valid ppl after the last step, each run |", "|---|---|---|---|---|---|"]
+        for layout in layouts:
             rs = results[("vlhmm", layout)]
             med = statistics.median(r["step_ms"] for r in rs)
-            share = each(rs, "allreduce_share", "{:.0%}") if "ranks" in layout else "-"
+            share = each(rs, "allreduce_share", "{:.0%}") if "rank" in layout else "-"
             lines.append(f"| {layout} | {each(rs, 'step_ms', '{:.0f}')} | {med:.0f} | {base / med:.2f}x | {share} | "
                          f"{each(rs, 'valid_ppl', '{:.3f}')} |")
     if "hmm-em" in a.workloads:
