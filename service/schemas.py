@@ -37,3 +37,35 @@ ERROR_SCHEMA: dict[str, Any] = {
         "param": {"anyOf": [{"type": "string"}, {"type": "null"}], "description": "the field at fault"},
         "code": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}},
 }
+
+
+# -- streamed bodies: each event or line as it is sent -------------------------------------------------------------
+# OpenAPI 3.1 has no keyword for the items of a stream (3.2's `itemSchema`); as schema checkers read a 3.1 document
+# (schemathesis), a `text/event-stream` or `application/x-ndjson` entry's `schema` describes one event or one line.
+def sse_event(*payloads: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event as sent: `data` is the JSON of one of `payloads`, or the closing `[DONE]`."""
+    content = payloads[0] if len(payloads) == 1 else {"anyOf": list(payloads)}
+    return {"type": "object", "required": ["data"], "additionalProperties": False, "properties": {
+        "event": {"const": "message"},
+        "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "contentMediaType": "application/json",
+                                                 "contentSchema": content}]}}}
+
+
+def chunk(op: str, piece: dict[str, Any] | None) -> dict[str, Any]:
+    """`{"object": "<op>.chunk", "model", ...piece}` (`ops.format.chunk`); any fields where `piece` is None."""
+    head = {"object": {"const": f"{op}.chunk"}, "model": {"type": "string"}}
+    if piece is None:
+        return {"type": "object", "required": ["object", "model"], "properties": head}
+    if "anyOf" in piece:
+        return {"anyOf": [chunk(op, p) for p in piece["anyOf"]]}
+    return {**piece, "properties": {**head, **piece["properties"]}, "required": [*head, *piece["required"]]}
+
+
+def usage_line(op: str, generates: bool) -> dict[str, Any]:
+    """`{"object": "<op>.usage", "model", "usage"[, "warnings"]}` (`ops.format.usage_line`)."""
+    count = {"type": "integer", "minimum": 0}
+    usage = {"input_tokens": count, **({"output_tokens": count} if generates else {}), "total_tokens": count}
+    return {"type": "object", "additionalProperties": False, "required": ["object", "model", "usage"], "properties": {
+        "object": {"const": f"{op}.usage"}, "model": {"type": "string"},
+        "usage": {"type": "object", "additionalProperties": False, "required": list(usage), "properties": usage},
+        "warnings": {"type": "array", "items": {"type": "string"}}}}

@@ -345,3 +345,19 @@ def body(call: Call, results: list[Completion]) -> dict[str, Any]:
     """OpenAI's `text_completion`: `head`, `choices` (`format.fields` of each), `usage`[, `warnings`]."""
     return format.with_warnings(call, {**head(call), "choices": [format.fields(c) for c in results],
                                        "usage": usage(call, results)})
+
+
+# -- what the answer holds, for the OpenAPI document ----------------------------------------------------------
+_INT = {"type": "integer", "minimum": 0}
+USAGE_SCHEMA = format.obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT},
+                          "prompt_tokens", "completion_tokens", "total_tokens")
+_HEAD = {"id": {"type": "string", "pattern": "^cmpl-[0-9a-f]{24}$"}, "object": {"const": "text_completion"},
+         "created": _INT, "model": {"type": "string"}, "system_fingerprint": {"type": "string"}}
+_CHOICES = {"type": "array", "items": format.COMPLETION_SCHEMA}
+RESPONSE_SCHEMA = format.obj({**_HEAD, "choices": _CHOICES, "usage": USAGE_SCHEMA,
+                              "warnings": {"type": "array", "items": {"type": "string"}}}, *_HEAD, "choices", "usage")
+"""The whole answer (`body`)."""
+CHUNK_SCHEMA = format.obj({**_HEAD, "choices": _CHOICES, "usage": {"anyOf": [{"type": "null"}, USAGE_SCHEMA]}},
+                          *_HEAD, "choices")
+"""One streamed chunk: a piece of one choice (`format.completion_pieces`), or with stream_options.include_usage the
+last, `choices: []` and the usage (the others then `usage: null`)."""

@@ -152,6 +152,41 @@ FIELDS: dict[type, Callable[[Any, Tokens], dict[str, Any]]] = {
 """Result type -> the function writing its public fields (in the order clients see them)."""
 
 
+# -- the JSON Schemas of what the writers write (the OpenAPI document declares streamed pieces by them) -------------
+_INT = {"type": "integer", "minimum": 0}
+_IDS = {"type": "array", "items": _INT}
+_STRS = {"type": "array", "items": {"type": "string"}}
+_NUM = {"type": ["number", "null"]}  # a non-finite float is written as null (`dumps`)
+
+
+def obj(properties: dict[str, Any], *required: str) -> dict[str, Any]:
+    """A JSON object schema with exactly these properties (others refused), `required` among them."""
+    return {"type": "object", "properties": properties, "required": list(required), "additionalProperties": False}
+
+
+SAMPLE_SCHEMA = obj({"index": _INT, "tokens": _STRS, "text": {"type": "string"}, "ids": _IDS, "states": _IDS,
+                     "tree": {"type": "string"}, "finish_reason": {"enum": ["stop", "eos", "length"]}}, "index", "ids")
+"""One sample's answer (`answer` of a `Sample`, `samples`)."""
+POSTERIOR_PIECE_SCHEMA = {"anyOf": [
+    obj({"index": _INT, "offset": _INT, "marginals": {"type": "array", "items": obj(
+        {"states": _IDS, "probs": {"type": "array", "items": _NUM}}, "states", "probs")}}, "index", "offset",
+        "marginals"),
+    obj({"index": _INT, "spans": {"type": "array", "items": obj({"start": _INT, "end": _INT, "prob": _NUM}, "start",
+                                                                 "end", "prob")}}, "index", "spans")]}
+"""One piece of a streamed posterior (`posterior_chunks`): a chain family's positions, or a PCFG sentence's spans."""
+_LOGPROBS = obj({"tokens": _STRS, "token_logprobs": {"type": "array", "items": _NUM},
+                 "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": _NUM}},
+                 "text_offset": {"type": "array", "items": _INT},
+                 "bytes": {"type": "array", "items": {"type": "array", "items": {**_INT, "maximum": 255}}}},
+                "tokens", "token_logprobs", "top_logprobs", "text_offset")
+COMPLETION_SCHEMA = obj({"text": {"type": "string"}, "index": _INT,
+                         "logprobs": {"anyOf": [{"type": "null"}, _LOGPROBS]},
+                         "finish_reason": {"enum": ["stop", "length", None]}},
+                        "text", "index", "logprobs", "finish_reason")
+"""One choice of a completion (`fields` of a `Completion`), or a piece of one (`completion_pieces`: finish_reason
+null but in the last)."""
+
+
 def fields(result: Result, tokens: Tokens = None, text: Text = None) -> dict[str, Any]:
     """The public JSON fields of one typed result (`FIELDS`); `tokens()` gives the token strings an answer shows
     (a sample's, or a scored input's next to its `token_logprobs`), None to leave them out; `text()` a sample's

@@ -27,8 +27,10 @@ from pydantic import (
     field_validator,
 )
 
+from latentlm.models import constraint as word_constraint
+from latentlm.models import text_constraint
 from latentlm.models.family import DECODE_METHODS
-from latentlm.ops.inputs import MAX_SEED, MAX_STOP_SEQUENCES
+from latentlm.ops.inputs import MAX_SEED, MAX_STOP_SEQUENCES, MAX_STOP_TOKENS
 
 
 def integral(v: Any) -> Any:
@@ -38,6 +40,41 @@ def integral(v: Any) -> Any:
 
 
 JSONInt = Annotated[int, BeforeValidator(integral), Strict()]
+
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def when(condition: dict[str, Any], then: dict[str, Any], *, present: tuple[str, ...] = (),
+         required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """JSON Schema's `if`/`then` between a request's fields: where the fields of `condition` hold (those named in
+    `present` given), the fields of `then` hold too (those in `required` given; the others may be left out)."""
+    return {"if": {"properties": condition, "required": list(present)},
+            "then": {"properties": then, "required": list(required)}}
+
+
+def schema_with(*rules: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """A model's `json_schema_extra`: its bounds renamed (`json_schema_bounds`) and `rules` (conditions between its
+    fields, `when`) added as `allOf`."""
+    def extra(schema: dict[str, Any]) -> None:
+        json_schema_bounds(schema)
+        schema["allOf"] = list(rules)
+
+    return extra
+
+
+def json_schema_bounds(schema: dict[str, Any]) -> None:
+    """A request model's JSON Schema with its integer bounds named as JSON Schema names them: pydantic writes the
+    bounds of a `JSONInt` that is optional or inside a list (behind its validator) as `ge`, `le`, ... which no
+    schema reader knows (so `"prompt": [-1]` looked valid). In place, every nested schema."""
+    if isinstance(schema, dict):
+        for short, name in _BOUNDS.items():
+            if short in schema:
+                schema[name] = schema.pop(short)
+        for v in schema.values():
+            json_schema_bounds(v)
+    elif isinstance(schema, list):
+        for v in schema:
+            json_schema_bounds(v)
 
 
 @dataclass(frozen=True)
@@ -70,6 +107,13 @@ def int_or_all(text: str) -> int | str:
     return text if text == "all" else int(text)
 
 
+STOP_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "maxItems": MAX_STOP_SEQUENCES, "items": {"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "maxItems": MAX_STOP_TOKENS, "items": {"type": "integer", "minimum": 0}}]}},
+    {"type": "null"}]}
+"""What `inputs.encode_stops` takes (a text's tokens, and ids below the vocabulary's size, are the model's to say)."""
 TEXT = {"type": "string", "pattern": r"\S"}  # at least one non-space character: whitespace alone has no tokens
 # (the schema admits only what the service takes; the service itself answers 422 naming the item, e.g. `input[0]`)
 INPUT_SCHEMA = {
@@ -107,7 +151,7 @@ def check_input(v: Any) -> Any:
 class OperationRequest(BaseModel):
     """Fields every operation's request has: the model's id."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), json_schema_extra=json_schema_bounds)
     model: str = Field(description="model id (see GET /v1/models)", min_length=1)
 
 
@@ -185,36 +229,56 @@ Temperature = Annotated[float, BeforeValidator(number), AfterValidator(positive_
 Probability = Annotated[float, Field(gt=0, le=1), BeforeValidator(number)]  # in (0, 1]
 
 
+PHRASE = {"type": "string", "minLength": 1}  # white space alone is a phrase of a text, not of a word-level model
+INCLUDE_SCHEMA = {"anyOf": [{"type": "array", "maxItems": word_constraint.MAX_GROUPS, "items": {"anyOf": [
+    {"type": "array", "minItems": 1, "items": PHRASE}, PHRASE]}}, {"type": "null"}]}
+WINDOW = {"maximum": word_constraint.MAX_TOKENS_LIMIT}  # above it: 413
+
+
 class ConstraintSpec(BaseModel):
     """What a continuation must satisfy (`models.constraint`; for a model over an LM's tokenizer, its decoded text:
     `models.text_constraint`); a continuation is complete when it emits `<eos>`, and its length (min_tokens ..
     max_tokens) counts that `<eos>`."""
 
-    model_config = ConfigDict(extra="forbid")
-    include: list[list[str] | str] | None = Field(
+    model_config = ConfigDict(extra="forbid", json_schema_extra=json_schema_bounds)
+    include: Annotated[list[list[str] | str] | None, WithJsonSchema(INCLUDE_SCHEMA)] = Field(
         None, description="groups, each a list of alternatives (a word or a space-separated phrase of the model's "
                           "vocabulary; for a model over an LM's tokenizer, text matched as a whole word, "
                           "case-sensitive); every group must appear at least once")
     ordered: StrictBool = Field(False, description="the groups' first occurrences end in the given order")
-    exclude: list[str] | None = Field(None, description="words or phrases that must not appear")
-    min_tokens: JSONInt | None = Field(None, ge=1, description="shortest continuation, counting <eos> (default 1)")
-    max_tokens: JSONInt | None = Field(None, ge=1, description="longest continuation, counting <eos> (default: "
-                                                                "the request's max_tokens, else 32)")
-    regex: str | None = Field(None, description="a regular expression over words: vocabulary words, `.` (any word), "
-                                                "`[w1 w2]`, `[^w1 w2]`, `( ) | * + ? {m,n}`, separated by spaces; for "
-                                                "a model over an LM's tokenizer, a Python-style regex the decoded "
-                                                "text matches in full")
+    exclude: Annotated[list[str] | None, WithJsonSchema({"anyOf": [{"type": "array", "items": PHRASE},
+                                                                    {"type": "null"}]})] = Field(
+        None, description="words or phrases that must not appear")
+    min_tokens: JSONInt | None = Field(None, ge=1, json_schema_extra=WINDOW,
+                                       description="shortest continuation, counting <eos> (default 1)")
+    max_tokens: JSONInt | None = Field(None, ge=1, json_schema_extra=WINDOW,
+                                       description="longest continuation, counting <eos> (default: the request's "
+                                                   "max_tokens, else 32)")
+    regex: str | None = Field(None, json_schema_extra={"maxLength": word_constraint.MAX_REGEX_CHARS},
+                              description="a regular expression over words: vocabulary words, `.` (any word), "
+                                          "`[w1 w2]`, `[^w1 w2]`, `( ) | * + ? {m,n}`, separated by spaces; for "
+                                          "a model over an LM's tokenizer, a Python-style regex the decoded "
+                                          "text matches in full")
     suffix: str | None = Field(None, description="the continuation ends with this phrase (before <eos>)")
-    min_words: JSONInt | None = Field(None, ge=0, description="fewest words of the decoded text (runs of "
-                                        "characters other than ASCII white space); models over an LM's tokenizer")
-    max_words: JSONInt | None = Field(None, ge=0, description="most words of the decoded text; models over an "
-                                        "LM's tokenizer (a word-level model's words are its tokens: max_tokens)")
+    min_words: JSONInt | None = Field(None, ge=0, json_schema_extra={"maximum": text_constraint.MAX_WORDS_LIMIT},
+                                      description="fewest words of the decoded text (runs of characters other than "
+                                                  "ASCII white space); models over an LM's tokenizer")
+    max_words: JSONInt | None = Field(None, ge=0, json_schema_extra={"maximum": text_constraint.MAX_WORDS_LIMIT},
+                                      description="most words of the decoded text; models over an LM's tokenizer (a "
+                                                  "word-level model's words are its tokens: max_tokens)")
 
 
 ConstraintField = Annotated[ConstraintSpec, Cli(parse=json_arg, metavar="FILE.json")]
 
 
+CONSTRAINED = {"constraint": {"type": "object"}}
+NULL = {"type": "null"}
+
+
 class SampleRequest(OperationRequest):
+    model_config = ConfigDict(json_schema_extra=schema_with(when(
+        CONSTRAINED, {"top_k": NULL, "top_p": NULL, "stop": NULL, "stop_at_eos": {"const": True}},
+        present=("constraint",))))
     n: JSONInt = Field(1, ge=1, description="number of samples")
     max_tokens: JSONInt = Field(32, ge=1, description="tokens per sample at most")
     seed: JSONInt = Field(0, ge=0, lt=1 << 63, description="random seed in [0, 2^63) (same seed, same samples)")
@@ -228,7 +292,7 @@ class SampleRequest(OperationRequest):
     top_p: Probability | None = Field(None, description="draw each token from the fewest most probable next "
                                                              "tokens whose mass reaches p (hmm, tagging_hmm, "
                                                              "blocked_hmm)")
-    stop: Annotated[str | list[str | list[JSONInt]] | None, Cli(metavar="TEXT")] = Field(
+    stop: Annotated[str | list[str | list[JSONInt]] | None, Cli(metavar="TEXT"), WithJsonSchema(STOP_SCHEMA)] = Field(
         None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids): a sample ends before the "
                           "first it spells, which is left out; chain families (each sample then says its "
                           "`finish_reason`: stop, eos or length for all of them)")
@@ -267,7 +331,7 @@ MAX_PROMPTS = 1024  # prompts in one request
 MAX_N = 128  # choices per prompt
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's completions
 
-NonEmptyIds = Annotated[list[Annotated[JSONInt, Field(ge=0)]], Field(min_length=1)]
+NonEmptyIds = Annotated[list[Annotated[JSONInt, Field(ge=0)]], Field(min_length=1)]  # bounds: `json_schema_bounds`
 Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | NonEmptyIds
           | Annotated[list[NonEmptyIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 
@@ -286,11 +350,21 @@ def _finite_number(v: Any) -> Any:
     return v
 
 
+SAMPLED = {"max_tokens": {"not": {"const": 0}}}  # a completion draws (with max_tokens 0 it only scores the prompt)
+COMPLETION_RULES = (
+    when(CONSTRAINED, {"temperature": {"anyOf": [NULL, {"exclusiveMinimum": 0}]}}, present=("constraint",)),
+    when({**CONSTRAINED, **SAMPLED}, {"top_p": {"anyOf": [NULL, {"const": 1}]}, "stop": NULL},
+         present=("constraint",)),
+    when({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, present=("max_tokens",), required=("echo",)),
+    when({"stream_options": {"type": "object"}}, {"stream": {"const": True}}, present=("stream_options",),
+         required=("stream",)))
+
+
 class CompletionRequest(BaseModel):
     """OpenAI's completion request. Unknown fields are refused (422 naming the field); fields latentlm cannot
     honour (suffix, best_of other than 1 or n, logit_bias, non-zero penalties) 400 naming the field."""
 
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), json_schema_extra=schema_with(*COMPLETION_RULES))
     model: str = Field(description="model id (see GET /v1/models); a chain family", min_length=1)
     prompt: Prompt = Field(description="a string, a list of strings, a token-id list, or a list of token-id lists "
                                        f"(at most {MAX_PROMPTS} prompts); \"\" samples from the start")
@@ -302,7 +376,8 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling from the next-token distribution "
                                                               "(hmm, tagging_hmm, blocked_hmm); 1 = none")
     n: JSONInt | None = Field(None, ge=1, le=MAX_N, description="choices per prompt (default 1)")
-    stop: str | Annotated[list[str | NonEmptyIds], Field(max_length=MAX_STOP_SEQUENCES)] | None = Field(
+    stop: Annotated[str | Annotated[list[str | NonEmptyIds], Field(max_length=MAX_STOP_SEQUENCES)] | None,
+                    WithJsonSchema(STOP_SCHEMA)] = Field(
         None, description=f"up to {MAX_STOP_SEQUENCES} stop sequences (text or token ids); left out of the text")
     seed: JSONInt | None = Field(None, ge=0, lt=MAX_SEED, description="same seed, same choices (as "
                                                                         "/v1/sample's); default: a fresh one")
@@ -312,11 +387,15 @@ class CompletionRequest(BaseModel):
     logprobs: JSONInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="log p of each token and of the "
                                                                                "this many most probable next tokens")
     echo: StrictBool | None = Field(None, description="the prompt before the completion, with its log-probabilities")
-    suffix: str | None = Field(None, description="infilling: not supported (400) unless empty")
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0},
+                               description="infilling: not supported (400) unless empty")
     best_of: JSONInt | None = Field(None, ge=1, description="only 1 or n (the choices are the samples drawn)")
-    logit_bias: dict[str, float] | None = Field(None, description="not supported (400) unless empty")
-    presence_penalty: float | None = Field(None, description="not supported (400) unless 0")
-    frequency_penalty: float | None = Field(None, description="not supported (400) unless 0")
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0},
+                                                description="not supported (400) unless empty")
+    presence_penalty: float | None = Field(None, json_schema_extra={"enum": [0, None]},
+                                           description="not supported (400) unless 0")
+    frequency_penalty: float | None = Field(None, json_schema_extra={"enum": [0, None]},
+                                            description="not supported (400) unless 0")
     user: str | None = Field(None, description="accepted, not used")
     constraint: ConstraintSpec | None = Field(
         None, description="the constraint object of constrained generation (`extra_body` in the openai client): "

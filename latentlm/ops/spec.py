@@ -126,7 +126,9 @@ class Operation:
     `refusal(model)`: the error a model `supports` refuses gets (default: UnsupportedOperation naming the operation);
     `route`: False for an operation served by a route of its own (completions: OpenAI's framing), which then has
     no generic `POST /v1/<name>` route, CLI subcommand or entry in /v1/models' `operations` (batch lines and an
-    engine process take it as any other). `run` returns what `body` writes: per-input answers (`format`'s), or typed
+    engine process take it as any other); `piece_schema`: the JSON Schema of what one streamed piece holds (an SSE
+    chunk's or an NDJSON line's fields but `object` and `model`), declared in the OpenAPI document. `run` returns
+    what `body` writes: per-input answers (`format`'s), or typed
     results (`models.results`) that `body` writes."""
 
     name: str
@@ -146,6 +148,7 @@ class Operation:
     body: Callable[[Call, list[Any]], dict[str, Any]] = format.body  # the whole response
     refusal: Callable[[LoadedModel], Exception] | None = None
     route: bool = True
+    piece_schema: dict[str, Any] | None = None  # JSON Schema of one streamed piece's fields (`format`'s schemas)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -356,11 +359,12 @@ def cli_flags(op: Operation) -> list[Flag]:
 
 register(Operation("score", "log-likelihood, perplexity and per-token log-probs", ScoreRequest, cli_backend=True))
 register(Operation("posterior", "per-token state marginals", PosteriorRequest, stream="ndjson",
-                   pieces=_posterior_pieces))
+                   pieces=_posterior_pieces, piece_schema=format.POSTERIOR_PIECE_SCHEMA))
 register(Operation("decode", "Viterbi or MBR decoding", DecodeRequest))
 register(Operation("sample", "sample sentences or continuations of --prefix", SampleRequest,
                    prepare=_prepare_sample, run=_run_sample, merge=False, cache=False, generates=True, stream="sse",
-                   input_field="prefix", advice="ask for fewer or shorter samples (n, max_tokens)"))
+                   input_field="prefix", advice="ask for fewer or shorter samples (n, max_tokens)",
+                   piece_schema=format.SAMPLE_SCHEMA))
 register(Operation("embed", "per-token embeddings", EmbedRequest))
 register(Operation("constraint", "the probability that a continuation of --prefix satisfies a constraint "
                    "[, and each next token's weight P(C | prefix, v)]", ConstraintRequest, prepare=_prepare_constraint,

@@ -16,10 +16,11 @@ from fastapi.responses import Response, StreamingResponse
 from latentlm import ops
 from latentlm.models.results import Completion
 from latentlm.ops import format, spec
-from latentlm.ops.completions import head, usage
+from latentlm.ops.completions import CHUNK_SCHEMA, RESPONSE_SCHEMA, head, usage
 from latentlm.ops.requests import CompletionRequest
 from latentlm.service.batcher import QueueFull
 from latentlm.service.routes.operations import CANCEL, JSONBytes, OperationRoute, prepare_call
+from latentlm.service.schemas import sse_event
 from latentlm.service.state import ServiceState, get_state
 
 router = APIRouter(prefix="/v1", tags=["completions"], route_class=OperationRoute)
@@ -28,9 +29,9 @@ ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schem
 
 
 @router.post("/completions", responses={200: {"content": {
-    "application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
+    "application/json": {"schema": RESPONSE_SCHEMA}, "text/event-stream": {"schema": sse_event(CHUNK_SCHEMA)}},
     "description": "an OpenAI `text_completion`; with `stream: true` server-sent `text_completion` chunks, then "
-                   "`data: [DONE]`"},
+                   "`data: [DONE]` (the event-stream schema is one event's)"},
     404: {"description": "no such model", **ERROR},
     429: {"description": "queue full or rate limit: retry after Retry-After", **ERROR}})
 async def completions(req: CompletionRequest, state: ServiceState = Depends(get_state)) -> Response:

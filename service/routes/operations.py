@@ -38,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 from latentlm import ops
 from latentlm.models.errors import LatentLMError
 from latentlm.ops import format, spec
-from latentlm.service import errors, execute
+from latentlm.service import errors, execute, schemas
 from latentlm.service.batcher import CancelScope, QueueFull
 from latentlm.service.errors import APIError, ShuttingDown
 from latentlm.service.middleware import BODY
@@ -196,14 +196,26 @@ X_COST = {"x-cost": {"description": "the request's estimated cost (its family's 
                                     "LATENTLM_HEAVY_REQUEST_COST it runs in the heavy lane",
                      "schema": {"type": "integer"}}}
 STREAM_DOCS = {
-    "ndjson": {"content": {"application/json": {}, NDJSON: {"schema": {"type": "string"}}},
-               "description": "the answer; with `stream: true` or `Accept: application/x-ndjson` NDJSON: `<op>.chunk` "
-                              "lines (posterior: `index`, `offset`, `marginals`; PCFGs `spans`) then an `<op>.usage` "
-                              "line"},
-    "sse": {"content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
-            "description": "the answer; with `stream: true` server-sent events, one `<op>.chunk` per result, then "
-                           "an `<op>.usage` event and `data: [DONE]`"},
+    "ndjson": "the answer; with `stream: true` or `Accept: application/x-ndjson` NDJSON: `<op>.chunk` lines "
+              "(posterior: `index`, `offset`, `marginals`; PCFGs `spans`) then an `<op>.usage` line (an error after "
+              "the first line: a last `{\"error\": ...}` line); the NDJSON schema is one line's",
+    "sse": "the answer; with `stream: true` server-sent events, one `<op>.chunk` per result, then an `<op>.usage` "
+           "event and `data: [DONE]`; the event-stream schema is one event's",
 }
+
+
+def response_docs(op: spec.Operation) -> dict[str, Any]:
+    """The 200 response of `POST /v1/<op>` in the OpenAPI document: JSON, and what a streamed answer sends, one
+    event or line at a time (`schemas.sse_event`, `schemas.chunk`, `schemas.usage_line`)."""
+    if op.stream not in STREAM_DOCS:
+        return {"description": "the answer", "headers": X_COST}
+    pieces = schemas.chunk(op.name, op.piece_schema), schemas.usage_line(op.name, op.generates)
+    if op.stream == "ndjson":
+        media, schema = NDJSON, {"anyOf": [*pieces, {"$ref": "#/components/schemas/Error"}]}
+    else:
+        media, schema = "text/event-stream", schemas.sse_event(*pieces)
+    return {"content": {"application/json": {}, media: {"schema": schema}}, "description": STREAM_DOCS[op.stream],
+            "headers": X_COST}
 
 
 async def run_operation(op: spec.Operation, req: Any, state: ServiceState) -> Response:
@@ -343,7 +355,6 @@ def build_router() -> APIRouter:
     for op in spec.OPERATIONS.values():
         if not op.route:
             continue
-        docs = STREAM_DOCS.get(op.stream or "", {"description": "the answer"})
         router.add_api_route(f"/{op.name}", endpoint_for(op), methods=["POST"], name=op.name,
-                             responses={200: {**docs, "headers": X_COST}})
+                             responses={200: response_docs(op)})
     return router

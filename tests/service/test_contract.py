@@ -119,3 +119,80 @@ def test_numbers_accepted(server):
         422, "top_k")
     err(server.client.post("/v1/score", json={"model": "tiny", "input": "w1", "token_logprobs": 1}, headers=AUTH),
         422, "token_logprobs")
+
+
+def _inline(schema, doc):
+    """`schema` with its `#/components/schemas/...` references replaced by what they name."""
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            return _inline(doc["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]], doc)
+        return {k: _inline(v, doc) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_inline(v, doc) for v in schema]
+    return schema
+
+
+def test_streamed_bodies_are_the_declared_events(store, tmp_path):
+    """Each event of a streamed answer (the SSE of /v1/sample and /v1/completions, each NDJSON line of /v1/posterior)
+    and a completion's JSON answer is what the OpenAPI document declares, one event or line at a time, every object
+    closed (`additionalProperties: false`): a field written and not declared fails here, as it fails schemathesis'
+    response checks (the same validator, jsonschema_rs)."""
+    import json
+    import shutil
+    import time
+
+    import jsonschema_rs
+    from fastapi.testclient import TestClient
+
+    from latentlm.models.registry import save_artifact
+    from latentlm.models.tokenizer import tokenizer_files, vocab_for
+    from tests.service.test_text_constraint_api import EOS, TOK, peaked_hmm
+
+    shutil.copytree(store, tmp_path / "store")
+    t, c = peaked_hmm()
+    save_artifact(tmp_path / "store", "bpe", "hmm", t, vocab_for(TOK, eos=EOS), config=c,
+                  extra_files=tokenizer_files(TOK))
+    keyword = {"include": [["w5"]], "exclude": ["w1 nosuchword"], "max_tokens": 6}
+    cases = {
+        "/v1/sample": [{"model": "tiny", "n": 3, "max_tokens": 5, "seed": 1, "prefix": "w1", "stop": ["w2"]},
+                       {"model": "tiny", "n": 2, "max_tokens": 6, "seed": 2, "constraint": keyword},
+                       {"model": "pcfg", "n": 2, "seed": 3}, {"model": "bpe", "n": 2, "max_tokens": 4, "seed": 4}],
+        "/v1/posterior": [{"model": "tiny", "input": ["w1 w2 w3", "w4"], "top_k": 2}, {"model": "pcfg",
+                                                                                       "input": "w1 w2 w3"}],
+        "/v1/completions": [{"model": "tiny", "prompt": ["w1", "w2 w3"], "max_tokens": 4, "n": 2, "seed": 5,
+                             "logprobs": 2, "echo": True, "stream_options": {"include_usage": True}},
+                            {"model": "bpe", "prompt": "The river", "max_tokens": 4, "seed": 6, "logprobs": 1,
+                             "echo": True},
+                            {"model": "tiny", "prompt": "w1", "max_tokens": 6, "seed": 7, "constraint": keyword}]}
+    with TestClient(create_app(Settings(store=tmp_path / "store", device="cpu", state_dir=tmp_path / "st"))) as c:
+        while c.get("/ready").status_code != 200:
+            time.sleep(0.05)
+        doc = c.get("/openapi.json").json()
+        seen = 0
+        for path, bodies in cases.items():
+            content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+            media = "application/x-ndjson" if path == "/v1/posterior" else "text/event-stream"
+            declared = _inline(content[media]["schema"], doc)
+            for body in bodies:
+                if path == "/v1/completions":  # the whole answer too
+                    r = c.post(path, json={k: v for k, v in body.items() if k != "stream_options"})
+                    assert r.status_code == 200, r.text
+                    jsonschema_rs.validate(_inline(content["application/json"]["schema"], doc), r.json())
+                r = c.post(path, json={**body, "stream": True})
+                assert r.status_code == 200 and r.headers["content-type"].startswith(media), r.text
+                if media == "application/x-ndjson":
+                    lines = [json.loads(ln) for ln in r.text.splitlines()]
+                else:
+                    events = [e.removeprefix("data: ") for e in r.text.split("\n\n") if e]
+                    assert events[-1] == "[DONE]" and all(not e.startswith("data:") for e in events), events
+                    for e in events:
+                        jsonschema_rs.validate(declared, {"data": e, "event": "message"})
+                    declared_data = declared["properties"]["data"]["anyOf"][1]["contentSchema"]
+                    lines = [json.loads(e) for e in events[:-1]]
+                for line in lines:
+                    jsonschema_rs.validate(declared_data if media == "text/event-stream" else declared, line)
+                    seen += 1
+                with pytest.raises(jsonschema_rs.ValidationError):  # the objects are closed: nothing slips through
+                    jsonschema_rs.validate(declared_data if media == "text/event-stream" else declared,
+                                           {**lines[0], "undeclared": 1})
+        assert seen > 40
