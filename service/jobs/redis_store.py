@@ -61,12 +61,19 @@ class RedisJobStore:
     _TERMINAL_JSON = " or ".join(f"st == '{json.dumps(t)}'" for t in TERMINAL)
     # KEYS chunks, counts, batch; ARGV index, lines, "completed,failed,bytes", expire-at (0: none).
     # 1 committed, 0 already committed, -1 no such batch, -2 batch already finished
+    # KEYS[4] bytes: the output bytes over the committed chunks (summed from `counts` once if it is missing: a
+    # batch committed by an older version), ARGV[5] this chunk's bytes
     _COMMIT = ("local st = redis.call('HGET', KEYS[3], 'status') if not st then return -1 end "
                f"if {_TERMINAL_JSON} then return -2 end "
                "if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end "
+               "if redis.call('EXISTS', KEYS[4]) == 0 then local t = 0 "
+               "for _, v in ipairs(redis.call('HVALS', KEYS[2])) do "
+               "local b = string.match(v, '^%d+,%d+,(%d+)$') if b then t = t + tonumber(b) end end "
+               "redis.call('SET', KEYS[4], t) end "
+               "redis.call('INCRBY', KEYS[4], ARGV[5]) "
                "redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) "
                "if tonumber(ARGV[4]) > 0 then redis.call('EXPIREAT', KEYS[1], ARGV[4]) "
-               "redis.call('EXPIREAT', KEYS[2], ARGV[4]) end return 1")
+               "redis.call('EXPIREAT', KEYS[2], ARGV[4]) redis.call('EXPIREAT', KEYS[4], ARGV[4]) end return 1")
     _ACQUIRE = ("local v = redis.call('GET', KEYS[1]) if v and v ~= ARGV[1] then return 0 end "
                 "redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1")
     _REFRESH = ("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
@@ -304,7 +311,8 @@ class RedisJobStore:
         owner = self.redis.hget(key, "owner")
         with self.redis.pipeline() as p:
             p.delete(key, self._k("batch", bid, "chunks"), self._k("batch", bid, "counts"),
-                     self._k("batch", bid, "lease"), self._k("batch", bid, "requeued"), self._k("batch", bid, "plan"))
+                     self._k("batch", bid, "lease"), self._k("batch", bid, "requeued"), self._k("batch", bid, "plan"),
+                     self._k("batch", bid, "bytes"))
             for fid in output_file_ids(bid):
                 p.delete(self._k("file", fid, "meta"), self._k("file", fid, "content"))
                 p.zrem(self._k("expiry"), f"file:{fid}")
@@ -342,9 +350,10 @@ class RedisJobStore:
                      expires_at: int | None = None) -> int:
         """1 committed, 0 committed before (by another worker), -1 no such batch, -2 batch already finished."""
         nbytes = sum(len(ln.encode()) + 1 for ln in lines)
-        keys = [self._k("batch", bid, "chunks"), self._k("batch", bid, "counts"), self._k("batch", bid)]
+        keys = [self._k("batch", bid, "chunks"), self._k("batch", bid, "counts"), self._k("batch", bid),
+                self._k("batch", bid, "bytes")]
         return int(self._commit(keys=keys, args=[index, json.dumps(lines), f"{completed},{failed},{nbytes}",
-                                                 int(expires_at or 0)]))
+                                                 int(expires_at or 0), nbytes]))
 
     def chunk_indices(self, bid: str) -> set[int]:
         return {int(k) for k in self.redis.hkeys(self._k("batch", bid, "counts"))}
@@ -361,11 +370,13 @@ class RedisJobStore:
         return sum(r[0] for r in rows), sum(r[1] for r in rows)
 
     def output_bytes(self, bid: str) -> int:
-        return sum(r[2] for r in self._count_rows(bid) if len(r) > 2)
+        """O(1): the running total `commit_chunk` keeps (summed over the chunks when there is none)."""
+        v = self.redis.get(self._k("batch", bid, "bytes"))
+        return int(v) if v is not None else sum(r[2] for r in self._count_rows(bid) if len(r) > 2)
 
     def delete_chunks(self, bid: str) -> None:
         self.redis.delete(self._k("batch", bid, "chunks"), self._k("batch", bid, "counts"),
-                          self._k("batch", bid, "plan"))
+                          self._k("batch", bid, "bytes"), self._k("batch", bid, "plan"))
 
     # -- chunk claims (they expire after their ttl: a dead worker's chunk is claimed again)
     def claim_chunk(self, bid: str, index: int, token: str, ttl_s: float) -> int:
