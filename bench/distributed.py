@@ -74,8 +74,9 @@ def run(ranks: int, threads: int, args: list[str], store: Path) -> dict:
     return {"prov": prov, "command": shown(cmd, threads).replace(str(store), "STORE")}
 
 
-def vlhmm(ranks: int, threads: int, steps: int, store: Path, device: str = "cpu") -> dict:
-    r = run(ranks, threads, ["train", "--config", str(CONFIG), "--max-steps", str(steps), "--device", device], store)
+def vlhmm(ranks: int, threads: int, steps: int, store: Path, device: str = "cpu", batch: int = 0) -> dict:
+    r = run(ranks, threads, ["train", "--config", str(CONFIG), "--max-steps", str(steps), "--device", device,
+                             *(["--batch", str(batch)] if batch else [])], store)
     prov = r["prov"]
     rows = prov["curve"]
     stepping = prov["train_seconds"] - rows[-1].get("check_seconds", 0.0)
@@ -102,6 +103,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--em-states", type=int, default=256)
     ap.add_argument("--workloads", default="vlhmm,hmm-em")
+    ap.add_argument("--batch", type=int, default=0, help="vlhmm: BPTT streams a step (default: the config's 16)")
     ap.add_argument("--device", default="cpu", help="cuda: 1 rank under torchrun against 1 process on the GPU")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "distributed.md")
     a = ap.parse_args()
@@ -113,7 +115,7 @@ def main() -> None:
             for wl in a.workloads.split(","):
                 for layout, (ranks, threads) in layouts.items():
                     store = work / f"{wl}-{ranks}x{threads}-{rep}"
-                    res = (vlhmm(ranks, threads, a.steps, store, a.device) if wl == "vlhmm"
+                    res = (vlhmm(ranks, threads, a.steps, store, a.device, a.batch) if wl == "vlhmm"
                            else hmm_em(ranks, threads, a.em_states, store))
                     results.setdefault((wl, layout), []).append(res)
                     print(wl, layout, {k: v for k, v in res.items() if k != "command"}, flush=True)
@@ -121,10 +123,12 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     lines = [f"\n## {dt.date.today()}: {cpu_name()}\n",
              f"`python bench/distributed.py --steps {a.steps} --repeats {a.repeats} --em-states {a.em_states} "
-             f"--workloads {a.workloads} --device {a.device}`; torch {__import__('torch').__version__}, gloo.\n"]
+             f"--workloads {a.workloads} --device {a.device}" + (f" --batch {a.batch}" if a.batch else "")
+             + f"`; torch {__import__('torch').__version__}, gloo.\n"]
     if "vlhmm" in a.workloads:
         base = statistics.median(r["step_ms"] for r in results[("vlhmm", next(iter(layouts)))])
-        lines += [f"\n### VL-HMM, Chiu & Rush Table 3 Brown (1,024 states, BPTT 16 x 32), {a.steps} steps\n",
+        lines += [f"\n### VL-HMM, Chiu & Rush Table 3 Brown (1,024 states, BPTT {a.batch or 16} x 32), {a.steps} "
+                  "steps\n",
                   f"| layout | step (ms), each run | median | vs {next(iter(layouts))} | all-reduce share | "
                   "valid ppl after the last step, each run |", "|---|---|---|---|---|---|"]
         for layout in layouts:
