@@ -93,18 +93,17 @@ class World:
 
     def sum_floats(self, values: Sequence[float]) -> list[float]:
         """The sums over the ranks of a few numbers (float64)."""
-        if not self.distributed:
-            return [float(v) for v in values]
-        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t.tolist()
+        return self._reduce_floats(values, dist.ReduceOp.SUM)
 
     def max_floats(self, values: Sequence[float]) -> list[float]:
         """The largest over the ranks of a few numbers (float64)."""
+        return self._reduce_floats(values, dist.ReduceOp.MAX)
+
+    def _reduce_floats(self, values: Sequence[float], op: dist.ReduceOp) -> list[float]:
         if not self.distributed:
             return [float(v) for v in values]
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=op)
         return t.tolist()
 
     def sum_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
