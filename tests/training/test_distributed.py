@@ -74,6 +74,33 @@ def test_two_ranks_train_what_one_process_trains(tmp_path, case):
     assert_close(curve(tmp_path / "one", "m"), curve(tmp_path / "two", "m"))
 
 
+def test_two_machines_meet_at_a_rendezvous_endpoint_and_train_what_one_process_trains(tmp_path):
+    """The several-machines command of docs/distributed.md, both "machines" on this host: two torchrun agents
+    (--nnodes 2, one rank each) meet at a c10d rendezvous endpoint."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    data = tiny_corpus(tmp_path)
+    args = ["-m", "latentlm.cli", "train", *CASES["rank_hmm"], "--data", data, "--name", "m", *QUIET]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LATENTLM_DIST_TIMEOUT_MINUTES": "3"}
+
+    def node(rank: int, store: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                 "--nproc-per-node", "1", "--node-rank", str(rank), "--rdzv-backend", "c10d",
+                                 "--rdzv-endpoint",
+                                 f"127.0.0.1:{port}", "--rdzv-id", "job", *args, "--store", str(tmp_path / store)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    nodes = [node(0, "two"), node(1, "two")]
+    outs = [n.communicate(timeout=TIMEOUT) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    assert main(["train", *args[3:], "--store", str(tmp_path / "one")]) == 0
+    assert provenance(tmp_path / "two", "m")["world_size"] == 2
+    assert_close(curve(tmp_path / "one", "m"), curve(tmp_path / "two", "m"))
+
+
 def test_a_two_rank_checkpoint_resumes_in_one_process_on_the_same_trajectory(tmp_path):
     """2 ranks train 20 steps (a check and a checkpoint at step 20, the BPTT carry of all 6 streams gathered into
     it); one process resumes to 40. Its history equals an uninterrupted one-process run's."""
