@@ -217,9 +217,8 @@ def world(device: str = "cpu") -> World:
     want = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                         ("cpu" if device == "auto" else device))
     size = launched_size()
-    if size == 1:
-        _WORLD = World(device=want)
-        return _WORLD
+    if size == 1:  # nothing to join: a world of one on the device asked for (not kept: the next run may ask another)
+        return World(device=want)
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if want.type == "cuda":
         if not torch.cuda.is_available():
