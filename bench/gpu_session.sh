@@ -14,9 +14,10 @@
 #
 # --small: both scripts' --small modes on the CPU (checks this script end to end; CI runs it); budget 1800 s.
 # --no-check: instead of (1), only the yardsticks in bench/.yardstick/ (gpu_yardstick.py, and gpu_vlhmm_train.py
-#   or gpu_rank_train.py when there), each under 90 s, and bench/gpu_train_step.py --profile (latentlm's VL-HMM
-#   step at gpu_vlhmm_train.py's shapes, and where its device time goes), into OUT/yardstick.txt: the rest of the
-#   budget goes to training.
+#   or gpu_rank_train.py when there), each under 90 s, bench/gpu_train_step.py --profile (latentlm's VL-HMM
+#   step at gpu_vlhmm_train.py's shapes, and where its device time goes) and bench/distributed.py --device cuda (one
+#   GPU rank under torchrun against one process, under 240 s), into OUT/yardstick.txt: the rest of the budget goes
+#   to training.
 # --config, --evals: passed to bench/gpu_train.sh (which model, which evaluations).
 # --reserve-s: seconds of the budget kept for export, evaluations and packing after training (default 180).
 # Exit status: 0 when every stage ran and succeeded, 1 otherwise (the files of the stages that ran are kept).
@@ -76,6 +77,15 @@ else  # the yardsticks alone: what the training figures are reported against, in
     [ ${#SMALL[@]} = 0 ] || PROBE=(--states 1024 --batches 16 --steps 1 --device cpu)
     ( . "$ROOT/bench/gpu_env.sh"; timeout 120 "$PYTHON" "$ROOT/bench/gpu_train_step.py" "${PROBE[@]}" 2>&1 \
         | grep -v -i warn | tail -n 30; rm -rf "$WORK" )
+    # data-parallel: one GPU rank under torchrun against the single-process run (40 steps each, issue's figure)
+    echo "## bench/distributed.py --device cuda"
+    if [ ${#SMALL[@]} = 0 ]; then
+      timeout 240 "$PY" "$ROOT/bench/distributed.py" --device cuda --workloads vlhmm --steps 40 --repeats 1 \
+        --out "$STAGE/check/distributed.md" 2>&1 | tail -n 4
+      cat "$STAGE/check/distributed.md" 2>/dev/null
+    else
+      echo "not run (--small: it compares GPU runs)"
+    fi
     } > "$STAGE/check/yardstick.txt"
   RC=0
   cp "$STAGE/check/yardstick.txt" "$OUT/"
