@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
     --no-check) CHECK=0 ;;
     --reserve-s) RESERVE="$2"; shift ;;
     --config|--evals) TRAIN_ARGS+=("$1" "$2"); shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     -*) echo "gpu_session.sh: unknown option $1" >&2; exit 2 ;;
     *) OUT="$1" ;;
   esac
