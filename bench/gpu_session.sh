@@ -80,8 +80,8 @@ else  # the yardsticks alone: what the training figures are reported against, in
     # data-parallel: one GPU rank under torchrun against the single-process run (40 steps each, issue's figure)
     echo "## bench/distributed.py --device cuda"
     if [ ${#SMALL[@]} = 0 ]; then
-      timeout 240 "$PY" "$ROOT/bench/distributed.py" --device cuda --workloads vlhmm --steps 40 --repeats 1 \
-        --out "$STAGE/check/distributed.md" 2>&1 | tail -n 4
+      ( . "$ROOT/bench/gpu_env.sh"; timeout 240 "$PYTHON" "$ROOT/bench/distributed.py" --device cuda --workloads vlhmm \
+          --steps 40 --repeats 1 --out "$STAGE/check/distributed.md" 2>&1 | tail -n 4; rm -rf "$WORK" )
       cat "$STAGE/check/distributed.md" 2>/dev/null
     else
       echo "not run (--small: it compares GPU runs)"
