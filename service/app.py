@@ -54,10 +54,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.cache_redis_url and settings.cache_ttl_s > 0:
             state.cache = ResponseCache(settings.cache_redis_url, settings.cache_ttl_s, metrics, settings)
         if settings.redis_url:
-            state.jobs = jobs.RedisJobStore(settings.redis_url)
+            # a batch records its models' identities as this API's store holds them (workers on other hosts check)
+            state.jobs = jobs.RedisJobStore(settings.redis_url, model_identities=state.registry.identities)
             state.runner = jobs.RQRunner(state.jobs, settings.redis_url)
         else:
-            state.jobs = jobs.LocalJobStore(settings.state_dir / "jobs")
+            state.jobs = jobs.LocalJobStore(settings.state_dir / "jobs", model_identities=state.registry.identities)
             # with an engine process, batch-job lines run there too (on its device, merged by its batcher)
             run_calls = functools.partial(state.batcher.run_calls, heavy_cost=settings.heavy_request_cost,
                                           slice_cost=settings.heavy_slice_cost) \

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -80,6 +81,22 @@ class ModelRegistry:
 
     def list(self) -> list[ops.LoadedModel]:
         return [self.models[k] for k in sorted(self.models)]
+
+    def identities(self, names: Iterable[str]) -> dict[str, str]:
+        """{name: content hash} of each of `names` as this registry's store holds it now: the hash of its manifest's
+        per-file hashes (`manifest_hash`, what GET /v1/models reports as `content_hash` once loaded), or the loaded
+        version's where the manifest cannot be read; a name the store has no model of is left out. A batch records
+        it (`jobs.create_batch`) so that workers on other hosts answer only from the same versions. O(len(names))
+        manifest reads, no weights read."""
+        out: dict[str, str] = {}
+        for name in names:
+            try:
+                out[name] = manifest_hash(check_model_dir(self.store, name))
+            except (LatentLMError, OSError, ValueError, KeyError, TypeError):
+                m = self.models.get(name)
+                if m is not None:
+                    out[name] = m.content_hash
+        return out
 
     def _dir_present(self, name: str) -> bool:
         """Whether the loaded model `name` is still in the store in some form: its directory (or a link of that

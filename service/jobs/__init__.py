@@ -19,7 +19,10 @@ records a hash of the key that created it (`owner`); other keys see 404.
 
 Several workers, on any hosts sharing one Redis, can run one batch together: each claims a chunk at a time
 (a claim lapses with its worker, so a dead worker's chunk is claimed again), the lease holder (the lead) waits for
-the last chunks and writes the output files, streamed chunk by chunk (`processing`). Input files are streamed in
+the last chunks and writes the output files, streamed chunk by chunk (`processing`). Each host has its own model
+store: a batch records the identity (content hash) of every model its lines name as the API's store holds it
+(`model_hashes`), and a worker whose store lacks a model or holds another version of it answers those lines 503
+`model_mismatch` (naming the model, the worker and both hashes), never from another model. Input files are streamed in
 (upload, validation, each chunk read as a byte range) and output files out: no file is held whole in memory.
 
 Two stores implement the same interface (`JobStore`): `RedisJobStore` (with rq workers: `latentlm worker`) and
@@ -52,6 +55,7 @@ from latentlm.service.jobs.api import (
 from latentlm.service.jobs.jsonl import (
     DEFAULT_MAX_LINE_BYTES,
     MAX_LINES,
+    MAX_MODELS,
     READ_CHUNK,
     LineTooLarge,
     checked_upload,
@@ -65,7 +69,14 @@ from latentlm.service.jobs.jsonl import (
     validate_input_file,
 )
 from latentlm.service.jobs.local_store import LocalJobStore
-from latentlm.service.jobs.processing import execute_lines, line_failure, output_line, process_batch
+from latentlm.service.jobs.processing import (
+    ModelMismatch,
+    checked_model,
+    execute_lines,
+    line_failure,
+    output_line,
+    process_batch,
+)
 from latentlm.service.jobs.redis_store import (
     REDIS_DOWN,
     REDIS_MAX_VALUE,
@@ -90,6 +101,7 @@ from latentlm.service.jobs.store import (
     TERMINAL,
     BatchFailure,
     JobStore,
+    ModelIdentities,
     StagedFile,
     StorageError,
     is_expired,
@@ -102,12 +114,13 @@ from latentlm.service.jobs.store import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_LINE_BYTES", "ENDPOINTS", "FAILURE_TTL_S", "IDS", "INTERNAL", "LIVE", "MAX_LINES", "QUEUE_NAME",
-    "READ_CHUNK", "REDIS_DOWN", "REDIS_MAX_VALUE", "REDIS_TIMEOUT_S", "TERMINAL", "UPLOAD_TTL_S", "WORKER_CONTEXT",
-    "BatchFailure", "JobStore", "LineTooLarge", "LocalJobStore", "LocalRunner", "RQRunner", "RedisJobStore",
-    "StagedFile", "StorageError", "batch_object", "cancel_batch", "checked_upload", "create_batch", "create_file",
-    "delete_batch", "delete_file", "enqueue", "execute_lines", "file_object", "get_batch", "get_file", "is_expired",
-    "iter_lines", "iter_lines_at", "line_failure", "max_line_bytes", "new_id", "output_file_ids", "output_line",
-    "owner_of", "parse_input_file", "plan_chunks", "process_batch", "queued_batches", "read_chunks", "read_requests",
-    "rq_process_batch", "valid_id", "validate_input_file", "visible", "wait_for_redis", "worker_identity",
+    "DEFAULT_MAX_LINE_BYTES", "ENDPOINTS", "FAILURE_TTL_S", "IDS", "INTERNAL", "LIVE", "MAX_LINES", "MAX_MODELS",
+    "QUEUE_NAME", "READ_CHUNK", "REDIS_DOWN", "REDIS_MAX_VALUE", "REDIS_TIMEOUT_S", "TERMINAL", "UPLOAD_TTL_S",
+    "WORKER_CONTEXT", "BatchFailure", "JobStore", "LineTooLarge", "LocalJobStore", "LocalRunner", "ModelIdentities",
+    "ModelMismatch", "RQRunner", "RedisJobStore", "StagedFile", "StorageError", "batch_object", "cancel_batch",
+    "checked_model", "checked_upload", "create_batch", "create_file", "delete_batch", "delete_file", "enqueue",
+    "execute_lines", "file_object", "get_batch", "get_file", "is_expired", "iter_lines", "iter_lines_at",
+    "line_failure", "max_line_bytes", "new_id", "output_file_ids", "output_line", "owner_of", "parse_input_file",
+    "plan_chunks", "process_batch", "queued_batches", "read_chunks", "read_requests", "rq_process_batch", "valid_id",
+    "validate_input_file", "visible", "wait_for_redis", "worker_identity",
 ]

@@ -6,6 +6,7 @@ loop."""
 from __future__ import annotations
 
 import io
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -34,7 +35,8 @@ class _Endpoints(Mapping[str, str]):
 
 
 ENDPOINTS: Mapping[str, str] = _Endpoints()
-INTERNAL = ("total", "cancel_requested", "owner", "final_counts")  # batch record fields never shown
+log = logging.getLogger("latentlm.jobs")
+INTERNAL = ("total", "cancel_requested", "owner", "final_counts", "model_hashes")  # batch record fields never shown
 
 
 def file_object(meta: dict) -> dict:
@@ -84,7 +86,10 @@ def create_batch(store: JobStore, input_file_id: str, endpoint: str, completion_
                  metadata: dict | None = None, owner: str | None = None, retention_s: int = 0,
                  max_line: int = DEFAULT_MAX_LINE_BYTES) -> dict:
     """Validate the input file (streamed: no request is kept) and record the batch (status in_progress, or failed
-    with `errors`). `expires_at`: when the batch, its chunks and its output files are deleted (None: kept)."""
+    with `errors`). `expires_at`: when the batch, its chunks and its output files are deleted (None: kept).
+    `model_hashes` (internal): the identity of each model the lines name, as the store's `model_identities` (the
+    API's model store) gives it; a worker answers those lines only from a model of that identity
+    (`processing.execute_lines`)."""
     if endpoint not in ENDPOINTS:
         raise APIError(422, f"endpoint: must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint",
                        code="invalid_value")
@@ -93,19 +98,35 @@ def create_batch(store: JobStore, input_file_id: str, endpoint: str, completion_
     if content is None:
         raise APIError(404, f"input_file_id: no file {input_file_id!r}", param="input_file_id", code="file_not_found")
     now = int(time.time())
-    total, errors = validate_input_file(content, endpoint, max_line)
+    names: set[str] = set()
+    total, errors = validate_input_file(content, endpoint, max_line, names)
     batch = {"id": new_id("batch"), "object": "batch", "endpoint": endpoint, "errors": None,
              "input_file_id": input_file_id, "completion_window": completion_window, "status": "validating",
              "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
              "expires_at": _expires(now, retention_s), "finalizing_at": None, "completed_at": None,
              "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-             "total": total, "metadata": metadata, "cancel_requested": False, "owner": owner}
+             "total": total, "metadata": metadata, "cancel_requested": False, "owner": owner,
+             "model_hashes": _model_hashes(store, names) if not errors else {}}
     if errors:
         batch.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
     else:
         batch.update(status="in_progress", in_progress_at=now)
     store.put_batch(batch)
     return batch_object(store, batch)
+
+
+def _model_hashes(store: JobStore, names: set[str]) -> dict[str, str]:
+    """{name: identity} of the models the batch's lines name, from the API's model store (`model_identities`; {}
+    without one: the lines run unchecked). A store that cannot be read is logged, not fatal (nothing recorded)."""
+    identify = getattr(store, "model_identities", None)
+    if identify is None or not names:
+        return {}
+    try:
+        return identify(sorted(names))
+    except Exception as e:
+        log.warning("batch: the identities of models %s were not recorded (%s: %s); their lines run unchecked",
+                    sorted(names)[:5], type(e).__name__, e)
+        return {}
 
 
 def batch_object(store: JobStore, batch: dict) -> dict:

@@ -7,7 +7,8 @@ request lines starts), so a worker reads only the lines of the chunk it computes
 (`validate_input_file`) keeps a count, the errors and one short key per `custom_id`, never the requests.
 
 Memory: at most the per-line limit plus one chunk (`READ_CHUNK`) of a file is held at a time (validation adds the
-`custom_id` keys: at most `MAX_LINES` of them, 16 bytes or the id itself when shorter)."""
+`custom_id` keys: at most `MAX_LINES` of them, 16 bytes or the id itself when shorter; and the model names the
+lines give: at most `MAX_MODELS` of at most 128 characters)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from typing import Any
 
 import orjson
 
+from latentlm.models.store import NAME_RE
 from latentlm.service.errors import APIError
 from latentlm.service.settings import Settings
 
 MAX_LINES = 100_000
+MAX_MODELS = 1024  # distinct model names a batch records the identity of (`validate_input_file`)
 READ_CHUNK = 1 << 20          # files are read, written and scanned in pieces of this size, never whole
 DEFAULT_MAX_LINE_BYTES = 2_000_000  # `Settings.job_max_line_bytes` (LATENTLM_JOB_MAX_LINE_BYTES)
 
@@ -136,17 +139,19 @@ def parse_input_file(content: bytes | Iterable[bytes] | None, endpoint: str,
 
 
 def validate_input_file(content: bytes | Iterable[bytes] | None, endpoint: str,
-                        max_line: int = DEFAULT_MAX_LINE_BYTES) -> tuple[int, list[dict]]:
+                        max_line: int = DEFAULT_MAX_LINE_BYTES,
+                        models: set[str] | None = None) -> tuple[int, list[dict]]:
     """(number of request lines, errors) as `parse_input_file`, streamed: no request is kept (memory: one chunk,
-    one line and a short key per `custom_id`, at most `MAX_LINES`). O(bytes) time."""
-    return _scan(content, endpoint, max_line, None)
+    one line and a short key per `custom_id`, at most `MAX_LINES`). `models`: filled with the model names the
+    bodies give (`body.model` when it is a valid model name; at most `MAX_MODELS` names). O(bytes) time."""
+    return _scan(content, endpoint, max_line, None, models)
 
 
 _WHOLE_FILE = ("too_many_lines", "invalid_file", "line_too_large")  # errors that void the file, not one line
 
 
 def _scan(content: bytes | Iterable[bytes] | None, endpoint: str, max_line: int,
-          reqs: list[dict] | None) -> tuple[int, list[dict]]:
+          reqs: list[dict] | None, models: set[str] | None = None) -> tuple[int, list[dict]]:
     """Check every line of a JSONL file; valid and invalid requests appended to `reqs` (None: only counted).
     Returns (request lines, errors: at most 100)."""
     errors: list[dict] = []
@@ -171,12 +176,12 @@ def _scan(content: bytes | Iterable[bytes] | None, endpoint: str, max_line: int,
             lines.append((n, ln))
             held += len(ln)
             if len(lines) >= 1024 or held >= READ_CHUNK:
-                _parse_lines(lines, endpoint, reqs, errors, seen)
+                _parse_lines(lines, endpoint, reqs, errors, seen, models)
                 lines.clear()
                 held = 0
     except LineTooLarge as e:
         return n_lines, [{"code": "line_too_large", "message": str(e), "line": e.line, "param": None}]
-    _parse_lines(lines, endpoint, reqs, errors, seen)
+    _parse_lines(lines, endpoint, reqs, errors, seen, models)
     if not n_lines:
         errors.append({"code": "empty_file", "message": "input file has no request lines", "line": None,
                        "param": None})
@@ -226,9 +231,9 @@ def _cid_key(cid: str) -> str | bytes:
 
 
 def _parse_lines(lines: list[tuple[int, bytes]], endpoint: str, reqs: list[dict] | None, errors: list[dict],
-                 seen: set[str | bytes]) -> None:
+                 seen: set[str | bytes], models: set[str] | None = None) -> None:
     """Check (number, line) pairs as request lines: each appended to `reqs` (None: none kept), problems to
-    `errors`."""
+    `errors`, the bodies' model names to `models` (None: not collected)."""
 
     def bad(n: int, param: str, msg: str) -> None:
         errors.append({"code": "invalid_request", "message": f"line {n}: {msg}", "line": n, "param": param})
@@ -255,6 +260,9 @@ def _parse_lines(lines: list[tuple[int, bytes]], endpoint: str, reqs: list[dict]
             bad(n, "url", f"url {obj.get('url')!r} does not match the batch endpoint {endpoint!r}")
         if not isinstance(obj.get("body"), dict):
             bad(n, "body", "body must be a JSON object")
+        elif models is not None and isinstance(name := obj["body"].get("model"), str) and name not in models \
+                and len(models) < MAX_MODELS and NAME_RE.fullmatch(name):
+            models.add(name)
         extra = sorted(set(obj) - {"custom_id", "method", "url", "body"})
         if extra:
             bad(n, extra[0], f"unknown field {extra[0]!r}")

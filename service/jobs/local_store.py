@@ -17,6 +17,7 @@ from latentlm.service.jobs.jsonl import READ_CHUNK, read_chunks
 from latentlm.service.jobs.store import (
     LIVE,
     TERMINAL,
+    ModelIdentities,
     StagedFile,
     StorageError,
     is_expired,
@@ -44,8 +45,10 @@ class LocalJobStore:
 
     max_output_bytes = 1 << 62
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, model_identities: ModelIdentities | None = None):
+        """`model_identities`: the API's models, recorded with each batch (`JobStore.model_identities`)."""
         self.root = Path(root)
+        self.model_identities = model_identities
         for d in ("files", "batches", "chunks"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()

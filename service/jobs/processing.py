@@ -12,7 +12,11 @@ live worker (`job_workers_per_batch`): idle workers, on this host or another, pi
 
 Lines of the same model version and options share one batched run (`execute_lines`, `spec.run_calls`) where
 the operation merges; the others (sampling) run line by line. With an engine process (`service.engine`) the lines
-run there, on its device, merged by its batcher."""
+run there, on its device, merged by its batcher.
+
+Each line runs only on the model version the batch was created with (`model_hashes`, recorded from the API's store
+by `api.create_batch`): a worker whose store lacks the model or holds another version answers the line 503
+`model_mismatch` naming the model, itself and both hashes (`checked_model`), and logs it once per model and batch."""
 
 from __future__ import annotations
 
@@ -21,13 +25,13 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
-from latentlm.models.errors import LatentLMError
-from latentlm.ops import dumps
+from latentlm.models.errors import LatentLMError, ModelNotFound
+from latentlm.ops import LoadedModel, dumps
 from latentlm.ops.spec import Call
 from latentlm.ops.spec import run_calls as run_calls_here
 from latentlm.service.errors import APIError, error_payload, from_model_error
@@ -55,16 +59,19 @@ FanOut = Callable[[int], None]  # called by a batch's lead with how many more wo
 
 
 def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: Settings,
-                  run_calls: RunCalls | None = None) -> list[tuple[int, dict]]:
+                  run_calls: RunCalls | None = None, *, expected: Mapping[str, str] | None = None,
+                  worker: str = "") -> list[tuple[int, dict]]:
     """(status, body) per request; requests of the same model version and options share one batched call.
     `run_calls`: where the prepared calls run (an engine process, `engine.EngineClient.run_calls`); default here
-    (`spec.run_calls`)."""
+    (`spec.run_calls`). `expected`: {model name: content hash} the batch recorded (`api.create_batch`): a line
+    naming one of them whose model here has another hash, or is missing, is not run and answers 503
+    `model_mismatch` (`ModelMismatch`, naming the model, `worker` and both hashes)."""
     out: list[tuple[int, dict] | None] = [None] * len(bodies)
     calls: list[tuple[int, Call]] = []
     for i, b in enumerate(bodies):
         try:
             req = parse(op, b)
-            model = models.get(req.model)
+            model = checked_model(models, req.model, expected, worker)
             calls.append((i, prepare(model, op, req, settings.max_request_tokens, settings.max_posterior_entries,
                                      max_cost=settings.max_request_cost, max_sample_tokens=settings.max_sample_tokens,
                                      limits=limits(settings))))
@@ -77,9 +84,43 @@ def execute_lines(models: ModelRegistry, op: str, bodies: list[dict], settings: 
     return [o for o in out if o is not None]
 
 
+class ModelMismatch(APIError):
+    """A batch line names a model that this worker's store lacks or holds in another version than the one the
+    batch was created with: 503 `model_mismatch`, param `model`; the line's error body adds `model`, `worker`,
+    `expected_content_hash` (the batch's) and `content_hash` (this worker's; null: no such model here)."""
+
+    def __init__(self, model: str, worker: str, expected: str, found: str | None):
+        here = f"holds content_hash {found}" if found else "has no such model"
+        super().__init__(503, f"model {model!r}: worker {worker} {here}, not the version this batch was created with "
+                              f"(content_hash {expected}); the line was not run. Every worker's model store must "
+                              "hold the same artifacts as the API's (GET /v1/models shows each one's content_hash)",
+                         param="model", code="model_mismatch")
+        self.details = {"model": model, "worker": worker, "expected_content_hash": expected, "content_hash": found}
+
+
+def checked_model(models: ModelRegistry, name: str, expected: Mapping[str, str] | None, worker: str) -> LoadedModel:
+    """`models.get(name)`, refused (`ModelMismatch`) when the batch recorded another identity for `name` than the
+    model here has, or this worker lacks a model the batch recorded."""
+    want = expected.get(name) if expected else None
+    if want is None:
+        return models.get(name)
+    worker = worker or worker_identity()
+    try:
+        model = models.get(name)
+    except ModelNotFound:
+        raise ModelMismatch(name, worker, want, None) from None
+    if model.content_hash != want:
+        raise ModelMismatch(name, worker, want, model.content_hash)
+    return model
+
+
 def line_failure(line: int, e: Exception) -> tuple[int, dict]:
     """(status, error body) for one batch line: the API's error for a request error, and a 500 for anything
     else, so one line's failure never fails the whole batch."""
+    if isinstance(e, ModelMismatch):
+        payload = error_payload(e)
+        payload["error"].update(e.details)
+        return e.status, payload
     if isinstance(e, APIError):
         return e.status, error_payload(e)
     if isinstance(e, LatentLMError):
@@ -274,6 +315,9 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
     limit = min(settings.job_max_output_bytes, store.max_output_bytes)
     op = ENDPOINTS[b["endpoint"]]
     models.reload(rehash=False)  # pick up the store's current models (files re-hashed where their stat changed)
+    expected = b.get("model_hashes") or {}  # each line runs only on the model version the batch was created with
+    worker = worker_identity(getattr(settings, "worker_name", ""))
+    _log_mismatches(models, bid, expected, worker)
     if hold.lead and fan_out is not None and n_chunks > 1:
         try:
             fan_out(n_chunks - 1)
@@ -307,7 +351,8 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
                     break
                 hold.take_lead()
                 part = _chunk_requests(store, b, plan, i, settings)
-                results = execute_lines(models, op, [r["body"] for r in part], settings, run_calls)
+                results = execute_lines(models, op, [r["body"] for r in part], settings, run_calls,
+                                        expected=expected, worker=worker)
                 lines = [output_line(bid, r["custom_id"], st, resp) for r, (st, resp) in zip(part, results,
                                                                                               strict=True)]
                 ok = sum(1 for st, _ in results if st == 200)
@@ -337,6 +382,17 @@ def _process(store: JobStore, models: ModelRegistry, b: dict, settings: Settings
         if cancelled or held == 0:
             return _finalize(store, b, plan, limit, hold.token)
         time.sleep(poll_s)  # the lead: other workers hold the last chunks
+
+
+def _log_mismatches(models: ModelRegistry, bid: str, expected: Mapping[str, str], worker: str) -> None:
+    """One warning per model of the batch that this worker lacks or holds in another version (its lines will
+    answer `model_mismatch`), for the operator of this host."""
+    for name, want in sorted(expected.items()):
+        m = models.models.get(name)
+        if m is None or m.content_hash != want:
+            log.warning("batch %s: model %s here (%s) is not the batch's (content_hash %s): worker %s answers its "
+                        "lines model_mismatch", bid, name, f"content_hash {m.content_hash}" if m else "missing",
+                        want, worker)
 
 
 def _finalize(store: JobStore, b: dict, plan: dict, limit: int, token: str) -> str | None:

@@ -21,7 +21,15 @@ from redis.retry import Retry
 
 from latentlm.service.errors import APIError
 from latentlm.service.jobs.jsonl import READ_CHUNK
-from latentlm.service.jobs.store import TERMINAL, StagedFile, is_expired, output_file_ids, valid_id, visible
+from latentlm.service.jobs.store import (
+    TERMINAL,
+    ModelIdentities,
+    StagedFile,
+    is_expired,
+    output_file_ids,
+    valid_id,
+    visible,
+)
 
 log = logging.getLogger("latentlm.jobs")
 
@@ -92,9 +100,11 @@ class RedisJobStore:
     max_file_bytes = REDIS_MAX_VALUE  # an upload above it answers 413 `file_too_large`
 
     def __init__(self, url: str, connect_timeout_s: float | None = REDIS_TIMEOUT_S,
-                 timeout_s: float | None = REDIS_TIMEOUT_S):
+                 timeout_s: float | None = REDIS_TIMEOUT_S, model_identities: ModelIdentities | None = None):
         """`connect_timeout_s` / `timeout_s`: how long a command waits for an unreachable / hung Redis before it
-        fails (503 on the routes). rq's blocking reads use their own connection (see `service.worker`)."""
+        fails (503 on the routes). rq's blocking reads use their own connection (see `service.worker`).
+        `model_identities`: the API's models, recorded with each batch it creates (`JobStore.model_identities`)."""
+        self.model_identities = model_identities
         # one immediate retry on a connection error (a pooled connection that died with a restarted Redis) and
         # none on a timeout, not redis-py's default of 10 with backoff: an unreachable Redis answers 503 at once,
         # a hung one after one timeout

@@ -3,7 +3,7 @@ statuses, who may see a record and when it expires, and the errors a store or a 
 
 Records are plain dicts in the OpenAI shape: a file's metadata (`id`, `bytes`, `created_at`, `expires_at`,
 `filename`, `purpose`, `owner`) and a batch (`id`, `status`, `endpoint`, `input_file_id`, the `*_at` times, ...,
-plus the internal fields `total`, `cancel_requested`, `owner`, `final_counts`)."""
+plus the internal fields `total`, `cancel_requested`, `owner`, `final_counts`, `model_hashes`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 from latentlm.service.errors import APIError
@@ -84,6 +84,9 @@ class BatchFailure(Exception):
         self.code = code
 
 
+ModelIdentities = Callable[[Iterable[str]], dict[str, str]]
+
+
 class StagedFile(Protocol):
     """A file being written piece by piece (`JobStore.stage_file`), out of sight until `JobStore.transition`
     moves it into place with its metadata; `discard` drops it."""
@@ -103,6 +106,10 @@ class JobStore(Protocol):
     (`valid_id`) are no record: reads answer None, deletes False."""
 
     max_output_bytes: int  # the largest output or error file the store can hold
+    # {model name: identity} of the given names in the model store of the process that creates batches (the API:
+    # `ModelRegistry.identities`); a batch records it (`api.create_batch`, field `model_hashes`) and a worker
+    # answers a line only from a model of that identity. None: nothing recorded (lines run unchecked)
+    model_identities: ModelIdentities | None
 
     # -- files: `meta` is the file's metadata record; content is bytes, streamed in chunks
     def put_file(self, meta: dict, content: bytes) -> None:

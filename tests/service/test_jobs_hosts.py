@@ -10,7 +10,14 @@ separate machines, share nothing else.
 - a large input file is streamed in (upload, validation) and the output streamed out (chunk plan, output files):
   tracemalloc's peak stays a small fraction of the file, on both stores;
 - chunk plans and chunk reads against the whole-file parse; an upload above the Redis store's file size answers
-  413 naming the field."""
+  413 naming the field;
+- hosts' model stores checked: a batch records the identity (content hash) of each model its lines name as the
+  API's store holds it; a worker whose store holds another model under the same name, or none, answers those
+  lines 503 `model_mismatch` naming the model, the worker and both hashes, never from its own model (alone, and
+  beside a worker with the right store: exactly the chunks each one computed are answered / refused); on the local
+  store too;
+- a batch of `/v1/completions` lines through the real API and a real worker: each line answers what the route
+  answers for the same body (but the fresh `id` and `created`)."""
 
 from __future__ import annotations
 
@@ -33,8 +40,8 @@ from latentlm.service import jobs
 from latentlm.service.errors import APIError
 from latentlm.service.registry import ModelRegistry
 from latentlm.service.settings import Settings
-from tests.service.conftest import Proc, clean_env, close
-from tests.service.test_api import score_lines
+from tests.service.conftest import Proc, Server, add_model, clean_env, close
+from tests.service.test_api import score_lines, upload, wait_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 CHUNK = 4
@@ -81,8 +88,8 @@ def write_lines(path: Path, lines: list[dict]) -> Path:
 
 
 def submit(s: jobs.RedisJobStore, url: str, path: Path) -> dict:
-    """What POST /v1/files and POST /v1/batches do: the file streamed in from disk, the batch validated and
-    queued."""
+    """What POST /v1/files and POST /v1/batches do: the file streamed in from disk, the batch validated (and its
+    models' identities recorded when `s` has the API's `model_identities`) and queued."""
     with path.open("rb") as f:
         fid = jobs.create_file(s, f, path.name, "batch", retention_s=3600)["id"]
     b = jobs.create_batch(s, fid, "/v1/score", retention_s=3600)
@@ -163,10 +170,12 @@ def test_three_workers_share_one_batch(store, tmp_path, url):
     finally:
         for w in ws:
             w.kill()
+    # one plan, followed by all whatever each one's chunk size: that of the worker that took the batch first
+    # (host-c's 7 when it was first to take the job)
     plans = {n for rs in runs.values() for _, n in rs}
-    assert plans == {math.ceil(240 / CHUNK)}, runs  # one plan, whoever made it, whatever each one's chunk size
+    assert len(plans) == 1 and plans <= {math.ceil(240 / CHUNK), math.ceil(240 / 7)}, runs
     per_host = {name: sum(c for c, _ in rs) for name, rs in runs.items()}
-    assert sum(per_host.values()) == 240 // CHUNK, runs  # every chunk computed once
+    assert sum(per_host.values()) == plans.pop(), runs  # every chunk computed once
     assert sum(1 for c in per_host.values() if c) >= 2, runs  # the work was shared
     print(f"\nFIGURES three workers: 240 lines in {took:.1f} s; chunks per worker {per_host}")
 
@@ -320,3 +329,202 @@ def test_compose_files_scale_the_worker():
         assert w["deploy"]["replicas"] == "${LATENTLM_WORKER_REPLICAS:-1}"
         assert "container_name" not in w and "ports" not in w
     assert main["redis"]["command"] == ["redis-server", "--maxmemory-policy", "noeviction", "--appendonly", "yes"]
+
+
+# == hosts' model stores checked ========================================================================
+def other_store(store: Path, d: Path) -> Path:
+    """A host's store as `HostWorker` would copy it, but its `tiny` another model (another seed) and no `rank`."""
+    own = d / "store"
+    shutil.copytree(store, own)
+    shutil.rmtree(own / "tiny")
+    add_model(own, "tiny", "hmm", seed=9)
+    shutil.rmtree(own / "rank")
+    return own
+
+
+def mixed_lines(n: int, seed: int) -> list[dict]:
+    """Score lines naming tiny, blocked and rank in turn."""
+    lines = score_lines(n, seed=seed)
+    for i, ln in enumerate(lines):
+        ln["body"]["model"] = ("tiny", "blocked", "rank")[i % 3]
+    return lines
+
+
+def check_mismatch(o: dict, worker: str, expected: str, found: str | None) -> None:
+    """`o` is a `model_mismatch` error line naming its model, `worker` and both hashes."""
+    assert o["response"]["status_code"] == 503 and o["error"]["code"] == "model_mismatch", o
+    e = o["response"]["body"]["error"]
+    assert (e["code"], e["param"], e["worker"], e["expected_content_hash"], e["content_hash"]) == \
+        ("model_mismatch", "model", worker, expected, found), e
+    assert worker in e["message"] and expected in e["message"] and repr(e["model"]) in e["message"], e
+    assert (found or "has no such model") in e["message"], e
+
+
+def test_a_worker_with_another_model_never_answers_from_it(store, tmp_path, url):
+    """host-b's store holds another `tiny` and no `rank`. Alone, it answers every tiny and rank line
+    `model_mismatch` (naming itself and both hashes) and every blocked line as the right store does; beside host-a
+    (the right store), each line is answered by host-a's model or refused by host-b, never answered by host-b's
+    tiny: exactly the chunks host-b logged are refused."""
+    env = {"REDIS_URL": url, **JOB_ENV, "LATENTLM_JOB_CHUNK_PAUSE_S": "0.02"}
+    bad_store = other_store(store, tmp_path / "host-b")
+    api_models = ModelRegistry(store)
+    wrong, right = ModelRegistry(bad_store).identities(["tiny"])["tiny"], api_models.identities(["tiny"])["tiny"]
+    assert wrong != right
+    s = jobs.RedisJobStore(url, model_identities=api_models.identities)  # the API's job store (service/app.py)
+    bad = HostWorker(store, tmp_path / "host-b", "host-b", env)
+    ws = [bad]
+    try:
+        # 1. host-b alone
+        lines = mixed_lines(24, seed=35)
+        path = write_lines(tmp_path / "in1.jsonl", lines)
+        reference = one_worker_answer(store, tmp_path / "ref1", path)
+        wrong_answers = one_worker_answer(bad_store, tmp_path / "wrong1", write_lines(
+            tmp_path / "tiny1.jsonl", [ln for ln in lines if ln["body"]["model"] == "tiny"]))
+        for cid, body in wrong_answers.items():  # host-b's tiny answers otherwise: a line from it would be caught
+            assert abs(body["data"][0]["logprob"] - reference[cid]["data"][0]["logprob"]) > 1e-3
+        wait_registered(url, 1, ws)
+        b = submit(s, url, path)
+        rec = s.get_batch(b["id"])
+        assert rec["model_hashes"] == api_models.identities(["tiny", "blocked", "rank"]) and \
+            rec["model_hashes"]["tiny"] == right, rec
+        assert "model_hashes" not in b  # internal: the public batch object is unchanged
+        done = wait_done(s, b["id"], ws)
+        assert done["status"] == "completed" and done["request_counts"] == {"total": 24, "completed": 8,
+                                                                             "failed": 16}, done
+        out = {o["custom_id"]: o for o in output_lines(s, done)}
+        assert sorted(out) == sorted(ln["custom_id"] for ln in lines)
+        for ln in lines:
+            o, model = out[ln["custom_id"]], ln["body"]["model"]
+            if model == "blocked":
+                assert o["response"]["status_code"] == 200, o
+                close(o["response"]["body"], reference[ln["custom_id"]], path=ln["custom_id"])
+            else:
+                check_mismatch(o, "host-b", rec["model_hashes"][model], wrong if model == "tiny" else None)
+        assert "is not the batch's" in bad.output()  # the operator of host-b is told, once per model and batch
+        # 2. host-a (the right store) joins: the lines are shared, none answered from host-b's tiny
+        good = HostWorker(store, tmp_path / "host-a", "host-a", env)
+        ws.append(good)
+        lines = score_lines(120, seed=36)  # all tiny
+        path = write_lines(tmp_path / "in2.jsonl", lines)
+        reference = one_worker_answer(store, tmp_path / "ref2", path)
+        wait_registered(url, 2, ws)
+        b = submit(s, url, path)
+        done = wait_done(s, b["id"], ws)
+        time.sleep(0.3)  # the helpers' last log lines
+        out = output_lines(s, done)
+        assert sorted(o["custom_id"] for o in out) == sorted(ln["custom_id"] for ln in lines)
+        refused = 0
+        for o in out:
+            if o["response"]["status_code"] == 200:
+                close(o["response"]["body"], reference[o["custom_id"]], path=o["custom_id"])
+            else:
+                check_mismatch(o, "host-b", right, wrong)
+                refused += 1
+        chunks = {w.name: sum(c for c, _ in w.computed(b["id"])) for w in ws}
+        assert sum(chunks.values()) == 120 // CHUNK and all(chunks.values()), chunks  # both worked on it
+        assert refused == CHUNK * chunks["host-b"] and len(out) - refused == CHUNK * chunks["host-a"], chunks
+        assert done["request_counts"]["failed"] == refused
+    finally:
+        for w in ws:
+            w.kill()
+    print(f"\nFIGURES model check: host-b alone refused 16 of 24 lines (tiny: another version, rank: missing); "
+          f"beside host-a: chunks {chunks}, {refused} lines refused, {len(out) - refused} answered by host-a")
+
+
+def test_the_local_store_records_and_checks_models_too(store, tmp_path):
+    """The local store records the API's identities with the batch; run on another store (a model replaced
+    after the batch was created), its lines are refused naming the worker, the others answered."""
+    api_models = ModelRegistry(store)
+    s = jobs.LocalJobStore(tmp_path / "jobs", model_identities=api_models.identities)
+    lines = mixed_lines(6, seed=37)
+    lines[5]["body"]["model"] = "nosuch"  # a model the API lacks: not recorded, answered 404 as before
+    fid = jobs.create_file(s, write_lines(tmp_path / "in.jsonl", lines).read_bytes(), "in.jsonl", "batch")["id"]
+    b = jobs.create_batch(s, fid, "/v1/score")
+    rec = s.get_batch(b["id"])
+    assert rec["model_hashes"] == api_models.identities(["tiny", "blocked", "rank"]) and "model_hashes" not in b
+    bad_store = other_store(store, tmp_path / "later")
+    settings = Settings(store=bad_store, device="cpu", job_chunk_size=CHUNK, worker_name="here")
+    assert jobs.process_batch(s, ModelRegistry(bad_store), b["id"], settings) == "completed"
+    out = {o["custom_id"]: o for o in output_lines(s, s.get_batch(b["id"]))}
+    wrong = ModelRegistry(bad_store).identities(["tiny"])["tiny"]
+    for ln in lines:
+        o, model = out[ln["custom_id"]], ln["body"]["model"]
+        if model == "blocked":
+            assert o["response"]["status_code"] == 200, o
+        elif model == "nosuch":
+            assert (o["response"]["status_code"], o["error"]["code"]) == (404, "model_not_found"), o
+        else:
+            check_mismatch(o, "here", rec["model_hashes"][model], wrong if model == "tiny" else None)
+    # without the API's identities nothing is recorded: lines run unchecked, as before
+    plain = jobs.LocalJobStore(tmp_path / "plain")
+    fid = jobs.create_file(plain, write_lines(tmp_path / "in.jsonl", lines).read_bytes(), "in.jsonl", "batch")["id"]
+    assert plain.get_batch(jobs.create_batch(plain, fid, "/v1/score")["id"])["model_hashes"] == {}
+
+
+def test_validation_collects_model_names_bounded():
+    names: set[str] = set()
+    lines = [{"custom_id": f"c{i}", "url": "/v1/score", "body": {"model": m, "input": "w1"}}
+             for i, m in enumerate(["a", "b", "a", "../x", "x" * 129, 7, None, "ok.v-1_2"])]
+    assert jobs.validate_input_file("\n".join(json.dumps(ln) for ln in lines).encode(), "/v1/score",
+                                    models=names) == (8, [])
+    assert names == {"a", "b", "ok.v-1_2"}  # only valid model names (models.store.NAME_RE)
+    many = "\n".join(json.dumps({"custom_id": f"c{i}", "url": "/v1/score", "body": {"model": f"m{i}", "input": "w1"}})
+                     for i in range(jobs.MAX_MODELS + 10)).encode()
+    names.clear()
+    assert jobs.validate_input_file(many, "/v1/score", models=names)[1] == []
+    assert len(names) == jobs.MAX_MODELS
+
+
+# == completions through a real worker ==================================================================
+COMPLETIONS = [
+    {"model": "tiny", "prompt": ["w1", "w2 w3"], "max_tokens": 6, "n": 2, "seed": 7, "logprobs": 2},
+    {"model": "tiny", "prompt": "w4 w5", "max_tokens": 5, "seed": 3, "temperature": 0.7, "top_p": 0.9},
+    {"model": "tiny", "prompt": "w1", "max_tokens": 4, "seed": 1, "constraint": {"include": [["w5"]]}},
+    {"model": "blocked", "prompt": "w4", "max_tokens": 0, "echo": True, "logprobs": 1},
+    {"model": "rank", "prompt": [[3, 4, 5]], "max_tokens": 3, "seed": 11, "logprobs": 1},
+    {"model": "pcfg", "prompt": "w1"},  # refused: not a chain family
+    {"model": "tiny", "prompt": "w1", "suffix": "w2"},  # refused: a field latentlm cannot honour
+]
+
+
+def test_a_completions_batch_through_a_worker_answers_as_the_route(store, tmp_path, url):
+    """POST /v1/files + POST /v1/batches (endpoint /v1/completions) on a real API with Redis, run by a real
+    `latentlm worker`: each output or error line is the route's answer to the same body (status and body; of an
+    answer, all but its fresh `id` and `created`); the batch recorded each model's `content_hash` as GET
+    /v1/models reports it."""
+    env = {"REDIS_URL": url, **JOB_ENV, "LATENTLM_CALIBRATE": "0"}
+    w = HostWorker(store, tmp_path / "host-a", "host-a", env)
+    server = Server(store, tmp_path, env)
+    try:
+        lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": body}
+                 for i, body in enumerate(COMPLETIONS)]
+        fid = upload(server.client, lines)
+        r = server.client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions"})
+        assert r.status_code == 200, r.text
+        wait_registered(url, 1, [w])
+        done = wait_batch(server.client, r.json()["id"], timeout=120)
+        assert done["status"] == "completed" and done["request_counts"] == {"total": 7, "completed": 5,
+                                                                             "failed": 2}, (done, w.output()[-3000:])
+        out = []
+        for key in ("output_file_id", "error_file_id"):
+            got = server.client.get(f"/v1/files/{done[key]}/content")
+            assert got.status_code == 200
+            out += [json.loads(ln) for ln in got.text.splitlines()]
+        out = {o["custom_id"]: o for o in out}
+        for ln in lines:
+            o, want = out[ln["custom_id"]], server.client.post("/v1/completions", json=ln["body"])
+            got = o["response"]["body"]
+            assert o["response"]["status_code"] == want.status_code, (ln, o, want.text)
+            want = want.json()
+            if want.get("object") == "text_completion":
+                assert got.pop("id").startswith("cmpl-") and got.pop("created") >= done["created_at"]
+                want.pop("id"), want.pop("created")
+            else:
+                assert o["error"] == {"code": want["error"]["code"], "message": want["error"]["message"]}
+            close(got, want, path=ln["custom_id"])
+        hashes = jobs.RedisJobStore(url).get_batch(done["id"])["model_hashes"]
+        assert hashes == {m: server.client.get(f"/v1/models/{m}").json()["content_hash"]
+                          for m in ("tiny", "blocked", "rank", "pcfg")}, hashes
+    finally:
+        server.stop()
+        w.kill()
