@@ -170,6 +170,18 @@ class Vocabulary:
             out[k] = p
         return out[len(full) - len(ids):]
 
+    def piece_bytes(self, ids: Sequence[int], prefix: Sequence[int] = ()) -> list[bytes]:
+        """With a tokenizer: the bytes each id adds to the decoded text of `prefix + ids` (ids beyond the tokenizer,
+        padding, add none); their join is the text's UTF-8 after the prefix's. AttributeError word-level."""
+        if self.tokenizer is None:
+            raise AttributeError("piece_bytes: a word-level vocabulary (tokens are joined by spaces)")
+        full = [*prefix, *ids]
+        keep = [k for k, i in enumerate(full) if i < self.tokenizer.vocab_size]
+        out = [b""] * len(full)
+        for k, b in zip(keep, self.tokenizer.text_bytes([full[k] for k in keep]), strict=True):
+            out[k] = b
+        return out[len(full) - len(ids):]
+
     # -- files ------------------------------------------------------------------------------------
     def to_text(self) -> str:
         for t in self.tokens:

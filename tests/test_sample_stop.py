@@ -62,3 +62,62 @@ def test_sampling_ends_at_stop_sequences_as_cutting_would(family):
             cut = [ops.cut_at_stop(r, stops, eos, 30) for r in full]
             assert [ops.cut_at_stop(r, stops, eos, 30) for r in early] == cut
             assert all(len(e.ids) <= len(f.ids) for e, f in zip(early, full, strict=True))
+
+
+def first_text_stop(parts: list[bytes], stops: list[bytes]) -> tuple[int | None, bool]:
+    """By definition: the tokens kept before the first stop text the bytes `parts` (one per token) spell: the
+    occurrence whose last byte comes first (of those ending in the same token, the earliest start), and the
+    tokens that end before it starts (None when no stop text occurs); and whether it spans tokens."""
+    text, ends = b"", []
+    for p in parts:
+        text += p
+        ends.append(len(text))
+    hits = [(next(k for k, e in enumerate(ends) if e >= i + len(s)), i) for s in stops
+            for i in range(len(text)) if text.startswith(s, i)]
+    if not hits:
+        return None, False
+    token = min(k for k, _ in hits)
+    start = min(i for k, i in hits if k == token)
+    keep = sum(1 for e in ends if e <= start)
+    return keep, keep < token and ends[token - 1] > start
+
+
+PIECES = [b"a", b"b", b"ab", b"ba", b"", b"aab"]  # a toy tokenizer's bytes per id: stops often span tokens
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_text_stops_cut_before_the_first_stop_text_the_tokens_spell(seed):
+    rng = random.Random(seed)
+    ids = [rng.randrange(len(PIECES)) for _ in range(rng.randint(0, 10))]
+    texts = [bytes(rng.choice(b"ab") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 3))]
+    sample = Sample(ids, states=list(range(len(ids))))
+    got = ops.cut_at_stop(sample, [], None, 10, texts, lambda xs: [PIECES[i] for i in xs])
+    keep, _ = first_text_stop([PIECES[i] for i in ids], texts)
+    assert got.ids == ids[: len(ids) if keep is None else keep] and got.states == sample.states[: len(got.ids)]
+    assert got.finish_reason == ("length" if keep is None else "stop")
+    assert not any(t in b"".join(PIECES[i] for i in got.ids) for t in texts)
+
+
+@pytest.mark.parametrize("prefix", [None, "The river"])
+def test_text_stops_over_a_tokenizer_cut_where_the_decoded_text_spells_them(tmp_path, prefix):
+    """A model over an LM's byte-level BPE: a text stop ends a sample where its decoded text spells it, whichever
+    tokens spell it, and the sample is the one drawn without stops, cut there; its text never contains a stop."""
+    from tests.helpers_tokenizer import make_tokenizer_hmm_store
+
+    make_tokenizer_hmm_store(tmp_path, "tok", states=4, seed=3)
+    model = ops.load_model(tmp_path, "tok")
+    stops = ["an", "e", "ver"]
+    raw = [s.encode() for s in stops]
+    stopped = 0
+    for seed in range(12):
+        pids, full = ops.generate.draw(model, n=20, max_tokens=24, seed=seed, prefix=prefix, stop_at_eos=False)
+        _, cut = ops.generate.draw(model, n=20, max_tokens=24, seed=seed, prefix=prefix, stop_at_eos=False,
+                                   stop=stops)
+        for f, c in zip(full, cut, strict=True):
+            parts = model.vocab.piece_bytes(f.ids, pids or ())
+            keep, _ = first_text_stop(parts, raw)
+            assert c.ids == f.ids[: len(f.ids) if keep is None else keep]
+            assert c.finish_reason == ("length" if keep is None else "stop")
+            assert not any(s in b"".join(parts[: len(c.ids)]) for s in raw)
+            stopped += keep is not None
+    assert stopped > 20

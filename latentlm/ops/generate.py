@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from latentlm.models.constraint import WordDFA
@@ -37,16 +37,18 @@ def draw(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0,
          ) -> tuple[list[int] | None, list[Sample]]:
     """The prefix's token ids and n samples drawn after it (typed `Sample`s). `stop`: up to `MAX_STOP_SEQUENCES` stop
     sequences (text, tokenised without `<eos>`, or token-id lists; one string alone is one sequence): a sample of a
-    chain family ends before the first place its drawn tokens spell one (the sequence itself left out, as
-    OpenAI-style servers do). Cutting a drawn sample there gives exactly the distribution of stopping there: what
-    follows a position never changes what precedes it. Chain families report each sample's `finish_reason`: "stop"
-    (a stop sequence), "eos" (ended by `<eos>`) or "length" (`max_tokens` drawn). `top_k` / `top_p`: each token is
-    drawn from the model's next-token distribution p(x_t | x_<t), `temperature` applied to it, cut to its `top_k`
-    most probable tokens and to the fewest whose mass reaches `top_p`, as LM servers do (forward filtering; the
-    states then from p(z | x); families with `predictive_sampling`: hmm, tagging_hmm, blocked_hmm). Without them a
-    sample is drawn ancestrally, state then token, `temperature` applied to each table. `dfa`: a compiled
-    constraint (`constrained_options` checked the options): each sample drawn exactly from p(y | prefix, y
-    complete, y satisfies it), ending with `<eos>` (`constrain.draw`)."""
+    chain family ends before the first place its drawn tokens spell one (the sequence itself left out, as OpenAI-
+    style servers do). Over an LM's tokenizer a text stop is matched on the decoded text, however it was tokenised:
+    the sample keeps the tokens that end before the stop text starts (`cut_at_stop`). Cutting a drawn sample there
+    gives exactly the distribution of stopping there: what follows a position never changes what precedes it. Chain
+    families report each sample's `finish_reason`: "stop" (a stop sequence), "eos" (ended by `<eos>`) or "length"
+    (`max_tokens` drawn). `top_k` / `top_p`: each token is drawn from the model's next-token distribution p(x_t |
+    x_<t), `temperature` applied to it, cut to its `top_k` most probable tokens and to the fewest whose mass reaches
+    `top_p`, as LM servers do (forward filtering; the states then from p(z | x); families with
+    `predictive_sampling`: hmm, tagging_hmm, blocked_hmm). Without them a sample is drawn ancestrally, state then
+    token, `temperature` applied to each table. `dfa`: a compiled constraint (`constrained_options` checked the
+    options): each sample drawn exactly from p(y | prefix, y complete, y satisfies it), ending with `<eos>`
+    (`constrain.draw`)."""
     from latentlm.models.tree import PCFGOps
 
     check_supported(model, "sample")
@@ -61,6 +63,7 @@ def draw(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0,
                                           limits=limits)
     shaping = check_shaping(model, top_k, top_p)
     stops = encode_stops(model.vocab, stop)
+    texts = text_stops(model.vocab, stop)
     trees = isinstance(model.impl, PCFGOps)
     if stops and trees:
         raise UnsupportedOperation("stop: a PCFG samples whole sentences with their trees; stop sequences apply to "
@@ -69,19 +72,49 @@ def draw(model: LoadedModel, *, n: int = 1, max_tokens: int = 32, seed: int = 0,
     res = model.impl.op_sample(n=n, max_tokens=max_tokens, seed=seed, prefix=prefix_ids, temperature=temperature,
                                stop_id=stop_id, **({"stop_seqs": stops} if stops else {}), **shaping)
     if not trees:
-        res = [cut_at_stop(r, stops, stop_id, max_tokens) for r in res]
+        spell = None if not texts else (lambda ids: model.vocab.piece_bytes(ids, prefix_ids or ()))
+        id_stops = [s for s, item in zip(stops, _items(stop), strict=True) if not isinstance(item, str) or not texts]
+        res = [cut_at_stop(r, id_stops, stop_id, max_tokens, texts, spell) for r in res]
     return prefix_ids, res
 
 
-def cut_at_stop(sample: Sample, stops: list[list[int]], stop_id: int | None, max_tokens: int) -> Sample:
-    """A chain family's drawn sample (ids and states) cut before the first stop sequence its ids spell (the
-    first to be complete; of those complete at the same token, the longest), with its `finish_reason` ("stop",
-    "eos" or "length"). O(len(ids) x total stop length)."""
+def _items(stop: Any) -> list[Any]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def text_stops(vocab: Any, stop: Any) -> list[bytes]:
+    """The UTF-8 bytes of the text stop sequences of a model over an LM's tokenizer (matched on the decoded text);
+    [] for a word-level vocabulary, whose text stops are word sequences (`encode_stops`)."""
+    if vocab.tokenizer is None:
+        return []
+    return [item.encode("utf-8") for item in _items(stop) if isinstance(item, str)]
+
+
+def cut_at_stop(sample: Sample, stops: list[list[int]], stop_id: int | None, max_tokens: int,
+                texts: Sequence[bytes] = (), spell: Callable[[list[int]], list[bytes]] | None = None) -> Sample:
+    """A chain family's drawn sample (ids and states) cut before the first stop sequence it spells, with its
+    `finish_reason` ("stop", "eos" or "length"). A stop is token ids (`stops`: the first to be complete; of those
+    complete at the same token, the longest, cut away whole) or text (`texts`, matched on the bytes `spell(ids)`
+    gives each token: the tokens that end before the first stop text starts are kept, so the text ends before it;
+    a stop starting inside a token takes that token's first bytes with it). O(len(ids) x total stop length)."""
     ids = sample.ids
+    parts = spell(ids) if texts and spell is not None else None
+    done, longest = b"", max((len(t) for t in texts), default=0)
     for end in range(1, len(ids) + 1):  # the first place a stop sequence is complete; there, the longest one
         hit = max((len(s) for s in stops if len(s) <= end and ids[end - len(s): end] == s), default=0)
-        if hit:
-            keep = end - hit
+        keep = end - hit if hit else None
+        if parts is not None:  # a text stop completed within this token: cut before the token it starts in
+            start = len(done)
+            done += parts[end - 1]
+            at = [done.find(t, max(0, start - longest)) for t in texts]
+            first = min((a for a in at if a >= 0), default=-1)
+            if first >= 0:
+                ends, k = 0, 0
+                while k < end and ends + len(parts[k]) <= first:
+                    ends += len(parts[k])
+                    k += 1
+                keep = k if keep is None else min(keep, k)
+        if keep is not None:
             states = None if sample.states is None else sample.states[:keep]
             return dataclasses.replace(sample, ids=ids[:keep], states=states, finish_reason="stop")
     eos = stop_id is not None and bool(ids) and ids[-1] == stop_id

@@ -66,8 +66,9 @@ def check_shaping(model: LoadedModel, top_k: Any, top_p: Any) -> dict[str, Any]:
 def encode_stops(vocab: Vocabulary, stop: Any) -> list[list[int]]:
     """Token-id lists of `sample`'s stop sequences; InputError naming `stop` (or `stop[i]`) for anything but a
     string, or a list of up to `MAX_STOP_SEQUENCES` non-empty strings or token-id lists of at most
-    `MAX_STOP_TOKENS` tokens. Text of a model over an LM's tokenizer is that tokenizer's ids of it (a sample stops
-    where it draws those ids)."""
+    `MAX_STOP_TOKENS` tokens. Text of a model over an LM's tokenizer is that tokenizer's ids of it: the sampler may
+    end a sample early where it draws them, and `generate.cut_at_stop` then finds the text in the decoded text
+    (`generate.text_stops`), however it was tokenised."""
     if stop is None:
         return []
     items = [stop] if isinstance(stop, str) else stop
