@@ -7,6 +7,9 @@ family's `.score()` (the chain engine as it is), and `triton_chain` in float32 (
 same run: the bf16 / TF32 / fp32 matmul peak and the device copy bandwidth, so each rate is reported against what
 this device reaches. Errors of the fast variants are reported against the exact float32 result (log p(x)).
 
+Its length (over 600 lines) is one self-contained script a GPU loan runs at once: every case, its references and
+its report, with nothing to install or import from other benches.
+
     python bench/gpu_bench.py [--yardstick PATH] [--out bench/results/gpu_bench.md] [--json FILE]
     python bench/gpu_bench.py --small     # tiny shapes; on CPU the Triton kernels run in the interpreter
     python bench/gpu_bench.py --mode service [--small]   # `latentlm serve` under load (warm-up pass, measured

@@ -2,6 +2,9 @@
 
 This is the only contract between training (which writes artifacts) and the service (which reads them).
 No pickle anywhere: tensors are safetensors, metadata is JSON, the vocabulary is plain text.
+
+Its length (over 600 lines) is the contract kept in one place: the artifact's layout, its atomic write, every check
+made before a model is served (hashes, shapes, normalisation, the tokenizer) and the shared verified snapshots.
 """
 
 from __future__ import annotations

@@ -19,7 +19,10 @@ go to the heavy lane. The heavy lane does not merge; it cuts each request into s
 so a long request does not hold back a shorter heavy one either. Cancelled work (the client disconnected: the
 request's future is cancelled) is dropped from either queue, and a heavy request stops at its next slice
 boundary. Streamed requests (`stream`) run in the heavy lane and hand each slice's output to the event loop as it
-is produced, at most `STREAM_AHEAD` payloads ahead of the client."""
+is produced, at most `STREAM_AHEAD` payloads ahead of the client.
+
+Its length (over 600 lines) keeps both lanes, their threads and their hand-offs to the event loop in one module:
+their invariants (who may touch a queue, when a future is settled) are read together."""
 
 from __future__ import annotations
 

@@ -9,7 +9,10 @@ and restart; `latentlm serve` (uvicorn) and `latentlm worker` processes.
 - tenancy: two API keys see only their own files and batches;
 - the in-process runner on a read-only or full jobs directory: the batch fails visibly, no .tmp files, the
   runner goes on;
-- a hung cache Redis: short timeouts and a circuit breaker keep requests fast (counted in /metrics)."""
+- a hung cache Redis: short timeouts and a circuit breaker keep requests fast (counted in /metrics).
+
+Its length (over 600 lines) is the real processes' harness (servers, workers, Redis instances stopped and frozen)
+shared by every fault above: split across files, each would start its own."""
 
 from __future__ import annotations
 
