@@ -162,16 +162,6 @@ class World:
         dist.all_gather(parts, t.contiguous())
         return torch.cat(parts)
 
-    def check_same(self, what: str, value: float, param: str) -> None:
-        """Refuse (InputError naming `param`) when the ranks disagree on `value` (settings each rank read itself)."""
-        if not self.distributed:
-            return
-        lo_hi = torch.tensor([value, -value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(lo_hi, op=dist.ReduceOp.MIN)
-        if lo_hi[0] != -lo_hi[1]:
-            raise InputError(f"--{param.replace('_', '-')}: the ranks disagree on {what} ({float(lo_hi[0]):g} .. "
-                             f"{float(-lo_hi[1]):g}); launch every rank with the same settings and data", param=param)
-
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

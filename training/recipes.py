@@ -64,6 +64,17 @@ def recipes_with(option: str) -> list[str]:
     return [name for name, r in recipes().items() if option in r.options]
 
 
+def data_parallel_recipes() -> list[str]:
+    """The recipes whose loop trains data-parallel (`trainer(..., data_parallel=True)`), importing every trainer
+    module that imports here (a recipe whose module needs a missing extra is left out)."""
+    for name in recipes():
+        try:
+            trainer_for(name)
+        except (ImportError, LookupError):
+            continue
+    return sorted(DATA_PARALLEL)
+
+
 def trainer_for(name: str) -> Trainer:
     """The training loop of recipe `name`, importing its module (`Recipe.trainer`) on first use."""
     if name not in TRAINERS:

@@ -219,14 +219,14 @@ def train(ns: TrainSettings) -> Path:
     the next step's tensors (`common.reuse_freed_memory`)."""
     from latentlm.training import distributed
     from latentlm.training.common import reuse_freed_memory
-    from latentlm.training.recipes import DATA_PARALLEL
+    from latentlm.training.recipes import DATA_PARALLEL, data_parallel_recipes
 
     reuse_freed_memory()
     loop = trainer_for(ns.family)
     size = distributed.launched_size()
     if size > 1 and ns.family not in DATA_PARALLEL:
         raise InputError(f"--family {ns.family}: its trainer runs in one process; torchrun started {size} (train "
-                         f"data-parallel: {', '.join(sorted(DATA_PARALLEL))})", param="family")
+                         f"data-parallel: {', '.join(data_parallel_recipes())})", param="family")
     path = loop(ns)
     distributed.close()  # every rank leaves together; after an error torchrun stops the others
     return path

@@ -225,6 +225,7 @@ def test_trainers_that_run_in_one_process_refuse_torchrun_naming_the_family(tmp_
     with pytest.raises(InputError, match="--family lds: its trainer runs in one process") as err:
         settings.train(ns)
     assert err.value.param == "family"
+    assert "data-parallel: blocked_hmm, densehmm, hmm, pcfg, rank_hmm)" in str(err.value)  # what does
 
 
 @pytest.mark.parametrize("n,size", [(7, 2), (3, 4), (16, 3), (0, 2)])
