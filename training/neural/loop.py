@@ -158,9 +158,7 @@ class Run:
 
     def label(self) -> str:
         """The progress bar's label: family and current state count, and the splits still to come."""
-        if not self.splits:
-            return f"{self.ns.family} Z={self.model.num_states}"
-        done = splits_done(self.ns.states, self.model, self.splits)
+        done = splits_done(self.ns.states, self.model, self.splits) if self.splits else 0
         return f"{self.ns.family} Z={self.model.num_states}" + self.splits.describe(done)
 
 
